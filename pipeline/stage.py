@@ -1,0 +1,212 @@
+"""The stage contract: what a stage kind declares and what its entry point receives.
+
+A stage kind is a small module (in ``data/``, ``pretrain/``, ``posttrain/``) exposing one ``STAGE``
+object. Its entry point ``run(params, ctx)`` reads its input artifacts from ``ctx.inputs`` (paths,
+never Python objects from other stages), writes its output artifact into ``ctx.out_dir`` and reports
+what it measured through ``ctx``. Nothing here knows about Ray, the cache or MLflow: the orchestrator
+supplies a context whose sink forwards to MLflow; tests and notebooks use the default in-memory one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+MANIFEST_NAME = "manifest.json"
+
+
+class StageParams(BaseModel):
+    """Base of every stage's params model: unknown fields are errors, types are strict-ish."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+P = TypeVar("P", bound=StageParams)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input role of a stage kind: which artifact type fills it, and how many."""
+
+    type: str
+    required: bool = True
+    many: bool = False
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class StageKind(Generic[P]):
+    """A registered kind of stage (the ``uses:`` of a spec)."""
+
+    name: str
+    params: type[P]
+    run: Callable[[P, StageContext], None]
+    produces: str  # artifact type of the output, matched against consumers' InputSpec.type
+    inputs: dict[str, InputSpec] = field(default_factory=dict)
+    version: str = "1"  # bump when the output format or semantics change without a source change
+    schema_version: int = 1  # version of the output artifact's layout
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """An accepted artifact on disk: a directory with a manifest that is its identity."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str | Path) -> Artifact:
+        path = Path(path)
+        with open(path / MANIFEST_NAME, encoding="utf-8") as f:
+            return cls(path=path, manifest=json.load(f))
+
+    @property
+    def digest(self) -> str:
+        return self.manifest["digest"]
+
+    @property
+    def type(self) -> str:
+        return self.manifest["type"]
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return self.manifest.get("rows", {})
+
+    def file(self, name: str) -> Path:
+        p = self.path / name
+        if not p.exists():
+            raise FileNotFoundError(f"artifact {self.path} (type {self.type}) has no file {name!r}")
+        return p
+
+
+class MetricSink:
+    """Where a stage's measurements go. The default keeps them in memory (tests, notebooks)."""
+
+    def __init__(self) -> None:
+        self.metrics: list[tuple[str, float, int | None]] = []
+        self.artifacts: list[tuple[Path, str | None]] = []
+        self.tags: dict[str, str] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None) -> None:
+        self.metrics.extend((k, float(v), step) for k, v in metrics.items())
+
+    def log_artifact(self, path: Path, artifact_path: str | None) -> None:
+        self.artifacts.append((path, artifact_path))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+    def flush(self) -> None:
+        pass
+
+    def last(self, name: str) -> float:
+        """Last logged value of ``name`` (test helper)."""
+        for k, v, _ in reversed(self.metrics):
+            if k == name:
+                return v
+        raise KeyError(name)
+
+
+@dataclass
+class Resources:
+    cpus: float = 1
+    gpus: float = 0
+    memory_gb: float | None = None
+
+
+class StageContext:
+    """What a running stage sees: its inputs, its output directory and where to report."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        inputs: dict[str, Artifact | list[Artifact]] | None = None,
+        *,
+        stage_name: str = "stage",
+        resources: Resources | None = None,
+        sink: MetricSink | None = None,
+        work_dir: str | Path | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.inputs = inputs or {}
+        self.stage_name = stage_name
+        self.resources = resources or Resources()
+        self.sink = sink or MetricSink()
+        # scratch space that is not part of the artifact (deleted after the stage)
+        self.work_dir = Path(work_dir) if work_dir else self.out_dir.parent / (self.out_dir.name + ".work")
+        self.rows: dict[str, int] = {}
+        self.summary: dict[str, float] = {}
+        self.logger = logging.getLogger(f"hylight.stage.{stage_name}")
+
+    # --- inputs -------------------------------------------------------------------------------
+    def input(self, role: str) -> Artifact:
+        art = self.inputs.get(role)
+        if art is None:
+            raise KeyError(f"stage {self.stage_name!r} has no input {role!r} (has {sorted(self.inputs)})")
+        if isinstance(art, list):
+            raise TypeError(f"input {role!r} holds {len(art)} artifacts; use input_list()")
+        return art
+
+    def input_list(self, role: str) -> list[Artifact]:
+        art = self.inputs.get(role, [])
+        return art if isinstance(art, list) else [art]
+
+    # --- reporting ----------------------------------------------------------------------------
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.sink.log_metrics(metrics, step)
+
+    def log_summary(self, metrics: dict[str, float]) -> None:
+        """Final key numbers of the stage: logged as metrics and shown by ``hylight status``."""
+        self.summary.update({k: float(v) for k, v in metrics.items()})
+        self.sink.log_metrics(metrics, None)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy a small file (plot, config, tokenizer file) into the tracking store."""
+        self.sink.log_artifact(Path(path), artifact_path)
+
+    def log_figure(self, fig: Any, name: str) -> Path:
+        """Save a matplotlib figure into the artifact's ``plots/`` and log it."""
+        plots = self.out_dir / "plots"
+        plots.mkdir(exist_ok=True)
+        path = plots / name
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        self.log_artifact(path, "plots")
+        return path
+
+    def set_rows(self, name: str, count: int) -> None:
+        """Row counts recorded in the manifest (documents, samples, tokens...)."""
+        self.rows[name] = int(count)
+
+    def progress(self, message: str) -> None:
+        print(f"[{self.stage_name}] {message}", file=sys.stderr, flush=True)
+
+    def track(self, items: Iterable[Any], total: int | None = None, what: str = "items",
+              every_s: float = 5.0) -> Iterator[Any]:
+        """Yield from ``items``, printing throughput every ``every_s`` seconds on long work."""
+        start = last = time.monotonic()
+        n = 0
+        for n, item in enumerate(items, 1):
+            yield item
+            now = time.monotonic()
+            if now - last >= every_s:
+                last = now
+                rate = n / (now - start)
+                of = f"/{total}" if total else ""
+                self.progress(f"{n}{of} {what} ({rate:,.0f}/s)")
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.work_dir, ignore_errors=True)
