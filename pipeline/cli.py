@@ -1,0 +1,216 @@
+"""``hylight`` command line: run, validate, status, ui.
+
+Exit codes: 0 success, 1 a stage failed, 2 the spec or the command line is invalid (nothing ran),
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _setup_env() -> None:
+    # torch threads thrash on small CPU boxes (ENV-NOTES); stages raise this per their resources
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not os.path.exists("/dev/nvidia0") else "cuda")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from pipeline.orchestrator import local_capacity, ray_capacity
+    from pipeline.spec import SpecError, load_raw, load_spec
+
+    address = getattr(args, "ray_address", None)
+    if address is None:
+        try:
+            raw, _ = load_raw(args.spec)
+            address = raw.get("ray_address")
+        except SpecError:
+            address = None
+    capacity = ray_capacity(address) if address else local_capacity()
+    return load_spec(args.spec, overrides=args.set or [], capacity=capacity)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from pipeline.spec import SpecError
+
+    try:
+        spec = _load(args)
+    except SpecError as e:
+        print(f"invalid spec:\n{e}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"{args.spec}: OK — {len(spec.stages)} stages: {' → '.join(spec.stages)}")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipeline.orchestrator import RunOptions, report_json, run_pipeline, summary_table
+    from pipeline.spec import SpecError
+
+    try:
+        spec = _load(args)
+    except SpecError as e:
+        print(f"invalid spec:\n{e}", file=sys.stderr)
+        return EXIT_INVALID
+    opts = RunOptions(stages=args.stage or [], downstream=args.downstream, from_stage=args.from_stage,
+                      dry_run=args.dry_run, tracking_uri=args.tracking_uri, ray_address=args.ray_address,
+                      command=shlex.join(["hylight", *sys.argv[1:]]))
+    if opts.downstream and not opts.stages:
+        print("--downstream goes with --stage NAME", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        report = run_pipeline(spec, opts)
+    except KeyError as e:
+        print(str(e.args[0]), file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    print("\n" + summary_table(report), file=sys.stderr)
+    verdict = "OK" if report.ok else "FAILED"
+    print(f"\n{verdict} in {report.seconds:.1f}s · run {report.run_id} · `hylight status` / `hylight ui`",
+          file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(report_json(report))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _last_run() -> dict[str, Any] | None:
+    from pipeline.orchestrator import state_dir
+
+    p = state_dir() / "last_run.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _tracking_from(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(tracking URI, experiment name) from --tracking-uri / --spec / the last run."""
+    if args.tracking_uri:
+        return args.tracking_uri, None
+    if args.spec:
+        from pipeline.spec import load_spec
+        from pipeline.tracking import default_tracking_uri
+
+        spec = load_spec(args.spec)
+        return spec.tracking_uri or default_tracking_uri(spec.artifact_root), spec.name
+    last = _last_run()
+    if last is None:
+        raise SystemExit("no run recorded yet: pass --spec SPEC or --tracking-uri URI")
+    return last["tracking_uri"], last["experiment"]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pipeline import tracking
+
+    uri, exp_name = _tracking_from(args)
+    c = tracking.client(uri)
+    if args.run:
+        parent = c.get_run(args.run)
+    else:
+        last = _last_run()
+        if last and last["tracking_uri"] == uri and not args.spec:
+            parent = c.get_run(last["run_id"])
+        else:
+            exp = c.get_experiment_by_name(exp_name) if exp_name else None
+            if exp is None:
+                print("no runs found", file=sys.stderr)
+                return EXIT_FAILED
+            runs = c.search_runs([exp.experiment_id], filter_string="tags.`hylight.spec` != ''",
+                                 order_by=["attributes.start_time DESC"], max_results=1)
+            if not runs:
+                print("no runs found", file=sys.stderr)
+                return EXIT_FAILED
+            parent = runs[0]
+    children = c.search_runs([parent.info.experiment_id],
+                             filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                             order_by=["attributes.start_time ASC"], max_results=1000)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(parent.info.start_time / 1000))
+    print(f"run {parent.info.run_id}  {parent.info.run_name}  status={parent.info.status}  started {when}")
+    print(f"tracking {uri}")
+    rows = [("stage", "state", "cache", "time", "key metrics")]
+    for r in children:
+        tags, metrics = r.data.tags, dict(r.data.metrics)
+        secs = metrics.pop("stage_seconds", None)
+        if tags.get(tracking.TAG_CACHE_HIT) == "true":
+            secs = (r.info.end_time - r.info.start_time) / 1000 if r.info.end_time else None
+        key = " ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:4])
+        if tags.get(tracking.TAG_STATE) == "failed":
+            key = tags.get("hylight.error", "")[:80]
+        rows.append((tags.get(tracking.TAG_STAGE, r.info.run_name), tags.get(tracking.TAG_STATE, r.info.status),
+                     {"true": "hit", "false": "miss"}.get(tags.get(tracking.TAG_CACHE_HIT, ""), "-"),
+                     f"{secs:.1f}s" if secs is not None else "-", key))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    for i, row in enumerate(rows):
+        print("  ".join(c_.ljust(w) for c_, w in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    return EXIT_OK
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    uri, _ = _tracking_from(args)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+           "--port", str(args.port), "--workers", "1"]
+    if uri.startswith("sqlite:///"):
+        root = Path(uri[len("sqlite:///"):]).parent
+        cmd += ["--default-artifact-root", (root / "mlflow-artifacts").as_uri()]
+    print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port} (Ctrl-C to stop)", file=sys.stderr)
+    os.execv(sys.executable, cmd)
+    return EXIT_OK  # not reached
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hylight", description="Train MiniMax-01-style models from a DAG spec.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def spec_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("spec", help="DAG spec, e.g. dags/tiny.yaml")
+        sp.add_argument("--set", action="append", metavar="STAGE.PARAM=VALUE",
+                        help="override a param (or STAGE.resources.cpus=N, or artifact_root=DIR); repeatable")
+        sp.add_argument("--ray-address", help="attach to this Ray cluster instead of starting a local one")
+
+    r = sub.add_parser("run", help="run a spec (cached stages are skipped)")
+    spec_args(r)
+    r.add_argument("--stage", action="append", metavar="NAME",
+                   help="run only this stage (forced) and what it needs; repeatable")
+    r.add_argument("--downstream", action="store_true", help="with --stage: also force its dependents")
+    r.add_argument("--from", dest="from_stage", metavar="NAME", help="force NAME and everything after it")
+    r.add_argument("--dry-run", action="store_true", help="show what would run; run nothing")
+    r.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite store in the artifact root)")
+    r.add_argument("--json", metavar="FILE", help="also write the run report as JSON")
+    r.set_defaults(fn=cmd_run)
+
+    v = sub.add_parser("validate", help="check a spec without running anything")
+    spec_args(v)
+    v.set_defaults(fn=cmd_validate)
+
+    s = sub.add_parser("status", help="per-stage table of a run (default: the last one)")
+    s.add_argument("run", nargs="?", help="MLflow run id of an invocation")
+    s.add_argument("--spec", help="read the tracking store of this spec")
+    s.add_argument("--tracking-uri")
+    s.set_defaults(fn=cmd_status)
+
+    u = sub.add_parser("ui", help="serve the MLflow UI on 127.0.0.1")
+    u.add_argument("--spec", help="the spec whose tracking store to show (default: the last run's)")
+    u.add_argument("--tracking-uri")
+    u.add_argument("--port", type=int, default=5000)
+    u.set_defaults(fn=cmd_ui)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_env()
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""Runs a validated spec: cache lookups, Ray tasks, MLflow runs, live progress.
+
+Cache rules (see docs/cache.md):
+- a stage's key is hash(kind + code version, validated params, digests of its input artifacts);
+- an accepted artifact with that key is a cache hit and the stage does not run;
+- ``force`` stages run even on a hit; their dependents rerun only if the new output differs
+  (the input digests change) or they are forced too.
+Ray is started only when some stage has to run, so an all-cached rerun costs no cluster start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from pipeline import tracking
+from pipeline.artifacts import ArtifactStore, cache_key, write_json_atomic
+from pipeline.registry import code_digest
+from pipeline.runner import StageOutcome, StageTask, execute_stage
+from pipeline.spec import ClusterCapacity, PipelineSpec, ResolvedStage
+from pipeline.stage import Artifact
+
+# Ray listens on every interface by default; this makes all its listeners bind to 127.0.0.1
+# (measured: ENV-NOTES, "Keep Ray on loopback").
+_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@dataclass
+class RunOptions:
+    stages: list[str] = field(default_factory=list)  # --stage: run these (forced) and what they need
+    downstream: bool = False  # --downstream: also force everything that depends on --stage
+    from_stage: str | None = None  # --from: force this stage and everything after it
+    dry_run: bool = False
+    tracking_uri: str | None = None
+    ray_address: str | None = None
+    heartbeat_s: float = 15.0
+    command: str = ""
+
+
+@dataclass
+class StageResult:
+    name: str
+    state: str  # cached | done | failed | skipped | planned
+    cache_key: str | None = None
+    artifact: str | None = None
+    digest: str | None = None
+    run_id: str | None = None
+    produced_by: str | None = None
+    seconds: float | None = None
+    summary: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+    error: str | None = None
+
+
+@dataclass
+class RunReport:
+    spec: str
+    run_id: str | None
+    tracking_uri: str
+    stages: dict[str, StageResult]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(r.state in ("cached", "done", "planned") for r in self.stages.values())
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("HYLIGHT_STATE_DIR", Path.home() / ".cache" / "hylight"))
+
+
+def remember_last_run(info: dict[str, Any]) -> None:
+    d = state_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / "last_run.json", info)
+
+
+def local_capacity() -> ClusterCapacity:
+    """This machine's CPUs, GPUs (nvidia-smi, without importing torch) and memory."""
+    cpus = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    gpus = 0.0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+            gpus = float(sum(1 for line in out.splitlines() if line.startswith("GPU ")))
+        except (OSError, subprocess.SubprocessError):
+            gpus = 0.0
+    if visible is not None:
+        gpus = min(gpus, float(len([v for v in visible.split(",") if v.strip()])))
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return ClusterCapacity(cpus=cpus, gpus=gpus, memory_gb=round(mem, 1), where="this machine")
+
+
+def ray_capacity(address: str) -> ClusterCapacity:
+    """Largest node of an existing Ray cluster (attaches to it)."""
+    import ray
+
+    os.environ.update({k: v for k, v in _RAY_ENV.items() if k not in os.environ})
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        best = ClusterCapacity(0, 0, 0, where=f"the Ray cluster at {address}")
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            r = node.get("Resources", {})
+            best.cpus = max(best.cpus, r.get("CPU", 0))
+            best.gpus = max(best.gpus, r.get("GPU", 0))
+            best.memory_gb = max(best.memory_gb, r.get("memory", 0) / 2**30)
+        return best
+    finally:
+        if started:
+            ray.shutdown()
+
+
+class Console:
+    """Terminal progress: one line per event, a heartbeat while stages run."""
+
+    def __init__(self, out: TextIO, t0: float):
+        self.out, self.t0 = out, t0
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.out, flush=True)
+
+
+def _fmt_summary(summary: dict[str, float], n: int = 3) -> str:
+    parts = []
+    for k, v in list(summary.items())[:n]:
+        parts.append(f"{k}={v:.4g}" if isinstance(v, float) and not v.is_integer() else f"{k}={int(v)}")
+    return " ".join(parts)
+
+
+def summary_table(report: RunReport) -> str:
+    rows = [("stage", "state", "time", "key metrics")]
+    for r in report.stages.values():
+        t = f"{r.seconds:.1f}s" if r.seconds is not None else "-"
+        state = r.state + (f" ({r.reason})" if r.reason and r.state in ("skipped", "planned") else "")
+        rows.append((r.name, state, t, _fmt_summary(r.summary) if r.state != "failed" else (r.error or "")[:80]))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class Orchestrator:
+    def __init__(self, spec: PipelineSpec, opts: RunOptions, out: TextIO = sys.stderr):
+        self.spec = spec
+        self.opts = opts
+        self.store = ArtifactStore(spec.artifact_root)
+        self.tracking_uri = (opts.tracking_uri or spec.tracking_uri
+                             or tracking.default_tracking_uri(spec.artifact_root))
+        self.ray_address = opts.ray_address or spec.ray_address
+        self.console = Console(out, time.monotonic())
+        self._ray_started = False
+        self._ray_ready = False
+
+    # --- selection ---------------------------------------------------------------------------
+    def plan(self) -> tuple[list[str], set[str]]:
+        """(stages to consider, in order; stages forced to run)."""
+        spec, o = self.spec, self.opts
+        for name in [*o.stages, *([o.from_stage] if o.from_stage else [])]:
+            if name not in spec.stages:
+                raise KeyError(f"no stage named {name!r} in {spec.path} (stages: {', '.join(spec.stages)})")
+        selected = set(spec.stages)
+        forced: set[str] = set()
+        if o.stages:
+            selected = set()
+            for s in o.stages:
+                selected.update(spec.upstream_of(s))
+                forced.add(s)
+                if o.downstream:
+                    down = spec.downstream_of(s)
+                    selected.update(n for d in down for n in spec.upstream_of(d))
+                    forced.update(down)
+        if o.from_stage:
+            forced.update(spec.downstream_of(o.from_stage))
+        return [s for s in spec.stages if s in selected], forced
+
+    # --- ray ---------------------------------------------------------------------------------
+    def _ensure_ray(self) -> None:
+        if self._ray_ready:
+            return
+        import ray
+
+        for k, v in _RAY_ENV.items():
+            os.environ.setdefault(k, v)
+        if not ray.is_initialized():
+            if self.ray_address:
+                self.console.say(f"attaching to Ray at {self.ray_address}")
+                ray.init(address=self.ray_address, log_to_driver=True)
+            else:
+                cap = local_capacity()
+                self.console.say(f"starting local Ray on 127.0.0.1 ({cap.cpus:g} CPUs, {cap.gpus:g} GPUs)")
+                ray.init(address="local", num_cpus=int(cap.cpus), num_gpus=int(cap.gpus),
+                         include_dashboard=False, log_to_driver=True, _memory=int(cap.memory_gb * 2**30),
+                         logging_level="WARNING")
+            self._ray_started = True
+        self._ray_ready = True
+
+    def _submit(self, task: StageTask, st: ResolvedStage) -> Any:
+        import ray
+
+        self._ensure_ray()
+        r = st.resources
+        opts: dict[str, Any] = {"num_cpus": r.cpus, "num_gpus": r.gpus, "max_retries": 0}
+        if r.memory_gb:
+            opts["memory"] = int(r.memory_gb * 2**30)
+        remote = ray.remote(execute_stage).options(name=f"stage:{st.name}", **opts)
+        return remote.remote(task)
+
+    # --- mlflow ------------------------------------------------------------------------------
+    def _stage_run(self, c: Any, exp: str, parent: str, st: ResolvedStage, key: str,
+                   inputs: dict[str, list[dict[str, Any]]], tags: dict[str, Any]) -> str:
+        run_id = tracking.start_run(c, exp, st.name, parent_run_id=parent, tags={
+            tracking.TAG_STAGE: st.name, tracking.TAG_KIND: st.kind.name, tracking.TAG_CACHE_KEY: key,
+            **tags})
+        tracking.log_params(c, run_id, {"params": st.params.model_dump(mode="json"),
+                                        "resources": st.resources.model_dump()})
+        tracking.log_lineage(c, run_id, inputs)
+        return run_id
+
+    def _finish_stage_run(self, c: Any, run_id: str, art: Artifact, cache_hit: bool) -> None:
+        m = art.manifest
+        tracking.set_tags(c, run_id, {
+            tracking.TAG_STATE: "cached" if cache_hit else "done",
+            tracking.TAG_ARTIFACT_URI: art.path.as_uri(), tracking.TAG_ARTIFACT_DIGEST: art.digest,
+            tracking.TAG_PRODUCER: (m.get("producer") or {}).get("run_id") or "",
+            "hylight.rows": json.dumps(m.get("rows", {})),
+        })
+        if cache_hit and m.get("summary"):
+            tracking.log_metrics_now(c, run_id, m["summary"])
+        tracking.retry(c.log_artifact, run_id, str(art.path / "manifest.json"))
+        tracking.end_run(c, run_id, "FINISHED")
+
+    # --- main loop ---------------------------------------------------------------------------
+    def run(self) -> RunReport:
+        spec, o, say = self.spec, self.opts, self.console.say
+        t0 = time.monotonic()
+        order, forced = self.plan()
+        results = {n: StageResult(name=n, state="pending") for n in order}
+        swept = self.store.sweep()
+        if swept:
+            say(f"removed {swept} partial output(s) left by killed stages")
+
+        c = exp = parent = None
+        if not o.dry_run:
+            c = tracking.client(self.tracking_uri)
+            exp = tracking.ensure_experiment(c, spec.name, spec.artifact_root, self.tracking_uri)
+            parent = tracking.start_run(c, exp, f"{spec.name} {time.strftime('%Y-%m-%d %H:%M:%S')}", tags={
+                tracking.TAG_SPEC: str(spec.path), "hylight.command": o.command,
+                "hylight.overrides": " ".join(spec.overrides), "hylight.host": socket.gethostname()})
+            self._log_spec(c, parent)
+            remember_last_run({"tracking_uri": self.tracking_uri, "run_id": parent, "experiment": spec.name,
+                               "spec": str(spec.path), "artifact_root": str(spec.artifact_root)})
+            say(f"run {parent} · tracking {self.tracking_uri} · artifacts {spec.artifact_root}")
+
+        artifacts: dict[str, Artifact] = {}
+        running: dict[Any, tuple[str, str, float]] = {}  # ref -> (stage, run_id, start)
+        interrupted = False
+        last_beat = time.monotonic()
+        try:
+            while True:
+                progressed = self._schedule(order, forced, results, artifacts, running, c, exp, parent)
+                if not running:
+                    if not progressed:
+                        break
+                    continue
+                import ray
+
+                done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+                for ref in done:
+                    name, run_id, start = running.pop(ref)
+                    self._collect(ref, name, run_id, start, results, artifacts, c)
+                if time.monotonic() - last_beat >= o.heartbeat_s and running:
+                    last_beat = time.monotonic()
+                    say("running: " + ", ".join(f"{n} ({time.monotonic() - s:.0f}s)"
+                                                for n, _, s in running.values()))
+        except KeyboardInterrupt:
+            interrupted = True
+            say("interrupted: cancelling running stages")
+            import ray
+
+            for ref, (name, run_id, _) in running.items():
+                ray.cancel(ref, force=True)
+                results[name].state, results[name].error = "failed", "interrupted"
+                if c:
+                    tracking.set_tags(c, run_id, {tracking.TAG_STATE: "interrupted"})
+                    tracking.end_run(c, run_id, "KILLED")
+        finally:
+            if self._ray_started:
+                import ray
+
+                ray.shutdown()
+
+        report = RunReport(spec=str(spec.path), run_id=parent, tracking_uri=self.tracking_uri,
+                           stages=results, seconds=time.monotonic() - t0)
+        if c is not None and parent is not None:
+            counts: dict[str, int] = {}
+            for r in results.values():
+                counts[r.state] = counts.get(r.state, 0) + 1
+            tracking.log_metrics_now(c, parent, {"seconds": report.seconds,
+                                                 **{f"stages_{k}": v for k, v in counts.items()}})
+            status = "KILLED" if interrupted else ("FINISHED" if report.ok else "FAILED")
+            tracking.end_run(c, parent, status)
+        if interrupted:
+            raise KeyboardInterrupt
+        return report
+
+    def _log_spec(self, c: Any, parent: str) -> None:
+        import yaml
+
+        resolved = {"name": self.spec.name, "artifact_root": str(self.spec.artifact_root),
+                    "stages": {n: {"uses": s.uses, "needs": s.inputs,
+                                   "params": s.params.model_dump(mode="json"),
+                                   "resources": s.resources.model_dump()} for n, s in self.spec.stages.items()}}
+        tmp = self.spec.artifact_root / ".tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        path = tmp / f"resolved-spec-{parent}.yaml"
+        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        tracking.retry(c.log_artifact, parent, str(path))
+        path.unlink()
+
+    def _schedule(self, order: list[str], forced: set[str], results: dict[str, StageResult],
+                  artifacts: dict[str, Artifact], running: dict[Any, tuple[str, str, float]],
+                  c: Any, exp: Any, parent: Any) -> bool:
+        """Start every stage whose inputs are ready. Returns True if any state changed."""
+        spec, say = self.spec, self.console.say
+        progressed = False
+        for name in order:
+            res = results[name]
+            if res.state != "pending":
+                continue
+            st = spec.stages[name]
+            ups = [results[n] for n in st.needs]
+            bad = [u for u in ups if u.state in ("failed", "skipped")]
+            if bad:
+                res.state, res.reason = "skipped", f"{bad[0].name} {bad[0].state}"
+                say(f"· {name} skipped: upstream {bad[0].name} {bad[0].state}")
+                if c:
+                    rid = tracking.start_run(c, exp, name, parent_run_id=parent, tags={
+                        tracking.TAG_STAGE: name, tracking.TAG_KIND: st.kind.name,
+                        tracking.TAG_STATE: "skipped", "hylight.reason": res.reason})
+                    tracking.end_run(c, rid, "KILLED")
+                progressed = True
+                continue
+            if any(u.state == "planned" for u in ups):
+                res.state, res.reason = "planned", "after upstream"
+                progressed = True
+                continue
+            if not all(n in artifacts for n in st.needs):
+                continue
+            in_digests = {role: [artifacts[n].digest for n in names] for role, names in st.inputs.items()}
+            key, material = cache_key(st.kind.name, code_digest(st.kind), st.params.model_dump(mode="json"),
+                                      in_digests)
+            res.cache_key = key
+            lineage = {role: [{"stage": n, "type": artifacts[n].type, "digest": artifacts[n].digest,
+                               "path": str(artifacts[n].path),
+                               "run_id": (artifacts[n].manifest.get("producer") or {}).get("run_id")}
+                              for n in names] for role, names in st.inputs.items()}
+            hit = self.store.lookup(st.kind.name, key)
+            progressed = True
+            if hit is not None and name not in forced:
+                artifacts[name] = hit
+                res.state, res.artifact, res.digest = "cached", str(hit.path), hit.digest
+                res.produced_by = (hit.manifest.get("producer") or {}).get("run_id")
+                res.summary = hit.manifest.get("summary", {})
+                res.seconds = 0.0
+                say(f"✓ {name} cache hit ({hit.path.relative_to(spec.artifact_root)})")
+                if c:
+                    rid = self._stage_run(c, exp, parent, st, key, lineage,
+                                          {tracking.TAG_CACHE_HIT: "true", tracking.TAG_STATE: "cached"})
+                    res.run_id = rid
+                    self._finish_stage_run(c, rid, hit, cache_hit=True)
+                continue
+            why = "forced" if name in forced else "no cached artifact for its key"
+            if self.opts.dry_run:
+                res.state, res.reason = "planned", why
+                continue
+            rid = self._stage_run(c, exp, parent, st, key, lineage,
+                                  {tracking.TAG_CACHE_HIT: "false", tracking.TAG_STATE: "running"})
+            res.run_id = rid
+            task = StageTask(
+                stage=name, uses=st.uses, params=st.params.model_dump(mode="json"),
+                resources=st.resources.model_dump(), root=str(spec.artifact_root), key=key,
+                key_material=material, cwd=os.getcwd(), tracking_uri=self.tracking_uri, run_id=rid,
+                inputs={role: [str(artifacts[n].path) for n in names] for role, names in st.inputs.items()},
+                env={k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_", "HYLIGHT_"))},
+            )
+            res.state = "running"
+            say(f"▶ {name} started ({why}; cpus={st.resources.cpus:g} gpus={st.resources.gpus:g})")
+            ref = self._submit(task, st)
+            running[ref] = (name, rid, time.monotonic())
+        return progressed
+
+    def _collect(self, ref: Any, name: str, run_id: str, start: float, results: dict[str, StageResult],
+                 artifacts: dict[str, Artifact], c: Any) -> None:
+        import ray
+
+        res = results[name]
+        try:
+            outcome: StageOutcome = ray.get(ref)
+        except Exception as e:  # RayTaskError wraps the stage's exception; crashes are RayError too
+            res.state, res.seconds = "failed", time.monotonic() - start
+            cause = getattr(e, "cause", None) or e
+            res.error = f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
+            self.console.say(f"✗ {name} failed after {res.seconds:.1f}s: {res.error}")
+            detail = str(e) if str(e) else traceback.format_exc()
+            tmp = self.spec.artifact_root / ".tmp"
+            tmp.mkdir(parents=True, exist_ok=True)
+            err_path = tmp / f"error-{run_id}.txt"
+            err_path.write_text(detail)
+            if c:
+                tracking.retry(c.log_artifact, run_id, str(err_path))
+                tracking.set_tags(c, run_id, {tracking.TAG_STATE: "failed", "hylight.error": res.error})
+                tracking.end_run(c, run_id, "FAILED")
+            err_path.unlink(missing_ok=True)
+            return
+        art = Artifact.load(outcome.path)
+        artifacts[name] = art
+        res.state, res.artifact, res.digest = "done", outcome.path, outcome.digest
+        res.seconds, res.summary, res.produced_by = outcome.seconds, outcome.summary, run_id
+        self.console.say(f"✓ {name} done in {outcome.seconds:.1f}s  {_fmt_summary(outcome.summary)}")
+        if c:
+            self._finish_stage_run(c, run_id, art, cache_hit=False)
+
+
+def run_pipeline(spec: PipelineSpec, opts: RunOptions | None = None, out: TextIO = sys.stderr) -> RunReport:
+    return Orchestrator(spec, opts or RunOptions(), out).run()
+
+
+def report_json(report: RunReport) -> str:
+    return json.dumps({"run_id": report.run_id, "ok": report.ok, "seconds": report.seconds,
+                       "stages": {k: asdict(v) for k, v in report.stages.items()}}, indent=2)

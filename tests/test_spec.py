@@ -1,0 +1,128 @@
+"""Spec validation: every error kind is caught before anything runs, with file, stage and field."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import EXIT_INVALID, main
+from pipeline.spec import ClusterCapacity, SpecError, load_spec
+
+GOOD = """\
+name: t
+artifact_root: {root}
+stages:
+  a:
+    uses: tests.stage_fixtures:SOURCE
+    params: {{text: "A"}}
+  b:
+    uses: tests.stage_fixtures:SOURCE
+  ab:
+    uses: tests.stage_fixtures:CONCAT
+    needs: [a, b]
+  n:
+    uses: tests.stage_fixtures:COUNT
+    needs: [ab]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "spec.yaml"
+    p.write_text(textwrap.dedent(text).format(root=tmp_path / "runs"))
+    return p
+
+
+def problems(tmp_path: Path, text: str, **kw) -> str:
+    with pytest.raises(SpecError) as e:
+        load_spec(write(tmp_path, text), **kw)
+    return str(e.value)
+
+
+def test_good_spec_resolves_order_roles_and_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, GOOD))
+    assert list(spec.stages) == ["a", "b", "ab", "n"]
+    assert spec.stages["ab"].inputs == {"texts": ["a", "b"]}
+    assert spec.stages["n"].inputs == {"text": ["ab"]}
+    assert spec.stages["b"].params.text == "hello"  # default from the params model
+    assert spec.stages["a"].resources.cpus == 1
+    assert spec.downstream_of("a") == ["a", "ab", "n"]
+    assert spec.upstream_of("ab") == ["a", "b", "ab"]
+
+
+def test_unknown_stage_kind_names_file_line_stage_and_suggests(tmp_path):
+    msg = problems(tmp_path, GOOD.replace("uses: tests.stage_fixtures:COUNT", "uses: tokenizr"))
+    assert "spec.yaml:12" in msg and "stage 'n', field uses" in msg and "did you mean 'tokenizer'" in msg
+
+
+def test_unknown_and_mistyped_params(tmp_path):
+    bad = GOOD.replace('params: {{text: "A"}}', 'params: {{text: "A", colour: red, repeat: many}}')
+    msg = problems(tmp_path, bad)
+    assert "stage 'a', field params.colour: Extra inputs are not permitted" in msg
+    assert "stage 'a', field params.repeat" in msg and "'many'" in msg
+
+
+def test_dependency_cycle(tmp_path):
+    bad = GOOD.replace("uses: tests.stage_fixtures:SOURCE\n    params", "uses: tests.stage_fixtures:CONCAT\n    needs: [n]\n    params")
+    bad = bad.replace('params: {{text: "A"}}', "")
+    msg = problems(tmp_path, bad)
+    assert "dependency cycle" in msg and "a -> n -> ab -> a" in msg
+
+
+def test_missing_needs_target_and_self_need(tmp_path):
+    msg = problems(tmp_path, GOOD.replace("needs: [ab]", "needs: [abc]"))
+    assert "stage 'n', field needs: no stage named 'abc'" in msg
+
+
+def test_duplicate_stage_names(tmp_path):
+    msg = problems(tmp_path, GOOD + "  a:\n    uses: tests.stage_fixtures:SOURCE\n")
+    assert "duplicate key 'a'" in msg and "spec.yaml:15" in msg
+
+
+def test_input_type_mismatch(tmp_path):
+    msg = problems(tmp_path, GOOD.replace("needs: [ab]", "needs: [ab]\n  m:\n    uses: tests.stage_fixtures:COUNT\n    needs: [n]"))
+    assert "stage 'm'" in msg and "input 'text' needs a stage producing 'text'" in msg
+
+
+def test_resources_no_node_can_satisfy(tmp_path):
+    bad = GOOD.replace("uses: tests.stage_fixtures:COUNT", "uses: tests.stage_fixtures:COUNT\n    resources: {{gpus: 8, cpus: 64}}")
+    msg = problems(tmp_path, bad, capacity=ClusterCapacity(cpus=2, gpus=0, memory_gb=24))
+    assert "stage 'n', field resources.gpus: asks for 8 but the largest node of this machine has 0" in msg
+    assert "resources.cpus: asks for 64" in msg
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    bad = GOOD.replace("needs: [ab]", "needs: [zz]").replace("uses: tests.stage_fixtures:CONCAT", "uses: nope")
+    msg = problems(tmp_path, bad)
+    assert "'zz'" in msg and "'nope'" in msg
+
+
+def test_overrides_apply_and_are_validated(tmp_path):
+    path = write(tmp_path, GOOD)
+    spec = load_spec(path, overrides=["a.text=Z", "b.repeat=3", "n.resources.cpus=2"])
+    assert spec.stages["a"].params.text == "Z" and spec.stages["b"].params.repeat == 3
+    assert spec.stages["n"].resources.cpus == 2
+    with pytest.raises(SpecError, match="no stage named 'q'"):
+        load_spec(path, overrides=["q.text=1"])
+    with pytest.raises(SpecError, match="params.repeat"):
+        load_spec(path, overrides=["b.repeat=lots"])
+
+
+def test_cli_invalid_spec_exits_2_and_starts_nothing(tmp_path, capsys):
+    path = write(tmp_path, GOOD.replace("needs: [ab]", "needs: [abc]"))
+    assert main(["validate", str(path)]) == EXIT_INVALID
+    assert main(["run", str(path)]) == EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "invalid spec" in err and "spec.yaml" in err and "stage 'n'" in err
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_cli_validate_ok(tmp_path, capsys):
+    assert main(["validate", str(write(tmp_path, GOOD))]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_shipped_specs_validate():
+    for spec in sorted(Path(__file__).parent.parent.glob("dags/*.yaml")):
+        load_spec(spec)
