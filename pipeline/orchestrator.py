@@ -362,6 +362,14 @@ class Orchestrator:
             if not all(n in artifacts for n in st.needs):
                 continue
             in_digests = {role: [artifacts[n].digest for n in names] for role, names in st.inputs.items()}
+            if st.kind.fingerprint is not None:
+                try:
+                    in_digests = {**in_digests, "external": st.kind.fingerprint(st.params)}
+                except (OSError, ValueError) as e:  # e.g. an input file that does not exist
+                    res.state, res.error = "failed", f"{type(e).__name__}: {e}"
+                    say(f"✗ {name} cannot start: {res.error}")
+                    progressed = True
+                    continue
             key, material = cache_key(st.kind.name, code_digest(st.kind), st.params.model_dump(mode="json"),
                                       in_digests)
             res.cache_key = key

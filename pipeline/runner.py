@@ -47,7 +47,7 @@ class StageOutcome:
 
 def _limit_threads(cpus: float) -> None:
     n = str(max(1, int(cpus)))
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
         os.environ[var] = n
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(n))

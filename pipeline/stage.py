@@ -55,6 +55,10 @@ class StageKind(Generic[P]):
     version: str = "1"  # bump when the output format or semantics change without a source change
     schema_version: int = 1  # version of the output artifact's layout
     doc: str = ""
+    # Inputs a stage reads besides its input artifacts (e.g. files named in params): returns a
+    # JSON-able description of their current content, mixed into the cache key so editing an
+    # external input file reruns the stage.
+    fingerprint: Callable[[P], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,21 @@ class Artifact:
         if not p.exists():
             raise FileNotFoundError(f"artifact {self.path} (type {self.type}) has no file {name!r}")
         return p
+
+
+def file_fingerprint(path: str | Path, hash_below_bytes: int = 256 << 20) -> dict[str, Any]:
+    """Content identity of an external file: sha256 when small enough, else size + mtime."""
+    import hashlib
+
+    path = Path(path)
+    st = path.stat()
+    if st.st_size <= hash_below_bytes:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return {"path": str(path), "sha256": h.hexdigest()}
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 class MetricSink:

@@ -11,7 +11,7 @@ import signal
 import time
 from pathlib import Path
 
-from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint
 
 
 def _record(name: str) -> None:
@@ -80,3 +80,16 @@ def run_count(params: CountParams, ctx: StageContext) -> None:
 
 COUNT = StageKind(name="test_count", params=CountParams, run=run_count, produces="count",
                   inputs={"text": InputSpec("text")})
+
+
+class FileSourceParams(StageParams):
+    path: str
+
+
+def run_file_source(params: FileSourceParams, ctx: StageContext) -> None:
+    _record(ctx.stage_name)
+    (ctx.out_dir / "text.txt").write_text(Path(params.path).read_text())
+
+
+FILE_SOURCE = StageKind(name="test_file_source", params=FileSourceParams, run=run_file_source,
+                        produces="text", fingerprint=lambda p: [file_fingerprint(p.path)])

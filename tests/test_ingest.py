@@ -312,6 +312,27 @@ def test_missing_sample_corpus_is_an_error(tmp_path, monkeypatch):
         run(IngestParams(), StageContext(tmp_path / "out"))
 
 
+def test_sample_corpus_is_read_first_and_shown_package_relative(tmp_path, inputs, monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "web.jsonl.gz").write_bytes(gzip.compress(_jsonl(
+        {"id": "s1", "text": "sample", "source": "shipped", "domain": "web", "metadata": {}}), mtime=0))
+    monkeypatch.setattr("data.ingest.SAMPLE_CORPUS_DIR", corpus)
+    ctx = StageContext(tmp_path / "out")
+    run(IngestParams(paths=[str(inputs / "clean.jsonl.gz")]), ctx)
+    report = json.loads((ctx.out_dir / REPORT_NAME).read_text())
+    assert [f["file"] for f in report["files"]] == ["data/sample_corpus/web.jsonl.gz", str(inputs / "clean.jsonl.gz")]
+    assert next(iter_documents(ctx.out_dir))["id"] == "s1"
+
+
+def test_glob_skips_files_of_unknown_format_with_a_warning(tmp_path, inputs, caplog):
+    (inputs / "README.md").write_text("not data")
+    with caplog.at_level("WARNING", logger="data.ingest"):
+        ctx = _ingest(tmp_path, paths=[str(inputs / "*")])
+    assert ctx.summary["read"] == EXPECTED_READ
+    assert any("README.md" in r.getMessage() for r in caplog.records)
+
+
 def test_stage_declaration():
     assert STAGE.name == "ingest" and STAGE.produces == DOCUMENTS_TYPE and STAGE.inputs == {}
     assert STAGE.params is IngestParams and STAGE.run is run and STAGE.doc

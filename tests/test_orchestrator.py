@@ -194,3 +194,25 @@ def test_failed_stage_recorded_in_mlflow(env):
     failed = c.get_run(report.stages["ab"].run_id)
     assert failed.info.status == "FAILED" and "told to fail" in failed.data.tags["hylight.error"]
     assert any(f.path.startswith("error-") for f in c.list_artifacts(failed.info.run_id))
+
+
+def test_editing_an_external_input_file_reruns_the_stage(env, tmp_path):
+    src = tmp_path / "input.txt"
+    src.write_text("one")
+    spec_path = tmp_path / "ext.yaml"
+    spec_path.write_text(f"name: ext\nartifact_root: {env.root}\nstages:\n  f:\n"
+                         f"    uses: tests.stage_fixtures:FILE_SOURCE\n    params: {{path: {src}}}\n"
+                         "  n:\n    uses: tests.stage_fixtures:COUNT\n    needs: [f]\n")
+
+    def run():
+        return run_pipeline(load_spec(spec_path), RunOptions(), out=io.StringIO())
+
+    assert states(run()) == {"f": "done", "n": "done"}
+    assert states(run()) == {"f": "cached", "n": "cached"}
+    src.write_text("three")
+    report = run()
+    assert states(report) == {"f": "done", "n": "done"}
+    assert Path(report.stages["n"].artifact, "count.txt").read_text() == "5"
+    src.unlink()
+    report = run()
+    assert report.stages["f"].state == "failed" and "No such file" in report.stages["f"].error

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Install hylight with the measured dependency set into ./.venv (or the already active venv).
+#
+# - torch first: when no torch is importable we install the CPU build torch==2.13.0 before anything
+#   else, because any unpinned torch requirement resolves to a multi-GB CUDA build. GPU machines
+#   bring their own CUDA torch and keep it (pyproject.toml only asks for a range).
+# - then the project with `-c constraints.txt` (exact versions measured together) and the dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  PY="${PYTHON:-python3}"
+  if [ ! -x .venv/bin/python ]; then
+    echo "[install] creating .venv with $($PY --version)"
+    "$PY" -m venv .venv
+  fi
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
+
+quiet() { grep -v -E "^WARNING: Location|^$" || true; }
+
+python -m pip install -q --upgrade pip 2>&1 | quiet
+if python -c "import torch" 2>/dev/null; then
+  echo "[install] keeping torch $(python -c 'import torch; print(torch.__version__)')"
+else
+  echo "[install] installing torch==2.13.0 (CPU build) first"
+  python -m pip install -q "torch==2.13.0" 2>&1 | quiet
+fi
+echo "[install] installing hylight and its dependencies (a few minutes on a fresh machine)"
+if python -c "import torch,sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)"; then
+  python -m pip install -q -c constraints.txt -e ".[dev]" 2>&1 | quiet
+else  # a GPU image with its own torch/triton: don't force the CPU pins on torch or triton
+  grep -v -E "^(torch|triton)==" constraints.txt > .venv-constraints-gpu.txt
+  python -m pip install -q -c .venv-constraints-gpu.txt -e ".[dev]" 2>&1 | quiet
+  rm -f .venv-constraints-gpu.txt
+fi
+python -m pip check >/dev/null 2>&1 || python -m pip check | head -20 || true
+echo "[install] done: $(python -c 'import torch, ray, mlflow, datatrove, transformers; print("torch", torch.__version__, "ray", ray.__version__, "mlflow", mlflow.__version__, "datatrove", datatrove.__version__ if hasattr(datatrove, "__version__") else "", "transformers", transformers.__version__)')"
