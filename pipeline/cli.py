@@ -76,6 +76,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     print("\n" + summary_table(report), file=sys.stderr)
+    if opts.dry_run:
+        todo = [r.name for r in report.stages.values() if r.state == "planned"]
+        print(f"\ndry run: would run {len(todo)} stage(s): {', '.join(todo) or 'none'}", file=sys.stderr)
+        return EXIT_OK
     verdict = "OK" if report.ok else "FAILED"
     print(f"\n{verdict} in {report.seconds:.1f}s · run {report.run_id} · `hylight status` / `hylight ui`",
           file=sys.stderr)
@@ -141,7 +145,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         secs = metrics.pop("stage_seconds", None)
         if tags.get(tracking.TAG_CACHE_HIT) == "true":
             secs = (r.info.end_time - r.info.start_time) / 1000 if r.info.end_time else None
-        key = " ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:4])
+        shown = [k for k in json.loads(tags.get("hylight.summary_keys", "[]")) if k in metrics]
+        shown = shown or sorted(metrics)
+        key = " ".join(f"{k}={metrics[k]:.4g}" for k in shown[:4])
         if tags.get(tracking.TAG_STATE) == "failed":
             key = tags.get("hylight.error", "")[:80]
         rows.append((tags.get(tracking.TAG_STAGE, r.info.run_name), tags.get(tracking.TAG_STATE, r.info.status),

@@ -238,6 +238,7 @@ class Orchestrator:
             tracking.TAG_ARTIFACT_URI: art.path.as_uri(), tracking.TAG_ARTIFACT_DIGEST: art.digest,
             tracking.TAG_PRODUCER: (m.get("producer") or {}).get("run_id") or "",
             "hylight.rows": json.dumps(m.get("rows", {})),
+            "hylight.summary_keys": json.dumps(list(m.get("summary", {}))),
         })
         if cache_hit and m.get("summary"):
             tracking.log_metrics_now(c, run_id, m["summary"])

@@ -1,0 +1,140 @@
+"""End to end: `hylight run dags/tiny.yaml` through the real CLI, Ray and MLflow, then the UI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline import tracking
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def hylight(*args: str, env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    env = {**os.environ, "HYLIGHT_STATE_DIR": str(tmp / "state")}
+    root = tmp / "runs"
+    first = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--json", str(tmp / "1.json"),
+                    env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--json",
+                     str(tmp / "2.json"), env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    return {"env": env, "root": root, "first": json.loads((tmp / "1.json").read_text()),
+            "second": json.loads((tmp / "2.json").read_text()), "stderr": first.stderr}
+
+
+def test_tiny_dag_runs_every_stage_then_is_all_cache_hits(tiny):
+    first, second = tiny["first"], tiny["second"]
+    assert first["ok"] and {s["state"] for s in first["stages"].values()} == {"done"}
+    assert {s["state"] for s in second["stages"].values()} == {"cached"}
+    for name, s in second["stages"].items():
+        assert s["digest"] == first["stages"][name]["digest"]
+        assert s["produced_by"] == first["stages"][name]["run_id"]
+    ingest = first["stages"]["ingest"]["summary"]
+    assert ingest["read"] == ingest["ingested"] + ingest["quarantined"] and ingest["ingested"] > 1000
+    assert first["stages"]["tokenizer"]["summary"]["vocab_size"] == 8192
+    assert "✓ tokenizer done" in tiny["stderr"] and "stage" in tiny["stderr"]  # progress + summary table
+
+
+def test_tiny_dag_tokenizer_loads_with_autotokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["first"]["stages"]["tokenizer"]["artifact"])
+    text = "def f(x):\n    return x ** 2  # ünïcödé ✓"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_tiny_dag_mlflow_records_parent_nested_runs_and_artifacts(tiny):
+    first = tiny["first"]
+    c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
+    parent = c.get_run(first["run_id"])
+    kids = c.search_runs([parent.info.experiment_id],
+                         filter_string=f"tags.`mlflow.parentRunId` = '{first['run_id']}'")
+    assert {r.data.tags[tracking.TAG_STAGE] for r in kids} == set(first["stages"])
+    tok_run = c.get_run(first["stages"]["tokenizer"]["run_id"])
+    assert tok_run.data.params["params.vocab_size"] == "8192"
+    names = {f.path for f in c.list_artifacts(tok_run.info.run_id)}
+    assert {"manifest.json", "plots", "tokenizer"} <= names
+    assert any(k.startswith("bytes_per_token.") for k in tok_run.data.metrics)
+
+
+def test_status_prints_the_last_run(tiny):
+    out = hylight("status", env=tiny["env"])
+    assert out.returncode == 0, out.stderr
+    assert tiny["second"]["run_id"] in out.stdout
+    assert "tokenizer" in out.stdout and "hit" in out.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ui_serves_parent_and_nested_runs_on_loopback(tiny):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "ui", "--port", str(port)], cwd=REPO,
+                            env=tiny["env"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(90):
+            try:
+                if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("MLflow UI did not come up in 90 s")
+        page = urllib.request.urlopen(base, timeout=5).read().decode()
+        assert "<html" in page.lower()
+        req = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search", method="POST",
+                                     data=json.dumps({"experiment_ids": ["1"], "max_results": 100}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        runs = json.loads(urllib.request.urlopen(req, timeout=10).read())["runs"]
+        ids = {r["info"]["run_id"] for r in runs}
+        assert tiny["first"]["run_id"] in ids and tiny["second"]["run_id"] in ids
+        tok = tiny["first"]["stages"]["tokenizer"]["run_id"]
+        listing = json.loads(urllib.request.urlopen(
+            f"{base}/api/2.0/mlflow/artifacts/list?run_id={tok}&path=plots", timeout=10).read())
+        assert any(f["path"].endswith(".png") for f in listing["files"])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_local_ray_listens_on_loopback_only(tmp_path):
+    import psutil
+    import ray
+
+    from pipeline.orchestrator import Orchestrator, RunOptions
+    from pipeline.spec import load_spec
+
+    spec = load_spec(REPO / "dags/tiny.yaml", overrides=[f"artifact_root={tmp_path}"])
+    orch = Orchestrator(spec, RunOptions(), out=open(os.devnull, "w"))
+    orch._ensure_ray()
+    try:
+        ray_pids = {p.pid for p in psutil.Process().children(recursive=True)}
+        listening = [c for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.pid in ray_pids]
+        assert listening, "found no Ray listeners"
+        assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+    finally:
+        ray.shutdown()
