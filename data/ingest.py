@@ -90,10 +90,10 @@ class IngestParams(StageParams):
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description=(
         "auto: by extension (.jsonl[.gz|.zst], .json.gz, .ndjson[.gz]; .parquet). Otherwise every matched "
         "file is read in this format."))
-    text_key: str = "text"
-    id_key: str = "id"
-    domain_key: str = "domain"
-    source_key: str = "source"
+    text_key: str = Field("text", description="Field holding the document text.")
+    id_key: str = Field("id", description="Field holding the id (else <file stem>/<line>).")
+    domain_key: str = Field("domain", description="Field holding the domain (else default_domain).")
+    source_key: str = Field("source", description="Field holding the source (else <file>:<line>).")
     default_domain: str = Field("unknown", description="Domain of records without a domain field.")
     limit: int | None = Field(None, description="Read at most this many records per file (quick runs).")
     min_chars: int = Field(1, description="Records with shorter text are quarantined as too_short.")

@@ -102,18 +102,21 @@ CHAT_TEMPLATE = (
 
 
 class TokenizerParams(StageParams):
-    vocab_size: int = 8192
-    min_frequency: int = Field(2, ge=0)
-    # per-domain up-sampling of the training sample: 2.0 = each doc twice, 0.5 = a deterministic half
-    # (hash of the id), 0 = excluded; domains not listed weigh 1.0
-    domain_weights: dict[str, float] = {}
-    # cap on the (weighted) training sample in UTF-8 bytes: a deterministic uniform subsample by id hash
-    max_train_bytes: int | None = Field(200_000_000, gt=0)
-    split_digits: int = 3  # numbers are split into groups of at most this many digits
-    model_max_length: int = Field(8192, gt=0)
-    # documents held out (by id hash) to measure bytes per token per domain; never trained on
-    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
-    seed: int = 0
+    vocab_size: int = Field(8192, description="Vocabulary size including the 256 byte tokens and the specials.")
+    min_frequency: int = Field(2, ge=0, description="Minimum pair frequency for a merge.")
+    domain_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per-domain up-sampling of the training sample: 2.0 = each doc twice, 0.5 = a "
+                    "deterministic half (hash of the id), 0 = excluded; unlisted domains weigh 1.0.")
+    max_train_bytes: int | None = Field(
+        200_000_000, gt=0,
+        description="Cap on the weighted training sample in UTF-8 bytes (deterministic uniform subsample).")
+    split_digits: int = Field(3, description="Numbers are pre-split into groups of at most this many digits.")
+    model_max_length: int = Field(8192, gt=0, description="Saved as the tokenizer's model_max_length.")
+    eval_fraction: float = Field(
+        0.05, ge=0.0, lt=1.0,
+        description="Documents held out (by id hash) to measure bytes per token per domain; never trained on.")
+    seed: int = Field(0, description="Salt of the deterministic per-document choices.")
 
     @field_validator("vocab_size")
     @classmethod

@@ -173,6 +173,19 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return EXIT_OK  # not reached
 
 
+def cmd_stages(args: argparse.Namespace) -> int:
+    from pipeline.registry import BUILTIN_STAGES, describe_markdown, resolve
+
+    if args.markdown:
+        print(describe_markdown())
+        return EXIT_OK
+    for name in BUILTIN_STAGES:
+        kind = resolve(name)
+        ins = ", ".join(f"{r}:{s.type}" for r, s in kind.inputs.items()) or "-"
+        print(f"{name:<12} {ins:>22} -> {kind.produces:<12} {kind.doc.split('.')[0]}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hylight", description="Train MiniMax-01-style models from a DAG spec.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -203,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spec", help="read the tracking store of this spec")
     s.add_argument("--tracking-uri")
     s.set_defaults(fn=cmd_status)
+
+    k = sub.add_parser("stages", help="list the stage kinds and their params")
+    k.add_argument("--markdown", action="store_true", help="full reference (docs/stages.md)")
+    k.set_defaults(fn=cmd_stages)
 
     u = sub.add_parser("ui", help="serve the MLflow UI on 127.0.0.1")
     u.add_argument("--spec", help="the spec whose tracking store to show (default: the last run's)")

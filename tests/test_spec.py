@@ -126,3 +126,10 @@ def test_cli_validate_ok(tmp_path, capsys):
 def test_shipped_specs_validate():
     for spec in sorted(Path(__file__).parent.parent.glob("dags/*.yaml")):
         load_spec(spec)
+
+
+def test_stage_reference_doc_is_current():
+    from pipeline.registry import describe_markdown
+
+    doc = Path(__file__).parent.parent / "docs" / "stages.md"
+    assert doc.read_text() == describe_markdown() + "\n", "regenerate: hylight stages --markdown > docs/stages.md"
