@@ -15,8 +15,16 @@ from typing import Any, TypedDict
 import orjson
 
 DOCUMENTS_TYPE = "documents"
+# documents that carry quality scores (metadata[QUALITY]); accepted wherever documents are
+SCORED_DOCUMENTS_TYPE = "scored_documents"
+ANY_DOCUMENTS = (DOCUMENTS_TYPE, SCORED_DOCUMENTS_TYPE)
 DOCUMENTS_DIR = "documents"
 SCHEMA_VERSION = 1
+
+# metadata fields later stages rely on (one source of truth for their names)
+DUP_COUNT = "dup_count"  # set by dedup on each kept document: size of its duplicate cluster (>= 1)
+DUP_MEMBERS = "dup_members"  # set by dedup: ids of the removed members of its cluster
+QUALITY = "quality"  # set by quality: {"knowledge_depth": 0-5, "helpfulness": 0-5, "category": str}
 
 
 class DocumentRecord(TypedDict):

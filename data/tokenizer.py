@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from data.documents import DOCUMENTS_TYPE, iter_documents
+from data.documents import ANY_DOCUMENTS, iter_documents
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 
 TOKENIZER_TYPE = "tokenizer"
@@ -402,7 +402,7 @@ STAGE = StageKind(
     run=run,
     produces=TOKENIZER_TYPE,
     inputs={"documents": InputSpec(
-        DOCUMENTS_TYPE,
+        ANY_DOCUMENTS,
         doc="documents to train on; a deterministic eval_fraction (by id hash) is held out to measure "
             "bytes per token per domain")},
     doc="Byte-level BPE (HF tokenizers) with Llama-3-style splits, special tokens and a chat template "

@@ -181,7 +181,7 @@ def cmd_stages(args: argparse.Namespace) -> int:
         return EXIT_OK
     for name in BUILTIN_STAGES:
         kind = resolve(name)
-        ins = ", ".join(f"{r}:{s.type}" for r, s in kind.inputs.items()) or "-"
+        ins = ", ".join(f"{r}:{s.type_name}" for r, s in kind.inputs.items()) or "-"
         print(f"{name:<12} {ins:>22} -> {kind.produces:<12} {kind.doc.split('.')[0]}")
     return EXIT_OK
 

@@ -69,7 +69,7 @@ def describe_markdown() -> str:
     for name in BUILTIN_STAGES:
         kind = resolve(name)
         lines += [f"## `{name}`", "", kind.doc, ""]
-        ins = ", ".join(f"`{r}` ({s.type}{', many' if s.many else ''}{', optional' if not s.required else ''})"
+        ins = ", ".join(f"`{r}` ({s.type_name}{', many' if s.many else ''}{', optional' if not s.required else ''})"
                         for r, s in kind.inputs.items()) or "none"
         lines += [f"- inputs: {ins}", f"- output artifact type: `{kind.produces}`",
                   f"- module: `{kind.run.__module__}`", "",

@@ -346,18 +346,18 @@ def _bind_inputs(name: str, kind: StageKind, explicit: dict[str, list[str]], nee
         if role in explicit:
             cands = explicit[role]
         else:
-            cands = [n for n in needs if n in kinds and kinds[n].produces == spec.type
+            cands = [n for n in needs if n in kinds and spec.accepts(kinds[n].produces)
                      and not any(n in ts for ts in explicit.values())]
         for c in cands:
-            if c in kinds and kinds[c].produces != spec.type:
-                problems.append(f"{where}: stage {name!r}, field needs: input {role!r} takes {spec.type!r} "
+            if c in kinds and not spec.accepts(kinds[c].produces):
+                problems.append(f"{where}: stage {name!r}, field needs: input {role!r} takes {spec.type_name!r} "
                                 f"but stage {c!r} produces {kinds[c].produces!r}")
         if not cands and spec.required:
             problems.append(f"{where}: stage {name!r}, field needs: input {role!r} needs a stage producing "
-                            f"{spec.type!r}; none of its needs ({', '.join(needs) or 'none'}) does")
+                            f"{spec.type_name!r}; none of its needs ({', '.join(needs) or 'none'}) does")
         if len(cands) > 1 and not spec.many:
             problems.append(f"{where}: stage {name!r}, field needs: {len(cands)} stages ({', '.join(cands)}) "
-                            f"produce {spec.type!r} for input {role!r}; bind one with needs: {{{role}: STAGE}}")
+                            f"produce {spec.type_name!r} for input {role!r}; bind one with needs: {{{role}: STAGE}}")
         bound[role] = cands
         used.update(cands)
     for n in needs:

@@ -37,10 +37,17 @@ P = TypeVar("P", bound=StageParams)
 class InputSpec:
     """One input role of a stage kind: which artifact type fills it, and how many."""
 
-    type: str
+    type: str | tuple[str, ...]  # the artifact type(s) accepted
     required: bool = True
     many: bool = False
     doc: str = ""
+
+    def accepts(self, artifact_type: str) -> bool:
+        return artifact_type in ((self.type,) if isinstance(self.type, str) else self.type)
+
+    @property
+    def type_name(self) -> str:
+        return self.type if isinstance(self.type, str) else " or ".join(self.type)
 
 
 @dataclass(frozen=True)
