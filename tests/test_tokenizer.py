@@ -283,5 +283,5 @@ def test_params_reject_negative_domain_weight_and_bad_digit_groups():
 
 def test_stage_declares_documents_in_tokenizer_out():
     assert STAGE.name == "tokenizer" and STAGE.produces == "tokenizer"
-    assert STAGE.inputs["documents"].type == "documents"
+    assert STAGE.inputs["documents"].accepts("documents") and STAGE.inputs["documents"].accepts("scored_documents")
     assert STAGE.params is TokenizerParams and STAGE.run is run
