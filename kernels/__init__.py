@@ -1,0 +1,1 @@
+"""Compute kernels used by model/: one folder per operator (see kernels/lightning/)."""
