@@ -21,14 +21,15 @@ fi
 quiet() { grep -v -E "^WARNING: Location|^$" || true; }
 
 python -m pip install -q --upgrade pip 2>&1 | quiet
-if python -c "import torch" 2>/dev/null; then
-  echo "[install] keeping torch $(python -c 'import torch; print(torch.__version__)')"
+torch_version() { python -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null; }
+if [ -n "$(torch_version)" ]; then
+  echo "[install] keeping torch $(torch_version)"
 else
   echo "[install] installing torch==2.13.0 (CPU build) first"
   python -m pip install -q "torch==2.13.0" 2>&1 | quiet
 fi
 echo "[install] installing hylight and its dependencies (a few minutes on a fresh machine)"
-if python -c "import torch,sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)"; then
+if [[ "$(torch_version)" == 2.13.0* ]]; then
   python -m pip install -q -c constraints.txt -e ".[dev]" 2>&1 | quiet
 else  # a GPU image with its own torch/triton: don't force the CPU pins on torch or triton
   grep -v -E "^(torch|triton)==" constraints.txt > .venv-constraints-gpu.txt
@@ -36,4 +37,4 @@ else  # a GPU image with its own torch/triton: don't force the CPU pins on torch
   rm -f .venv-constraints-gpu.txt
 fi
 python -m pip check >/dev/null 2>&1 || python -m pip check | head -20 || true
-echo "[install] done: $(python -c 'import torch, ray, mlflow, datatrove, transformers; print("torch", torch.__version__, "ray", ray.__version__, "mlflow", mlflow.__version__, "datatrove", datatrove.__version__ if hasattr(datatrove, "__version__") else "", "transformers", transformers.__version__)')"
+echo "[install] done: $(python -c "import importlib.metadata as m; print(' '.join(f'{p} {m.version(p)}' for p in ('torch', 'ray', 'mlflow', 'datatrove', 'transformers', 'deepspeed')))")"
