@@ -1,0 +1,627 @@
+"""The hybrid lightning/softmax MoE decoder of MiniMax-Text-01 (report §2), as a transformers model.
+
+Read top to bottom: RMSNorm and partial RoPE; ``LightningAttention`` (the layer around the kernel in
+``kernels/lightning``); ``SoftmaxAttention`` (GQA + RoPE via torch SDPA); ``HybridDecoderLayer`` (DeepNorm
+residuals around an attention and a ``MoEFeedForward``); ``HybridCache`` (one d x d state per lightning head,
+a KV cache for softmax layers only); ``SequenceLayout`` (padding, packing, positions, masks, built once per
+call); ``HybridModel`` / ``HybridForCausalLM``.
+
+Where the report and the released architecture (transformers' ``MiniMaxForCausalLM``) differ, this follows
+the released one, for checkpoint parity:
+
+* the residual is taken AFTER the input RMSNorm: ``h = norm(x); x = alpha * h + beta * sublayer(h)``. That is
+  DeepNorm's post-LN ``x_{l+1} = LN(alpha x_l + G(x_l))`` with the LN moved to the start of the next
+  sublayer (plus one LN on the embeddings and a final LN);
+* the lightning output RMSNorm spans all heads (H*D) with eps 1e-6, whatever ``rms_norm_eps`` says;
+* the MoE router is softmax-over-all, top-k, renormalise (equal to eq. 1, see ``model/moe.py``).
+
+RoPE: the report (§2) and the released checkpoint's ``rotary_dim`` rotate half of each head; transformers'
+in-tree MiniMax has no partial RoPE (it rotates the full head). We rotate the first ``rotary_dim`` dims in
+the GPT-NeoX layout (pairs (i, i + R/2), frequencies base^(-2i/R)); ``model/hf_minimax.py`` maps that onto
+transformers' "proportional" RoPE with a per-head dim permutation, exactly.
+
+Padding: q, k, v are zeroed at padding tokens before lightning attention (as transformers'
+``apply_mask_to_padding_states``). With LEFT padding that is exact: the state is still zero when the first
+real token arrives, so the decay over the pad positions multiplies zero and a left-padded row equals the
+unpadded one. Right padding leaves real outputs untouched but decays the final state over the trailing pads;
+``generate`` pads on the left, so caches are never built from right-padded rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+
+from kernels.lightning import lightning_attention, lightning_attention_decode, lightning_decay_rates
+from model.configuration import LIGHTNING, SOFTMAX, HybridConfig
+from model.moe import MoEFeedForward, SwiGLUExperts, TopKRouter
+
+LIGHTNING_NORM_EPS = (
+    1e-6  # released MiniMaxLightningAttention.norm uses the RMSNorm default, not rms_norm_eps
+)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in fp32 or wider (the released MiniMaxRMSNorm's operations)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for RoPE on the first ``rotary_dim`` dims of a head (§2: half of them).
+
+    The frequencies are recomputed in fp32 from (rotary_dim, base) rather than kept as a buffer, so casting the
+    model to bf16 cannot round them (the same holds for the lightning decay rates).
+    """
+
+    def __init__(self, rotary_dim: int, base: float):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.base = base
+
+    def inverse_frequencies(self, device: torch.device | None = None) -> torch.Tensor:
+        exponent = (
+            torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim
+        )
+        return 1.0 / (self.base**exponent)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inverse_frequencies(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # [B, T, R]
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; rotate pairs (i, i + R/2) of the first R = cos.shape[-1] dims, pass the rest."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+    cos, sin = cos[:, None], sin[:, None]
+    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated, x_pass), dim=-1)
+
+
+# --- padding, packing and positions of one forward call ---------------------------------------------------
+
+
+@dataclass
+class SequenceLayout:
+    """What every layer needs to know about the tokens of one call, derived once in ``HybridModel``."""
+
+    position_ids: torch.Tensor  # [B, T]
+    token_mask: torch.Tensor | None  # [B, T] bool, False at padding; None = no padding
+    softmax_mask: torch.Tensor | None  # [B, 1, T, past + T] bool (True = attend); None = plain causal
+    cu_seqlens: torch.Tensor | None  # [N + 1] int32 over the flattened B*T tokens; None = not packed
+
+    @classmethod
+    def build(
+        cls,
+        batch: int,
+        length: int,
+        past: int,
+        device: torch.device,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> SequenceLayout:
+        full_mask = None  # [B, past + T] bool over cached and new tokens
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"attention_mask must be 2-D [batch, past + new tokens] with 1 for real tokens, got shape "
+                    f"{tuple(attention_mask.shape)}; packed sequences go in position_ids or cu_seqlens"
+                )
+            if attention_mask.shape[1] == past + length:
+                full_mask = attention_mask.bool()
+            elif past and attention_mask.shape[1] == length:
+                full_mask = torch.cat(
+                    [attention_mask.new_ones(batch, past).bool(), attention_mask.bool()], dim=1
+                )
+            else:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds {past} and "
+                    f"{length} are new; pass a mask over all {past + length}"
+                )
+            if bool(full_mask.all()):
+                full_mask = None
+        token_mask = None if full_mask is None else full_mask[:, past:]
+
+        doc_ids = None  # [B, T]: packed documents, numbered from 0 at each row start
+        if cu_seqlens is not None:
+            if batch != 1 or past:
+                raise ValueError("cu_seqlens packs documents along one row: needs batch size 1 and no cache")
+            bounds = cu_seqlens.to(device=device, dtype=torch.long)
+            if bounds[0] != 0 or bounds[-1] != length:
+                raise ValueError(f"cu_seqlens must start at 0 and end at the sequence length {length}")
+            doc_ids = torch.bucketize(torch.arange(length, device=device), bounds[1:], right=True)[None]
+            if position_ids is None:  # each document counts from 0, as if run alone
+                position_ids = torch.arange(length, device=device)[None] - bounds[doc_ids]
+
+        if position_ids is None:
+            if full_mask is None:
+                position_ids = torch.arange(past, past + length, device=device).expand(batch, length)
+            else:  # count real tokens only, so a left-padded row is positioned like the unpadded one
+                position_ids = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        position_ids = position_ids.to(device).expand(batch, length)
+
+        if doc_ids is None and length > 1:
+            # A position that does not continue its predecessor starts a document (HF's padding-free
+            # convention). Pairs involving padding do not count: left padding is not packing.
+            breaks = position_ids[:, 1:] != position_ids[:, :-1] + 1
+            if token_mask is not None:
+                breaks &= token_mask[:, 1:] & token_mask[:, :-1]
+            if bool(breaks.any()):
+                if past:
+                    raise ValueError(
+                        "position_ids restart inside the new tokens (packed documents) while continuing a cache; "
+                        "packed sequences can only be run from an empty cache"
+                    )
+                doc_ids = F.pad(breaks.long(), (1, 0)).cumsum(-1)
+
+        packed_cu = None
+        if doc_ids is not None:  # flatten rows; every row start and document start is a boundary
+            starts = F.pad((doc_ids[:, 1:] != doc_ids[:, :-1]), (1, 0), value=True).reshape(-1)
+            first = torch.nonzero(starts).squeeze(1)
+            packed_cu = torch.cat([first, first.new_tensor([batch * length])]).to(torch.int32)
+
+        softmax_mask = None
+        if full_mask is not None or doc_ids is not None or (past and length > 1):
+            q_pos = torch.arange(past, past + length, device=device)[:, None]
+            k_pos = torch.arange(past + length, device=device)[None, :]
+            mask = (k_pos <= q_pos)[None].expand(batch, length, past + length)
+            if full_mask is not None:
+                mask = mask & full_mask[:, None, :]
+            if doc_ids is not None:
+                mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
+            # a padding query still sees itself: some SDPA backends turn an all-masked row into NaN, and a NaN
+            # at a pad position would survive the zeroing (NaN * 0) into the next lightning layer's state
+            mask = mask | (k_pos == q_pos)[None]
+            softmax_mask = mask[:, None]
+        return cls(position_ids, token_mask, softmax_mask, packed_cu)
+
+
+# --- generation cache ---------------------------------------------------------------------------------------
+
+
+class HybridCache:
+    """Decoding state: per lightning layer one [B, H, D, D] state (O(1) in context length), per softmax
+    layer the keys/values [B, H_kv, S, D]. ``generate`` sees ``get_seq_length`` and the batch reorderings."""
+
+    is_compileable = False
+    is_croppable = False  # a lightning state cannot be rolled back
+
+    def __init__(self) -> None:
+        self.lightning_states: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def update_kv(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx in self.keys:
+            k = torch.cat([self.keys[layer_idx], k], dim=2)
+            v = torch.cat([self.values[layer_idx], v], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+    def _map(self, fn) -> None:
+        for store in (self.lightning_states, self.keys, self.values):
+            for i in store:
+                store[i] = fn(store[i])
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by the lightning states and by the softmax KV cache."""
+        lightning = sum(t.numel() * t.element_size() for t in self.lightning_states.values())
+        kv = sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
+        return {"lightning": lightning, "softmax_kv": kv}
+
+
+# --- attention layers ---------------------------------------------------------------------------------------
+
+
+class LightningAttention(nn.Module):
+    """MiniMax-Text-01 lightning attention (§2.2): fused QKV, SiLU on q, k, v, no 1/sqrt(d) scale, per-head
+    decay, RMSNorm over all heads, sigmoid output gate from the layer input, output projection."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.block_size = config.lightning_block_size
+        self.impl = config.lightning_impl
+        inner = self.num_heads * self.head_dim
+        # rows per head laid out [q_h | k_h | v_h], as in the released checkpoint
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * inner, bias=False)
+        self.norm = RMSNorm(inner, eps=LIGHTNING_NORM_EPS)
+        self.output_gate = nn.Linear(config.hidden_size, inner, bias=False)
+        self.out_proj = nn.Linear(inner, config.hidden_size, bias=False)
+        self._decay_rates: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def decay_rates(self) -> torch.Tensor:
+        """fp32 [H] rates s_h from kernels.lightning (the one source of truth), cached per device."""
+        device = self.qkv_proj.weight.device
+        if device not in self._decay_rates:
+            self._decay_rates[device] = lightning_decay_rates(
+                self.num_heads, self.layer_idx, self.num_layers, device=device
+            )
+        return self._decay_rates[device]
+
+    def forward(
+        self, x: torch.Tensor, layout: SequenceLayout, cache: HybridCache | None = None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        qkv = F.silu(self.qkv_proj(x))
+        if layout.token_mask is not None:  # padding must not enter the state
+            qkv = qkv * layout.token_mask[..., None].to(qkv.dtype)
+        q, k, v = qkv.view(B, T, H, 3 * D).transpose(1, 2).split(D, dim=-1)  # each [B, H, T, D]
+        decay = self.decay_rates
+        state = None if cache is None else cache.lightning_states.get(self.layer_idx)
+
+        if layout.cu_seqlens is not None:  # packed documents: one varlen row, state reset at each boundary
+            flat = [t.transpose(0, 1).reshape(1, H, B * T, D) for t in (q, k, v)]
+            o, _ = lightning_attention(
+                *flat, decay, block_size=self.block_size, cu_seqlens=layout.cu_seqlens, impl=self.impl
+            )
+            o = o.reshape(H, B, T, D).transpose(0, 1)
+        elif T == 1 and state is not None:  # one generated token: O(D^2) per head whatever the context
+            o, state = lightning_attention_decode(q, k, v, decay, state, impl=self.impl)
+        else:
+            o, state = lightning_attention(
+                q, k, v, decay, block_size=self.block_size, initial_state=state,
+                output_final_state=cache is not None, impl=self.impl,
+            )  # fmt: skip
+        if cache is not None:
+            cache.lightning_states[self.layer_idx] = state
+
+        o = o.transpose(1, 2).reshape(B, T, H * D)
+        o = torch.sigmoid(self.output_gate(x)) * self.norm(o)
+        return self.out_proj(o)
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal softmax attention with GQA and RoPE on the first ``rotary_dim`` dims of each head (§2)."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d, D = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(d, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        layout: SequenceLayout,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: HybridCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        D = self.head_dim
+        q = self.q_proj(x).view(B, T, self.num_heads, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.update_kv(self.layer_idx, k, v)
+        mask = layout.softmax_mask
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and T > 1,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * D))
+
+
+# --- decoder layer ------------------------------------------------------------------------------------------
+
+
+class HybridDecoderLayer(GradientCheckpointingLayer):
+    """norm -> attention -> DeepNorm residual -> norm -> MoE -> DeepNorm residual (released layout)."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.kind = config.attention_pattern[layer_idx]
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.kind == LIGHTNING:
+            self.attn = LightningAttention(config, layer_idx)
+            self.attn_alpha, self.attn_beta = config.lightning_attn_alpha, config.lightning_attn_beta
+        else:
+            self.attn = SoftmaxAttention(config, layer_idx)
+            self.attn_alpha, self.attn_beta = config.softmax_attn_alpha, config.softmax_attn_beta
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.moe = MoEFeedForward.from_config(config)  # swappable: see the contract in model/moe.py
+        self.mlp_alpha, self.mlp_beta = config.mlp_alpha, config.mlp_beta
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        layout: SequenceLayout,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: HybridCache | None = None,
+    ):
+        h = self.attn_norm(x)
+        if self.kind == SOFTMAX:
+            a = self.attn(h, layout, rope, past_key_values)
+        else:
+            a = self.attn(h, layout, past_key_values)
+        x = h * self.attn_alpha + a * self.attn_beta  # residual after the norm, as released
+        h = self.ffn_norm(x)
+        moe = self.moe(h, layout.token_mask)
+        return h * self.mlp_alpha + moe.hidden * self.mlp_beta, moe
+
+
+# --- transformers models ------------------------------------------------------------------------------------
+
+
+@dataclass
+class HybridModelOutput(MoeModelOutputWithPast):
+    """``aux_loss``: mean over layers of (1/E) sum f_i m_i; ``moe_routed``/``moe_dropped``: [L, E] token slots."""
+
+    aux_loss: torch.Tensor | None = None
+    moe_routed: torch.Tensor | None = None
+    moe_dropped: torch.Tensor | None = None
+
+
+@dataclass
+class HybridCausalLMOutput(MoeCausalLMOutputWithPast):
+    moe_routed: torch.Tensor | None = None
+    moe_dropped: torch.Tensor | None = None
+
+
+def _xavier_normal_(w: torch.Tensor, gain: float, fan_in: int, fan_out: int) -> None:
+    if not getattr(w, "_is_hf_initialized", False):  # keep weights that from_pretrained loaded
+        with torch.no_grad():
+            w.normal_(0.0, gain * (2.0 / (fan_in + fan_out)) ** 0.5)
+
+
+class HybridPreTrainedModel(PreTrainedModel):
+    config_class = HybridConfig
+    config: HybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HybridDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _is_stateful = True  # a lightning state cannot rewind: no assisted decoding
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate must not hand us a DynamicCache; HybridModel creates a HybridCache
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        # transformers skips custom modules without direct parameters (is_custom_code shortcut); every branch
+        # of _init_weights checks each tensor's _is_hf_initialized flag itself, so always dispatch.
+        if not getattr(module, "_is_hf_initialized", False):
+            self._init_weights(module)
+            module._is_hf_initialized = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Xavier-normal everywhere (§4.1); DeepNorm's beta = (8N)^-1/4 as gain on the value and output
+        projections and the experts, gain 1 on queries, keys, gates and the router (Wang et al.)."""
+        cfg = self.config
+        beta, d = cfg.init_beta, cfg.hidden_size
+        if isinstance(module, LightningAttention):
+            inner = module.num_heads * module.head_dim
+            w = module.qkv_proj.weight
+            if not getattr(w, "_is_hf_initialized", False):
+                per_head = w.view(module.num_heads, 3, module.head_dim, d)
+                for j, gain in enumerate((1.0, 1.0, beta)):  # q, k, v
+                    per_head[:, j].normal_(0.0, gain * (2.0 / (d + inner)) ** 0.5)
+            _xavier_normal_(module.output_gate.weight, 1.0, d, inner)
+            _xavier_normal_(module.out_proj.weight, beta, inner, d)
+        elif isinstance(module, SoftmaxAttention):
+            q_out, kv_out = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
+            _xavier_normal_(module.q_proj.weight, 1.0, d, q_out)
+            _xavier_normal_(module.k_proj.weight, 1.0, d, kv_out)
+            _xavier_normal_(module.v_proj.weight, beta, d, kv_out)
+            _xavier_normal_(module.o_proj.weight, beta, q_out, d)
+        elif isinstance(module, TopKRouter):
+            _xavier_normal_(module.weight, 1.0, d, module.weight.shape[0])
+        elif isinstance(module, SwiGLUExperts):
+            f = module.down_proj.shape[-1]
+            _xavier_normal_(module.gate_up_proj, beta, d, f)  # each of gate, up: d -> F
+            _xavier_normal_(module.down_proj, beta, f, d)
+        elif isinstance(module, RMSNorm):
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                module.weight.fill_(1.0)
+        elif isinstance(module, nn.Embedding):
+            _xavier_normal_(module.weight, 1.0, module.embedding_dim, module.num_embeddings)
+        elif module is getattr(self, "lm_head", None):
+            _xavier_normal_(module.weight, 1.0, d, cfg.vocab_size)
+
+
+class HybridModel(HybridPreTrainedModel):
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: HybridCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> HybridModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if kwargs.get("output_attentions"):
+            raise ValueError("output_attentions is not supported: lightning layers never form attention maps")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        if past_key_values is not None and not isinstance(past_key_values, HybridCache):
+            raise TypeError(
+                f"past_key_values must be a model.modeling.HybridCache, got {type(past_key_values).__name__}"
+            )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        layout = SequenceLayout.build(B, T, past, x.device, attention_mask, position_ids, cu_seqlens)
+        if self.training or layout.cu_seqlens is not None:
+            use_cache = False  # no cache in training; packed documents have no single state to continue
+        if use_cache and past_key_values is None:
+            past_key_values = HybridCache()
+        cache = past_key_values if use_cache else None
+
+        rope = self.rotary(layout.position_ids, x.dtype)
+        all_hidden = [] if output_hidden_states else None
+        moe_outputs = []
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(x)
+            x, moe = layer(x, layout, rope, past_key_values=cache)
+            moe_outputs.append(moe)
+        x = self.norm(x)
+        if all_hidden is not None:
+            all_hidden.append(x)
+        if cache is not None:
+            cache.seen_tokens += T
+
+        want_logits = (
+            self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
+        return HybridModelOutput(
+            last_hidden_state=x,
+            past_key_values=cache,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            router_logits=tuple(m.router_logits for m in moe_outputs) if want_logits else None,
+            aux_loss=torch.stack([m.aux_loss for m in moe_outputs]).mean(),
+            moe_routed=torch.stack([m.routed for m in moe_outputs]),
+            moe_dropped=torch.stack([m.dropped for m in moe_outputs]),
+        )
+
+
+class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.model = HybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vocab_size = config.vocab_size
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: HybridCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> HybridCausalLMOutput | tuple:
+        """Next-token logits; with ``labels``, the shifted cross-entropy plus, when router logits are
+        output (``config.output_router_logits``, default on), ``router_aux_loss_coef * aux_loss``."""
+        want_router = (
+            self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            cu_seqlens=cu_seqlens,
+            output_router_logits=want_router,
+            output_hidden_states=output_hidden_states,
+            output_attentions=kwargs.pop("output_attentions", None),
+        )
+        h = out.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            if want_router:
+                loss = loss + self.config.router_aux_loss_coef * out.aux_loss.to(loss.device)
+        result = HybridCausalLMOutput(
+            loss=loss,
+            aux_loss=out.aux_loss,
+            logits=logits,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            router_logits=out.router_logits,
+            moe_routed=out.moe_routed,
+            moe_dropped=out.moe_dropped,
+        )
+        return result if return_dict is not False else result.to_tuple()
