@@ -93,17 +93,26 @@ from data.documents import (
     DOCUMENTS_TYPE,
     DUP_COUNT,
     DUP_MEMBERS,
+    EVAL_CONTAMINATION,
+    EVALSET_TYPE,
     DocumentWriter,
     iter_documents,
 )
-from pipeline.stage import Artifact, InputSpec, StageContext, StageKind, StageParams, file_fingerprint
+from pipeline.stage import (
+    Artifact,
+    InputSpec,
+    StageContext,
+    StageKind,
+    StageParams,
+    file_fingerprint,
+    metric_key,
+)
 
 REPORT_NAME = "dedup_report.json"
 CLUSTERS_NAME = "clusters.jsonl.gz"
 DROPPED_SAMPLES_NAME = "dropped_samples.jsonl.gz"
-EVALSET_TYPE = "evalset"
 # metadata set in decontamination: flag mode on contaminated kept documents
-CONTAMINATION = "eval_contamination"
+CONTAMINATION = EVAL_CONTAMINATION
 
 DROP_REASONS: dict[str, str] = {
     "exact_duplicate": "same text (whitespace-collapsed) as a kept document or one of its near duplicates",
@@ -702,10 +711,6 @@ def _write_gz_jsonl(path: Path, rows: Iterator[dict[str, Any]] | list[dict[str, 
     return n
 
 
-def _metric_name(part: str) -> str:
-    return re.sub(r"[^\w.\-/ ]", "_", part)  # MLflow's allowed metric-name characters
-
-
 def run(params: DedupParams, ctx: StageContext) -> None:
     start = time.perf_counter()
     docs_path = ctx.input("documents").path
@@ -862,13 +867,13 @@ def run(params: DedupParams, ctx: StageContext) -> None:
         "docs_per_s": n_in / total_s, "mb_per_s": corpus.bytes / 1e6 / total_s,
     }
     for dom, c in sorted(domains.items()):
-        key = _metric_name(dom)
+        key = metric_key(dom)
         metrics[f"dup_rate.{key}"] = (c["exact_duplicate"] + c["near_duplicate"]) / c["in"]
         metrics[f"exact_rate.{key}"] = c["exact_duplicate"] / c["in"]
         metrics[f"near_rate.{key}"] = c["near_duplicate"] / c["in"]
     if index is not None:
         for name, t in sorted(index.tallies.items()):
-            metrics[f"contaminated_docs.{_metric_name(name)}"] = t.contaminated_docs
+            metrics[f"contaminated_docs.{metric_key(name)}"] = t.contaminated_docs
     ctx.log_metrics(metrics)
     ctx.log_figure(_cluster_size_figure(dup_counts), "cluster_sizes.png")
     ctx.log_figure(_domain_rates_figure(domains), "dup_rates_by_domain.png")

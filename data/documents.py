@@ -8,6 +8,7 @@ Layout: ``<artifact>/documents/part-NNNNN.jsonl.gz``, one JSON object per line w
 from __future__ import annotations
 
 import gzip
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypedDict
@@ -25,6 +26,16 @@ SCHEMA_VERSION = 1
 DUP_COUNT = "dup_count"  # set by dedup on each kept document: size of its duplicate cluster (>= 1)
 DUP_MEMBERS = "dup_members"  # set by dedup: ids of the removed members of its cluster
 QUALITY = "quality"  # set by quality: {"knowledge_depth": 0-5, "helpfulness": 0-5, "category": str}
+LANGUAGE = "language"  # set by clean's language filter on kept documents
+LANGUAGE_SCORE = "language_score"
+EVAL_CONTAMINATION = "eval_contamination"  # set by dedup in flag mode: the eval sets a document overlaps
+EVALSET_TYPE = "evalset"  # artifact type of evaluation sets (*.jsonl[.gz] with id + text/prompt/question)
+
+
+def unit_hash(seed: int, purpose: str, doc_id: str) -> float:
+    """A uniform number in [0, 1) from (seed, purpose, id): same input -> same choice, on any machine."""
+    h = hashlib.blake2b(f"{seed}\x00{purpose}\x00{doc_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2**64
 
 
 class DocumentRecord(TypedDict):

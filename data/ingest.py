@@ -34,7 +34,6 @@ import gzip
 import json
 import logging
 import os
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from pydantic import Field, field_validator, model_validator
 
 from data.documents import DOCUMENTS_TYPE, DocumentWriter, record_from_datatrove
-from pipeline.stage import StageContext, StageKind, StageParams, file_fingerprint
+from pipeline.stage import StageContext, StageKind, StageParams, file_fingerprint, metric_key
 
 SAMPLE_CORPUS_DIR = Path(__file__).parent / "sample_corpus"
 SAMPLE_CORPUS_GLOB = "*.jsonl.gz"
@@ -498,10 +497,6 @@ class QuarantineWriter:
         self._fh.close()
 
 
-def _metric_name(part: str) -> str:
-    return re.sub(r"[^\w.\-/ ]", "_", part)  # MLflow's allowed metric-name characters
-
-
 def run(params: IngestParams, ctx: StageContext) -> None:
     inputs = resolve_inputs(params)
     formats = Counter(i.format for i in inputs)
@@ -569,8 +564,8 @@ def run(params: IngestParams, ctx: StageContext) -> None:
     metrics: dict[str, float] = {"files": len(inputs)}
     metrics |= {f"quarantined.{r}": reasons[r] for r in QUARANTINE_REASONS}
     for d in sorted(domains):
-        metrics[f"docs.{_metric_name(d)}"] = domains[d]
-        metrics[f"bytes.{_metric_name(d)}"] = domain_bytes[d]
+        metrics[f"docs.{metric_key(d)}"] = domains[d]
+        metrics[f"bytes.{metric_key(d)}"] = domain_bytes[d]
     ctx.log_metrics(metrics)
 
     by_reason = ", ".join(f"{r}={n}" for r, n in sorted(reasons.items())) or "none"

@@ -87,9 +87,9 @@ import numpy as np
 import orjson
 from pydantic import Field, field_validator, model_validator
 
-from data.documents import DUP_COUNT, QUALITY, SCORED_DOCUMENTS_TYPE, iter_documents
-from data.tokenizer import TOKENIZER_TYPE, _metric_key, _unit_hash
-from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from data.documents import DUP_COUNT, QUALITY, SCORED_DOCUMENTS_TYPE, iter_documents, unit_hash
+from data.tokenizer import TOKENIZER_TYPE
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 
 MIXTURE_TYPE = "mixture"
 MANIFEST_FILE = "mixture.jsonl.gz"
@@ -486,7 +486,7 @@ def _fill_in_order(order: np.ndarray, group: np.ndarray, cost: np.ndarray, group
 
 
 def _hash_units(ids: list[str], seed: int, purpose: str) -> np.ndarray:
-    return np.fromiter((_unit_hash(seed, purpose, i) for i in ids), dtype=np.float64, count=len(ids))
+    return np.fromiter((unit_hash(seed, purpose, i) for i in ids), dtype=np.float64, count=len(ids))
 
 
 def _integer_counts(rates: np.ndarray, cap: np.ndarray, tokens: np.ndarray, category: np.ndarray, n_cat: int,
@@ -850,12 +850,12 @@ def run(params: MixParams, ctx: StageContext) -> None:
     metrics: dict[str, float] = {"capacity_at_caps": b.capacity, "unique_tokens": stats["tokens"]["unique_input"]}
     metrics |= {f"zero.{r}": zero.get(r, 0) for r in ZERO_REASONS}
     for name, s in stats["buckets"].items():
-        key = _metric_key(name)
+        key = metric_key(name)
         metrics |= {f"epochs.{key}": s["effective_epochs"], f"max_sample_count.{key}": s["max_sample_count"],
                     f"bucket_share_before.{key}": s["share_before"], f"bucket_share_after.{key}": s["share_after"]}
     for group, prefix in (("categories", "category"), ("domains", "domain")):
         for name, s in stats[group].items():
-            key = f"{prefix}.{_metric_key(name)}"
+            key = f"{prefix}.{metric_key(name)}"
             metrics |= {f"share_before.{key}": s["share_before"], f"share_after.{key}": s["share_after"]}
     ctx.log_metrics(metrics)
     ctx.set_rows("documents", len(table))

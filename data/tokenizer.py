@@ -23,10 +23,8 @@ Design choices that consumers rely on:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -35,8 +33,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from data.documents import ANY_DOCUMENTS, iter_documents
-from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from data.documents import ANY_DOCUMENTS, iter_documents, unit_hash
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 
 TOKENIZER_TYPE = "tokenizer"
 REPORT_NAME = "tokenizer_report.json"
@@ -145,12 +143,6 @@ class TokenizerParams(StageParams):
 
 
 # --- deterministic per-document choices ---------------------------------------------------------
-def _unit_hash(seed: int, purpose: str, doc_id: str) -> float:
-    """A uniform number in [0, 1) from (seed, purpose, id): same input -> same choice, on any machine."""
-    h = hashlib.blake2b(f"{seed}\x00{purpose}\x00{doc_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") / 2**64
-
-
 def _copies(weight: float, u: float) -> int:
     """How many times a doc enters the sample: floor(w) plus one more with probability frac(w)."""
     whole = math.floor(weight)
@@ -159,11 +151,6 @@ def _copies(weight: float, u: float) -> int:
 
 def _domain(record: dict[str, Any]) -> str:
     return record.get("domain") or "unknown"
-
-
-def _metric_key(domain: str) -> str:
-    # MLflow metric names allow [A-Za-z0-9_-. /]
-    return re.sub(r"[^A-Za-z0-9_.\- /]", "_", domain)
 
 
 @dataclass
@@ -192,14 +179,14 @@ class _Sampler:
         self.keep_fraction = 1.0  # set after the counting pass when max_train_bytes binds
 
     def is_eval(self, doc_id: str) -> bool:
-        return _unit_hash(self.p.seed, "eval", doc_id) < self.p.eval_fraction
+        return unit_hash(self.p.seed, "eval", doc_id) < self.p.eval_fraction
 
     def copies(self, doc_id: str, domain: str) -> int:
         weight = self.p.domain_weights.get(domain, 1.0)
-        return _copies(weight, _unit_hash(self.p.seed, "weight", doc_id))
+        return _copies(weight, unit_hash(self.p.seed, "weight", doc_id))
 
     def kept(self, doc_id: str) -> bool:
-        return self.keep_fraction >= 1.0 or _unit_hash(self.p.seed, "cap", doc_id) < self.keep_fraction
+        return self.keep_fraction >= 1.0 or unit_hash(self.p.seed, "cap", doc_id) < self.keep_fraction
 
 
 def build_tokenizer(split_digits: int = 3) -> Any:
@@ -324,7 +311,7 @@ def run(params: TokenizerParams, ctx: StageContext) -> None:
         "train_bytes": train_bytes,
         "bytes_per_token": overall_bpt,
     })
-    ctx.log_metrics({f"bytes_per_token.{_metric_key(d)}": s.bytes_per_token
+    ctx.log_metrics({f"bytes_per_token.{metric_key(d)}": s.bytes_per_token
                      for d, s in sorted(stats.items()) if s.bytes_per_token is not None})
     ctx.set_rows("vocab", vocab_size)
     ctx.set_rows("train_documents", sum(s.train_docs for s in stats.values()))

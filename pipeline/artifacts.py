@@ -64,7 +64,7 @@ def _fsync_dir(path: Path) -> None:
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        json.dump(obj, f, indent=2, default=str)  # insertion order: summaries read in the order logged
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -17,6 +17,10 @@ from pipeline.stage import StageKind
 # kind name -> module exposing STAGE (one source of truth for what `uses:` accepts)
 BUILTIN_STAGES: dict[str, str] = {
     "ingest": "data.ingest",
+    "clean": "data.clean",
+    "dedup": "data.dedup",
+    "quality": "data.quality",
+    "mix": "data.mix",
     "tokenizer": "data.tokenizer",
 }
 

@@ -12,7 +12,6 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import ArtifactStore

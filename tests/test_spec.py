@@ -133,3 +133,10 @@ def test_stage_reference_doc_is_current():
 
     doc = Path(__file__).parent.parent / "docs" / "stages.md"
     assert doc.read_text() == describe_markdown() + "\n", "regenerate: hylight stages --markdown > docs/stages.md"
+
+
+def test_params_flatten_to_valid_mlflow_names():
+    from pipeline.tracking import flatten
+
+    flat = flatten({"params": {"a": {"b": 1}, "map": {"*/x/*": "y"}, "l": [1, 2]}})
+    assert flat == {"params.a.b": "1", "params.map": '{"*/x/*": "y"}', "params.l": "[1, 2]"}

@@ -50,6 +50,13 @@ def test_tiny_dag_runs_every_stage_then_is_all_cache_hits(tiny):
     ingest = first["stages"]["ingest"]["summary"]
     assert ingest["read"] == ingest["ingested"] + ingest["quarantined"] and ingest["ingested"] > 1000
     assert first["stages"]["tokenizer"]["summary"]["vocab_size"] == 8192
+    clean, dedup = first["stages"]["clean"]["summary"], first["stages"]["dedup"]["summary"]
+    assert clean["in"] == ingest["ingested"] and clean["in"] == clean["kept"] + clean["dropped"]
+    assert dedup["in"] == clean["kept"] and 0 < dedup["kept"] < dedup["in"]
+    quality = first["stages"]["quality"]["summary"]
+    assert quality["documents"] == dedup["kept"]
+    mix = first["stages"]["mix"]["summary"]
+    assert 0 < mix["tokens"] <= 6_000_000 and mix["documents"] == dedup["kept"]
     assert "✓ tokenizer done" in tiny["stderr"] and "stage" in tiny["stderr"]  # progress + summary table
 
 

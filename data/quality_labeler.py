@@ -1,0 +1,502 @@
+"""Labelers of the ``quality`` stage: who rates a sample of documents before the scorer learns from it.
+
+The paper (§4.1.1) labels documents with "our previous-generation model as the reward labeler" on
+knowledge depth, practical helpfulness and category. Two labelers implement that here, chosen by
+``labeler.kind``:
+
+* ``causal_lm`` -- an instruction-following causal LM (a local Hugging Face directory, or a previous
+  pipeline run's model artifact) is prompted with :data:`RUBRIC_TEMPLATE` and answers in a fixed
+  format. :func:`parse_reply` is strict: a reply that is not exactly usable is rejected with one reason
+  of :data:`REJECT_REASONS`; rejected documents are counted and left out of the training labels.
+* ``reference`` (the offline default) -- DCLM-style weak labels: per score dimension, a logistic
+  classifier on hashed word uni+bigrams (DCLM's fastText features) separates curated high-quality
+  passages (``data/quality_refs/<dimension>.txt``) from random windows of the corpus being scored
+  (equally many per domain); its probability times 5 is the label. The category comes from the
+  document's domain / id through ``category_map``. The classifier deliberately does not use the scorer's sentence embeddings: with the
+  same features, the scorer's held-out agreement would only show that a linear model can copy a linear
+  model.
+
+Every labeler returns a :class:`LabelOutcome`: accepted labels by document id, rejections by reason,
+and a description of itself for the report.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from pipeline.stage import MANIFEST_NAME, StageParams, file_fingerprint
+
+DIMENSIONS = ("knowledge_depth", "helpfulness")  # the score dimensions, in this order everywhere
+CATEGORY = "category"
+SCORE_MIN, SCORE_MAX = 0.0, 5.0
+REFS_DIR = Path(__file__).parent / "quality_refs"
+PASSAGE_MARKER = "### passage:"
+
+# Categories follow the corpus families of §4.1.1 (reference works, academic text, web, code) plus
+# what the shipped sample holds (licences, changelogs, quotations); "other" catches the rest.
+DEFAULT_TAXONOMY = ("reference", "tutorial", "academic", "code", "legal", "news", "creative",
+                    "conversation", "other")
+# Ordered: the first pattern matching the document's domain or id wins. Tuned to the sample corpus.
+DEFAULT_CATEGORY_MAP = {
+    "*/tutorial/*": "tutorial",
+    "*/howto/*": "tutorial",
+    "*quickstart*": "tutorial",
+    "misc/fortunes/*": "creative",
+    "misc/*news/*": "news",
+    "misc/debian-changelog/*": "news",
+    "code": "code",
+    "legal": "legal",
+    "manual": "reference",
+    "prose": "reference",
+}
+
+REJECT_REASONS: dict[str, str] = {
+    "no_answer": "the reply is empty or names none of knowledge_depth, helpfulness, category",
+    "duplicate_field": "a field is given more than once",
+    "missing_field": "one or two of the three fields are absent",
+    "not_a_number": "a score is not a plain number",
+    "out_of_range": f"a score is outside {SCORE_MIN:g}..{SCORE_MAX:g}",
+    "unknown_category": "the category is not in the taxonomy",
+}
+MAX_EXAMPLES_PER_REASON = 3  # rejected replies kept verbatim in the report, per reason
+
+
+# --- labels -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Label:
+    knowledge_depth: float
+    helpfulness: float
+    category: str
+
+    def scores(self) -> tuple[float, float]:
+        return (self.knowledge_depth, self.helpfulness)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"knowledge_depth": self.knowledge_depth, "helpfulness": self.helpfulness,
+                CATEGORY: self.category}
+
+
+@dataclass(frozen=True)
+class LabelDoc:
+    """What a labeler sees of a document: its id, domain and (truncated) text."""
+
+    id: str
+    text: str
+    domain: str
+
+
+@dataclass
+class LabelOutcome:
+    labels: dict[str, Label] = field(default_factory=dict)  # accepted, by document id
+    rejected: dict[str, str] = field(default_factory=dict)  # document id -> reason
+    replies: dict[str, str] = field(default_factory=dict)  # raw replies (causal_lm only)
+    info: dict[str, Any] = field(default_factory=dict)  # labeler kind, model, digests...
+
+    @property
+    def rejected_counts(self) -> dict[str, int]:
+        counts = Counter(self.rejected.values())
+        return {r: counts.get(r, 0) for r in REJECT_REASONS}
+
+    def rejected_examples(self) -> dict[str, list[dict[str, str]]]:
+        out: dict[str, list[dict[str, str]]] = {}
+        for doc_id, reason in self.rejected.items():
+            ex = out.setdefault(reason, [])
+            if len(ex) < MAX_EXAMPLES_PER_REASON:
+                ex.append({"id": doc_id, "reply": self.replies.get(doc_id, "")[:300]})
+        return out
+
+
+# --- strict reply parsing -------------------------------------------------------------------------
+class MalformedReply(ValueError):
+    """A labeler reply that cannot be used; ``reason`` is a key of :data:`REJECT_REASONS`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REJECT_REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+_FIELD_LINE = re.compile(r"^[ \t]*(knowledge[ _-]depth|helpfulness|category)[ \t]*:[ \t]*(.*?)[ \t\r]*$",
+                         re.IGNORECASE | re.MULTILINE)
+_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)?")
+_FIELDS = (*DIMENSIONS, CATEGORY)
+
+
+def _field_name(raw: str) -> str:
+    return re.sub(r"[ -]", "_", raw.strip().lower())
+
+
+def _reply_fields(reply: str) -> list[tuple[str, Any]]:
+    """(field, value) pairs in the reply: a JSON object if the reply is one, else ``field: value`` lines."""
+    text = reply.strip()
+    if text.startswith("{") and text.endswith("}"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            return [(_field_name(k), v) for k, v in obj.items() if _field_name(k) in _FIELDS]
+    return [(_field_name(m.group(1)), m.group(2)) for m in _FIELD_LINE.finditer(reply)]
+
+
+def _score(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise MalformedReply("not_a_number", f"{name}={value!r}")
+    if isinstance(value, str):
+        v = value.strip().strip("\"'")
+        if not _NUMBER.fullmatch(v):
+            raise MalformedReply("not_a_number", f"{name}={value!r}")
+        value = float(v)
+    value = float(value)
+    if not (SCORE_MIN <= value <= SCORE_MAX):  # also rejects NaN
+        raise MalformedReply("out_of_range", f"{name}={value:g} (expected {SCORE_MIN:g}..{SCORE_MAX:g})")
+    return value
+
+
+def parse_reply(reply: str, taxonomy: Sequence[str]) -> Label:
+    """The label in a labeler's reply, or :class:`MalformedReply` with the first failing reason.
+
+    Accepted: three lines ``knowledge_depth: <0-5>``, ``helpfulness: <0-5>``, ``category: <name>`` (in
+    any order, field names case-insensitive, ``knowledge depth`` spelled with a space or hyphen too;
+    other lines are ignored), or one JSON object with those keys. Scores are plain numbers (``3``,
+    ``4.5``) in 0..5; the category is a taxonomy name (case-insensitive). Checks run in the order of
+    :data:`REJECT_REASONS`, so a reply gets exactly one reason.
+    """
+    pairs = _reply_fields(reply or "")
+    if not pairs:
+        raise MalformedReply("no_answer", "no knowledge_depth / helpfulness / category field")
+    seen = Counter(name for name, _ in pairs)
+    dup = sorted(n for n, c in seen.items() if c > 1)
+    if dup:
+        raise MalformedReply("duplicate_field", f"given more than once: {', '.join(dup)}")
+    values = dict(pairs)
+    missing = [f for f in _FIELDS if f not in values]
+    if missing:
+        raise MalformedReply("missing_field", f"missing: {', '.join(missing)}")
+    scores = [_score(d, values[d]) for d in DIMENSIONS]
+    raw_cat = values[CATEGORY]
+    category = raw_cat.strip().strip("\"'").lower() if isinstance(raw_cat, str) else None
+    if category not in {t.lower() for t in taxonomy}:
+        raise MalformedReply("unknown_category", f"category={raw_cat!r} (taxonomy: {', '.join(taxonomy)})")
+    return Label(knowledge_depth=scores[0], helpfulness=scores[1], category=category)
+
+
+# --- params ---------------------------------------------------------------------------------------
+class ReferenceLabelerParams(StageParams):
+    kind: Literal["reference"] = "reference"
+    refs_dir: str | None = Field(None, description=(
+        "Directory holding <dimension>.txt reference passages (knowledge_depth.txt, helpfulness.txt; "
+        "format in data/quality_refs/README.md). null: the shipped data/quality_refs."))
+    negatives: int = Field(400, ge=10, description=(
+        "Random windows of the input corpus used as the negative class: equally many per domain, "
+        "documents by id hash, reference source documents excluded."))
+    regularization_c: float = Field(1.0, gt=0, description="Inverse L2 strength of the logistic classifiers.")
+    category_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_CATEGORY_MAP), description=(
+        "Ordered {pattern: category}: the first fnmatch pattern matching the document's domain or its id "
+        "gives its category; every category must be in taxonomy."))
+    default_category: str = Field("other", description="Category of documents no pattern matches.")
+
+
+class CausalLMLabelerParams(StageParams):
+    kind: Literal["causal_lm"]
+    model_path: str = Field(description=(
+        "A local Hugging Face causal LM directory (AutoModelForCausalLM.from_pretrained) or a previous "
+        "pipeline run's model artifact directory."))
+    tokenizer_path: str | None = Field(None, description="Tokenizer directory when model_path has none.")
+    max_new_tokens: int = Field(64, ge=8, le=512, description="Greedy generation budget per reply.")
+    doc_tokens: int = Field(512, ge=16, description="The document is cut to this many tokens in the prompt.")
+    batch_size: int = Field(8, ge=1, description="Prompts generated together (left-padded).")
+
+    @field_validator("model_path")
+    @classmethod
+    def _path_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model_path is empty; give a local model directory")
+        return v
+
+
+LabelerParams = ReferenceLabelerParams | CausalLMLabelerParams
+
+
+# --- category from metadata -----------------------------------------------------------------------
+def category_from_metadata(doc_id: str, domain: str, category_map: dict[str, str], default: str) -> str:
+    """First ``category_map`` pattern (in order) matching the domain or the id; else ``default``."""
+    for pattern, category in category_map.items():
+        if fnmatch.fnmatchcase(domain, pattern) or fnmatch.fnmatchcase(doc_id, pattern):
+            return category
+    return default
+
+
+# --- reference (DCLM-style) labeler ----------------------------------------------------------------
+@dataclass(frozen=True)
+class ReferencePassage:
+    doc_id: str
+    text: str
+
+
+def load_reference_passages(path: str | Path) -> list[ReferencePassage]:
+    """Passages of a reference file (``### passage: <doc id>`` then text; comments before the first)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference file {path} does not exist (see data/quality_refs/README.md)")
+    passages: list[ReferencePassage] = []
+    doc_id: str | None = None
+    lines: list[str] = []
+
+    def close(lineno: int) -> None:
+        text = "\n".join(lines).strip()
+        if not text:
+            raise ValueError(f"{path}:{lineno}: passage from {doc_id!r} is empty")
+        passages.append(ReferencePassage(doc_id or "", text))
+
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith(PASSAGE_MARKER):
+            if doc_id is not None:
+                close(lineno)
+            doc_id, lines = line[len(PASSAGE_MARKER):].strip(), []
+            if not doc_id:
+                raise ValueError(f"{path}:{lineno}: '{PASSAGE_MARKER}' needs the source document id after it")
+        elif doc_id is not None:
+            lines.append(line)
+    if doc_id is not None:
+        close(lineno + 1)
+    if len(passages) < 5:
+        raise ValueError(f"{path}: {len(passages)} passages; a reference set needs at least 5 "
+                         f"(each starting with a '{PASSAGE_MARKER} <doc id>' line)")
+    return passages
+
+
+def reference_files(params: ReferenceLabelerParams) -> dict[str, Path]:
+    root = Path(params.refs_dir).expanduser() if params.refs_dir else REFS_DIR
+    return {dim: root / f"{dim}.txt" for dim in DIMENSIONS}
+
+
+def _ngram_vectorizer() -> Any:
+    from sklearn.feature_extraction.text import HashingVectorizer
+
+    # DCLM's classifier is fastText on word uni+bigrams; hashed counts, L2-normalised, are the same view
+    return HashingVectorizer(n_features=2**18, ngram_range=(1, 2), alternate_sign=False, norm="l2",
+                             lowercase=True)
+
+
+class ReferenceLabeler:
+    """Per dimension, P(reference passage | text) from a classifier trained refs-vs-random, times 5."""
+
+    kind = "reference"
+
+    def __init__(self, params: ReferenceLabelerParams, taxonomy: Sequence[str]) -> None:
+        self.params = params
+        self.taxonomy = tuple(taxonomy)
+        self.files = reference_files(params)
+        self.references = {dim: load_reference_passages(p) for dim, p in self.files.items()}
+        self._vectorizer = _ngram_vectorizer()
+        self._classifiers: dict[str, Any] = {}
+
+    @property
+    def source_ids(self) -> set[str]:
+        """Documents the references were taken from (kept out of the negatives)."""
+        return {p.doc_id for ps in self.references.values() for p in ps}
+
+    def window_chars(self) -> int:
+        """Negatives are windows as long as the median reference passage (same length scale)."""
+        lengths = sorted(len(p.text) for ps in self.references.values() for p in ps)
+        return lengths[len(lengths) // 2]
+
+    def fit(self, negatives: Sequence[str]) -> dict[str, dict[str, float]]:
+        """Train one classifier per dimension; returns its training-set separation for the report."""
+        import numpy as np
+        from sklearn.linear_model import LogisticRegression
+
+        if len(negatives) < 10:
+            raise ValueError(f"reference labeler: {len(negatives)} negative windows; the corpus is too "
+                             "small to contrast the references with (need >= 10 documents)")
+        fit_report: dict[str, dict[str, float]] = {}
+        for dim, passages in self.references.items():
+            texts = [p.text for p in passages] + list(negatives)
+            y = np.r_[np.ones(len(passages)), np.zeros(len(negatives))]
+            clf = LogisticRegression(C=self.params.regularization_c, class_weight="balanced",
+                                     max_iter=2000)
+            clf.fit(self._vectorizer.transform(texts), y)
+            self._classifiers[dim] = clf
+            p = clf.predict_proba(self._vectorizer.transform(texts))[:, 1]
+            fit_report[dim] = {"positives": len(passages), "negatives": len(negatives),
+                               "mean_p_positives": float(p[: len(passages)].mean()),
+                               "mean_p_negatives": float(p[len(passages):].mean())}
+        return fit_report
+
+    def label(self, docs: Sequence[LabelDoc], progress: Callable[[str], None] | None = None) -> LabelOutcome:
+        if not self._classifiers:
+            raise RuntimeError("ReferenceLabeler.label() before fit()")
+        outcome = LabelOutcome(info=self.describe())
+        if not docs:
+            return outcome
+        x = self._vectorizer.transform([d.text for d in docs])
+        probs = {dim: clf.predict_proba(x)[:, 1] for dim, clf in self._classifiers.items()}
+        for i, d in enumerate(docs):
+            category = category_from_metadata(d.id, d.domain, self.params.category_map,
+                                              self.params.default_category)
+            outcome.labels[d.id] = Label(
+                knowledge_depth=round(SCORE_MAX * float(probs["knowledge_depth"][i]), 4),
+                helpfulness=round(SCORE_MAX * float(probs["helpfulness"][i]), 4),
+                category=category)
+        return outcome
+
+    def describe(self) -> dict[str, Any]:
+        return {"labeler_kind": self.kind,
+                "references": {dim: {"file": str(p), "sha256": file_fingerprint(p)["sha256"],
+                                     "passages": len(self.references[dim])}
+                               for dim, p in self.files.items()},
+                "features": "hashed word 1-2 grams (2^18), L2-normalised",
+                "classifier": f"logistic regression, C={self.params.regularization_c}, balanced classes",
+                "category_source": "category_map over domain / id"}
+
+
+# --- causal LM labeler ----------------------------------------------------------------------------
+RUBRIC_TEMPLATE = """\
+You rate documents for a language-model training corpus.
+
+Rate the document below on two scales from 0 (none) to 5 (excellent), and name its category.
+- knowledge_depth: how much specific, accurate knowledge it conveys and how deeply it explains why \
+and how things work. 0 = none (noise, boilerplate), 3 = solid factual content, 5 = expert explanation.
+- helpfulness: how useful it is to a reader who wants to understand or do something. 0 = useless, \
+3 = useful with effort, 5 = clear, complete and directly usable.
+- category: exactly one of: {categories}.
+
+Document:
+<<<
+{document}
+>>>
+
+Reply with exactly these three lines and nothing else:
+knowledge_depth: <integer 0-5>
+helpfulness: <integer 0-5>
+category: <one category from the list>"""
+
+
+def _directory_fingerprint(path: Path) -> dict[str, Any]:
+    """Content identity of a model directory: its artifact digest, else each file's fingerprint."""
+    manifest = path / MANIFEST_NAME
+    if manifest.is_file():
+        return {"artifact_digest": json.loads(manifest.read_text())["digest"]}
+    return {"files": [file_fingerprint(p) | {"path": str(p.relative_to(path))}
+                      for p in sorted(path.rglob("*")) if p.is_file()]}
+
+
+class CausalLMLabeler:
+    """Prompts a local causal LM with :data:`RUBRIC_TEMPLATE`; greedy decoding; strict parsing."""
+
+    kind = "causal_lm"
+
+    def __init__(self, params: CausalLMLabelerParams, taxonomy: Sequence[str]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.params = params
+        self.taxonomy = tuple(taxonomy)
+        self.model_path = Path(params.model_path).expanduser()
+        if not (self.model_path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"causal_lm labeler: model_path {self.model_path} is not a Hugging Face model directory "
+                "(no config.json); give a saved model directory or a model artifact")
+        tok_path = Path(params.tokenizer_path).expanduser() if params.tokenizer_path else self.model_path
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(
+                f"causal_lm labeler: no tokenizer loadable from {tok_path} ({e}); set labeler.tokenizer_path "
+                "to a tokenizer directory (e.g. the tokenizer stage's artifact)") from e
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            if self.tokenizer.eos_token_id is None:
+                raise ValueError(f"causal_lm labeler: tokenizer {tok_path} has neither a pad nor an eos "
+                                 "token, so prompts cannot be batched")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True,
+                                                          dtype=torch.float32).eval()
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None) or getattr(
+            self.model.config, "n_positions", None)
+        self.fingerprint = _directory_fingerprint(self.model_path)
+
+    def _prompt(self, document: str) -> str:
+        text = RUBRIC_TEMPLATE.format(categories=", ".join(self.taxonomy), document=document)
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return text + "\n"
+
+    def _doc_budget(self) -> int:
+        """Document tokens that fit beside the rubric and the reply in the model's context."""
+        budget = self.params.doc_tokens
+        if self.max_positions:
+            rubric = len(self.tokenizer(self._prompt(""), add_special_tokens=False).input_ids)
+            budget = min(budget, self.max_positions - rubric - self.params.max_new_tokens)
+        if budget < 16:
+            raise ValueError(
+                f"causal_lm labeler: the model's context ({self.max_positions} positions) leaves {budget} "
+                f"tokens for the document beside the rubric and max_new_tokens={self.params.max_new_tokens}")
+        return budget
+
+    def label(self, docs: Sequence[LabelDoc], progress: Callable[[str], None] | None = None) -> LabelOutcome:
+        import torch
+
+        outcome = LabelOutcome(info=self.describe())
+        budget = self._doc_budget()
+        tok = self.tokenizer
+        for start in range(0, len(docs), self.params.batch_size):
+            batch = docs[start:start + self.params.batch_size]
+            cut = [tok.decode(tok(d.text, add_special_tokens=False).input_ids[:budget]) for d in batch]
+            prompts = [self._prompt(c) for c in cut]
+            # a chat template writes its own BOS; a plain prompt gets the tokenizer's specials
+            enc = tok(prompts, return_tensors="pt", padding=True,
+                      add_special_tokens=not bool(tok.chat_template))
+            with torch.inference_mode():
+                out = self.model.generate(**enc, max_new_tokens=self.params.max_new_tokens, do_sample=False,
+                                          pad_token_id=tok.pad_token_id)
+            replies = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for d, reply in zip(batch, replies, strict=True):
+                outcome.replies[d.id] = reply
+                try:
+                    outcome.labels[d.id] = parse_reply(reply, self.taxonomy)
+                except MalformedReply as e:
+                    outcome.rejected[d.id] = e.reason
+            if progress:
+                progress(f"labeled {min(start + len(batch), len(docs))}/{len(docs)} documents "
+                         f"({len(outcome.rejected)} replies rejected)")
+        return outcome
+
+    def describe(self) -> dict[str, Any]:
+        return {"labeler_kind": self.kind, "model_path": str(self.model_path),
+                "model_fingerprint": self.fingerprint, "model_class": type(self.model).__name__,
+                "generation": {"greedy": True, "max_new_tokens": self.params.max_new_tokens,
+                               "doc_tokens": self.params.doc_tokens},
+                "rubric_sha256": hashlib.sha256(RUBRIC_TEMPLATE.encode()).hexdigest()}
+
+
+def make_labeler(params: LabelerParams, taxonomy: Sequence[str]) -> ReferenceLabeler | CausalLMLabeler:
+    if isinstance(params, ReferenceLabelerParams):
+        return ReferenceLabeler(params, taxonomy)
+    return CausalLMLabeler(params, taxonomy)
+
+
+def labeler_fingerprint(params: LabelerParams) -> dict[str, Any]:
+    """What the labeler reads besides the input documents, for the stage's cache key."""
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # this module is not in code_digest
+    if isinstance(params, ReferenceLabelerParams):
+        return {"code": code, "references": [file_fingerprint(p) for p in reference_files(params).values()
+                                             if p.is_file()]}
+    path = Path(params.model_path).expanduser()
+    fp: dict[str, Any] = {"code": code, "model": _directory_fingerprint(path) if path.is_dir() else None}
+    if params.tokenizer_path and Path(params.tokenizer_path).expanduser().is_dir():
+        fp["tokenizer"] = _directory_fingerprint(Path(params.tokenizer_path).expanduser())
+    return fp
