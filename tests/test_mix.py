@@ -442,8 +442,8 @@ def test_stage_declares_scored_documents_and_tokenizer_in_mixture_out():
 def test_sample_corpus_mixture_end_to_end(tmp_path):
     """The sample corpus with hash-derived quality scores (the quality stage is not this test's subject),
     the real tokenizer stage, and mix at 2x the unique tokens."""
-    from data.ingest import SAMPLE_CORPUS_DIR
     from data.documents import unit_hash as _unit_hash
+    from data.ingest import SAMPLE_CORPUS_DIR
 
     records = []
     for path in sorted(SAMPLE_CORPUS_DIR.glob("*.jsonl.gz")):

@@ -5,7 +5,8 @@ Layout (as in fla's ``ops/<op>/``):
     naive.py   references: token recurrence and the O(T²) masked form (tests compare against these)
     chunk.py   Algorithm 1 in PyTorch (any device; autograd backward) + the shared input checks
     decode.py  one generation step from a cached state
-    triton_*.py  (to come) CUDA kernels, picked up through the hook below
+    triton_chunk.py   Triton forward/backward (+ varlen) behind one autograd.Function, used on CUDA
+    triton_decode.py  Triton single-token state update for batched generation
 
 Shapes: q, k [B, H, T, d_k]; v [B, H, T, d_v]; decay_rates [H]; states [B, H, d_k, d_v]
 (or [N, H, d_k, d_v] per packed sequence with ``cu_seqlens``).
