@@ -1,6 +1,6 @@
 """Runs a validated spec: cache lookups, Ray tasks, MLflow runs, live progress.
 
-Cache rules (see docs/cache.md):
+Cache rules (README.md "Cache rules"; stage authors: docs/pipeline.md):
 - a stage's key is hash(kind + code version, validated params, digests of its input artifacts);
 - an accepted artifact with that key is a cache hit and the stage does not run;
 - ``force`` stages run even on a hit; their dependents rerun only if the new output differs
