@@ -630,13 +630,12 @@ def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_r
                    "rejected_by_reason": outcome.rejected_counts,
                    "reject_reasons": REJECT_REASONS,
                    "rejected_examples": outcome.rejected_examples(),
-                   "train": n_train, "heldout": n_heldout, "seconds": label_seconds,
+                   "train": n_train, "heldout": n_heldout,
                    "label_categories": dict(sorted(Counter(lab.category for lab in outcome.labels.values())
                                                    .items()))},
         "scorer": {"encoder": scorer.config["encoder"], "ridge_alpha": scorer.config["ridge_alpha"],
-                   "category_c": scorer.config["category_c"], "categories": scorer.categories,
-                   "embed_seconds": embed_seconds,
-                   "embed_docs_per_second": len(corpus.ids) / max(embed_seconds, 1e-9)},
+                   "category_c": scorer.config["category_c"], "categories": scorer.categories},
+        # timings go to metrics only, so the artifact's bytes depend on inputs and params alone
         "heldout": metrics,
         "scores": {d: {"mean": float(scores[:, i].mean()),
                        "histogram": {"edges": hist_edges.tolist(),

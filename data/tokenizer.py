@@ -321,8 +321,7 @@ def run(params: TokenizerParams, ctx: StageContext) -> None:
         "vocab_size": vocab_size,
         "special_tokens": {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
         "split_pattern": split_pattern(params.split_digits),
-        "params": params.model_dump(),
-        "train_seconds": train_seconds,
+        "params": params.model_dump(),  # timings go to metrics only: the artifact's bytes depend on inputs
         "train_documents": sum(s.train_docs for s in stats.values()),
         "train_bytes": train_bytes,
         "sampled_bytes_before_cap": sampled_bytes,

@@ -98,17 +98,6 @@ class ArtifactStore:
                 return None
         return art
 
-    def verify(self, art: Artifact) -> list[str]:
-        """Full check of every file's sha256; returns the problems found."""
-        bad = []
-        for f in art.manifest["files"]:
-            p = art.path / f["path"]
-            if not p.exists():
-                bad.append(f"missing {f['path']}")
-            elif sha256_file(p) != f["sha256"]:
-                bad.append(f"digest mismatch {f['path']}")
-        return bad
-
     def begin(self, kind: str, key: str) -> Path:
         """A fresh private directory for a stage to write into."""
         self.tmp.mkdir(parents=True, exist_ok=True)

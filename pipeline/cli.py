@@ -37,7 +37,10 @@ def _load(args: argparse.Namespace) -> Any:
             address = raw.get("ray_address")
         except SpecError:
             address = None
-    capacity = ray_capacity(address) if address else local_capacity()
+    try:
+        capacity = ray_capacity(address) if address else local_capacity()
+    except ConnectionError as e:
+        raise SpecError([f"{args.spec}: {e}"]) from None
     return load_spec(args.spec, overrides=args.set or [], capacity=capacity)
 
 
@@ -68,23 +71,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     if opts.downstream and not opts.stages:
         print("--downstream goes with --stage NAME", file=sys.stderr)
         return EXIT_INVALID
+    unknown = [n for n in [*opts.stages, *([opts.from_stage] if opts.from_stage else [])] if n not in spec.stages]
+    if unknown:
+        print(f"{args.spec}: no stage named {', '.join(map(repr, unknown))} (stages: {', '.join(spec.stages)})",
+              file=sys.stderr)
+        return EXIT_INVALID
     try:
         report = run_pipeline(spec, opts)
-    except KeyError as e:
-        print(str(e.args[0]), file=sys.stderr)
-        return EXIT_INVALID
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     print("\n" + summary_table(report), file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(report_json(report))
     if opts.dry_run:
         todo = [r.name for r in report.stages.values() if r.state == "planned"]
         print(f"\ndry run: would run {len(todo)} stage(s): {', '.join(todo) or 'none'}", file=sys.stderr)
-        return EXIT_OK
+        return EXIT_OK if report.ok else EXIT_FAILED
     verdict = "OK" if report.ok else "FAILED"
     print(f"\n{verdict} in {report.seconds:.1f}s · run {report.run_id} · `hylight status` / `hylight ui`",
           file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(report_json(report))
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
@@ -100,10 +105,13 @@ def _tracking_from(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.tracking_uri:
         return args.tracking_uri, None
     if args.spec:
-        from pipeline.spec import load_spec
+        from pipeline.spec import SpecError, load_spec
         from pipeline.tracking import default_tracking_uri
 
-        spec = load_spec(args.spec)
+        try:
+            spec = load_spec(args.spec)
+        except SpecError as e:
+            raise SystemExit(f"invalid spec:\n{e}") from None
         return spec.tracking_uri or default_tracking_uri(spec.artifact_root), spec.name
     last = _last_run()
     if last is None:
@@ -123,12 +131,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         if last and last["tracking_uri"] == uri and not args.spec:
             parent = c.get_run(last["run_id"])
         else:
-            exp = c.get_experiment_by_name(exp_name) if exp_name else None
-            if exp is None:
-                print("no runs found", file=sys.stderr)
-                return EXIT_FAILED
-            runs = c.search_runs([exp.experiment_id], filter_string="tags.`hylight.spec` != ''",
-                                 order_by=["attributes.start_time DESC"], max_results=1)
+            if exp_name:
+                exp = c.get_experiment_by_name(exp_name)
+                exp_ids = [exp.experiment_id] if exp else []
+            else:  # a tracking URI alone: the newest hylight invocation in any experiment
+                exp_ids = [e.experiment_id for e in c.search_experiments()]
+            runs = c.search_runs(exp_ids, filter_string="tags.`hylight.spec` != ''",
+                                 order_by=["attributes.start_time DESC"], max_results=1) if exp_ids else []
             if not runs:
                 print("no runs found", file=sys.stderr)
                 return EXIT_FAILED
@@ -217,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tracking-uri")
     s.set_defaults(fn=cmd_status)
 
-    k = sub.add_parser("stages", help="list the stage kinds and their params")
+    k = sub.add_parser("stages", help="list the stage kinds (--markdown: with every param)")
     k.add_argument("--markdown", action="store_true", help="full reference (docs/stages.md)")
     k.set_defaults(fn=cmd_stages)
 

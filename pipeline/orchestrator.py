@@ -102,11 +102,27 @@ def local_capacity() -> ClusterCapacity:
     return ClusterCapacity(cpus=cpus, gpus=gpus, memory_gb=round(mem, 1), where="this machine")
 
 
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a host:port nobody listens on (ray.init would retry for minutes)."""
+    import socket as _socket
+
+    hostport = address.split("://", 1)[-1]
+    if address in ("auto", "local") or ":" not in hostport:
+        return
+    host, _, port = hostport.rpartition(":")
+    try:
+        with _socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address}: {e}") from None
+
+
 def ray_capacity(address: str) -> ClusterCapacity:
     """Largest node of an existing Ray cluster (attaches to it)."""
     import ray
 
     os.environ.update({k: v for k, v in _RAY_ENV.items() if k not in os.environ})
+    _check_reachable(address)
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, log_to_driver=False)
@@ -199,6 +215,7 @@ class Orchestrator:
         if not ray.is_initialized():
             if self.ray_address:
                 self.console.say(f"attaching to Ray at {self.ray_address}")
+                _check_reachable(self.ray_address)
                 ray.init(address=self.ray_address, log_to_driver=True)
             else:
                 cap = local_capacity()
@@ -291,14 +308,12 @@ class Orchestrator:
         except KeyboardInterrupt:
             interrupted = True
             say("interrupted: cancelling running stages")
-            import ray
-
-            for ref, (name, run_id, _) in running.items():
-                ray.cancel(ref, force=True)
-                results[name].state, results[name].error = "failed", "interrupted"
-                if c:
-                    tracking.set_tags(c, run_id, {tracking.TAG_STATE: "interrupted"})
-                    tracking.end_run(c, run_id, "KILLED")
+            self._abandon(running, results, c, "interrupted", "KILLED")
+        except BaseException:  # a driver error must not leave MLflow runs RUNNING forever
+            self._abandon(running, results, c, "driver error", "FAILED")
+            if c is not None and parent is not None:
+                tracking.end_run(c, parent, "FAILED")
+            raise
         finally:
             if self._ray_started:
                 import ray
@@ -318,6 +333,21 @@ class Orchestrator:
         if interrupted:
             raise KeyboardInterrupt
         return report
+
+    def _abandon(self, running: dict[Any, tuple[str, str, float]], results: dict[str, StageResult], c: Any,
+                 why: str, status: str) -> None:
+        """Cancel the stages still running and close their runs."""
+        import ray
+
+        for ref, (name, run_id, _) in running.items():
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # noqa: BLE001 (best effort while shutting down)
+                pass
+            results[name].state, results[name].error = "failed", why
+            if c:
+                tracking.set_tags(c, run_id, {tracking.TAG_STATE: why})
+                tracking.end_run(c, run_id, status)
 
     def _log_spec(self, c: Any, parent: str) -> None:
         import yaml
@@ -366,9 +396,15 @@ class Orchestrator:
             if st.kind.fingerprint is not None:
                 try:
                     in_digests = {**in_digests, "external": st.kind.fingerprint(st.params)}
-                except (OSError, ValueError) as e:  # e.g. an input file that does not exist
+                except Exception as e:  # noqa: BLE001 (e.g. an input file that does not exist)
                     res.state, res.error = "failed", f"{type(e).__name__}: {e}"
                     say(f"✗ {name} cannot start: {res.error}")
+                    if c:
+                        rid = tracking.start_run(c, exp, name, parent_run_id=parent, tags={
+                            tracking.TAG_STAGE: name, tracking.TAG_KIND: st.kind.name,
+                            tracking.TAG_STATE: "failed", "hylight.error": res.error[:500]})
+                        res.run_id = rid
+                        tracking.end_run(c, rid, "FAILED")
                     progressed = True
                     continue
             key, material = cache_key(st.kind.name, code_digest(st.kind), st.params.model_dump(mode="json"),

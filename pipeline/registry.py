@@ -6,9 +6,11 @@ data-only DAG). A spec may also name a plugin kind by import path, ``uses: my_pk
 
 from __future__ import annotations
 
+import ast
 import difflib
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import sys
 
@@ -52,16 +54,59 @@ def resolve(uses: str) -> StageKind:
     )
 
 
-def code_digest(kind: StageKind) -> str:
-    """Version of a kind's code: its declared version plus the source of the module defining run()."""
-    module = sys.modules[kind.run.__module__]
+# Top-level packages of this project: their modules count as a stage's code when a stage imports them.
+PROJECT_PACKAGES = ("pipeline", "data", "model", "kernels", "pretrain", "posttrain")
+
+
+def _project_imports(module_name: str) -> list[str]:
+    """Project modules that ``module_name`` imports (statically, anywhere in its source)."""
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
     try:
-        source = inspect.getsource(module)
-    except (OSError, TypeError):
-        source = ""
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] in PROJECT_PACKAGES and importlib.util.find_spec(name.split(".")[0]):
+                try:
+                    if importlib.util.find_spec(name) is not None:
+                        found.append(name)
+                except (ImportError, ValueError):
+                    pass
+    return found
+
+
+def code_modules(kind: StageKind) -> list[str]:
+    """The stage module and every project module it (transitively) imports, sorted."""
+    seen: set[str] = set()
+    todo = [kind.run.__module__]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name.split(".")[0] in PROJECT_PACKAGES or name == kind.run.__module__:
+            todo.extend(_project_imports(name))
+    return sorted(seen)
+
+
+def code_digest(kind: StageKind) -> str:
+    """Version of a kind's code: its declared versions plus the source of its module and of every
+    project module it imports — edit any of them and the stage's cache key changes."""
     h = hashlib.sha256()
     h.update(f"{kind.name}\0{kind.version}\0{kind.schema_version}\0".encode())
-    h.update(source.encode())
+    for name in code_modules(kind):
+        try:
+            source = inspect.getsource(importlib.import_module(name))
+        except (OSError, TypeError, ImportError):
+            source = ""
+        h.update(name.encode() + b"\0" + source.encode() + b"\0")
     return h.hexdigest()
 
 

@@ -104,6 +104,9 @@ def execute_stage(task: StageTask) -> StageOutcome:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        ctx.cleanup()
+        try:
+            sink.flush()  # metrics logged just before a failure still reach the run
+        finally:
+            ctx.cleanup()
     return StageOutcome(path=str(art.path), digest=art.digest, seconds=seconds, summary=ctx.summary,
                         rows=ctx.rows)

@@ -514,12 +514,16 @@ def test_report_plots_and_labels_record_the_labeler(scored):
 
 @pytest.mark.slow
 def test_same_input_and_params_give_identical_output_bytes(scored, small_artifact, tmp_path):
+    """Every file, reports and plots included: identical output must not invalidate dependents."""
     again = _run(small_artifact, tmp_path / "out")
-    names = [p.name for p in document_files(scored.out_dir)]
-    assert len(names) >= 1 and names == [p.name for p in document_files(again.out_dir)]
-    for rel in [f"documents/{n}" for n in names] + [LABELS_NAME, f"{SCORER_DIR}/heads.safetensors",
-                                                    f"{SCORER_DIR}/scorer.json"]:
-        assert (again.out_dir / rel).read_bytes() == (scored.out_dir / rel).read_bytes(), rel
+
+    def tree(d):
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+    first, second = tree(scored.out_dir), tree(again.out_dir)
+    assert document_files(scored.out_dir) and first.keys() == second.keys()
+    assert {LABELS_NAME, f"{SCORER_DIR}/heads.safetensors", f"{SCORER_DIR}/scorer.json"} <= first.keys()
+    assert [k for k in first if first[k] != second[k]] == []
 
 
 @pytest.mark.slow

@@ -73,6 +73,8 @@ def test_dependency_cycle(tmp_path):
 def test_missing_needs_target_and_self_need(tmp_path):
     msg = problems(tmp_path, GOOD.replace("needs: [ab]", "needs: [abc]"))
     assert "stage 'n', field needs: no stage named 'abc'" in msg
+    msg = problems(tmp_path, GOOD.replace("needs: [ab]", "needs: [ab, n]"))
+    assert "stage 'n', field needs: a stage cannot need itself" in msg
 
 
 def test_duplicate_stage_names(tmp_path):
@@ -140,3 +142,52 @@ def test_params_flatten_to_valid_mlflow_names():
 
     flat = flatten({"params": {"a": {"b": 1}, "map": {"*/x/*": "y"}, "l": [1, 2]}})
     assert flat == {"params.a.b": "1", "params.map": '{"*/x/*": "y"}', "params.l": "[1, 2]"}
+
+
+def test_plan_selects_and_forces_per_cli_semantics(tmp_path):
+    import io
+
+    from pipeline.orchestrator import Orchestrator, RunOptions
+
+    spec = load_spec(write(tmp_path, GOOD))
+
+    def plan(**kw):
+        order, forced = Orchestrator(spec, RunOptions(**kw), out=io.StringIO()).plan()
+        return order, forced
+
+    assert plan() == (["a", "b", "ab", "n"], set())
+    assert plan(stages=["ab"]) == (["a", "b", "ab"], {"ab"})  # --stage: it and what it needs
+    assert plan(stages=["ab"], downstream=True) == (["a", "b", "ab", "n"], {"ab", "n"})
+    assert plan(from_stage="ab") == (["a", "b", "ab", "n"], {"ab", "n"})  # --from: the whole DAG
+    assert plan(stages=["a"]) == (["a"], {"a"})
+
+
+def test_cache_key_changes_with_params_inputs_and_code():
+    from pipeline.artifacts import cache_key
+
+    base, _ = cache_key("k", "code1", {"x": 1}, {"in": ["d1"]})
+    assert base == cache_key("k", "code1", {"x": 1}, {"in": ["d1"]})[0]
+    others = {cache_key("k", "code2", {"x": 1}, {"in": ["d1"]})[0], cache_key("k", "code1", {"x": 2}, {"in": ["d1"]})[0],
+              cache_key("k", "code1", {"x": 1}, {"in": ["d2"]})[0], cache_key("j", "code1", {"x": 1}, {"in": ["d1"]})[0]}
+    assert base not in others and len(others) == 4
+
+
+def test_code_digest_covers_the_project_modules_a_stage_imports(monkeypatch):
+    import inspect
+
+    from pipeline import registry
+
+    mix = registry.resolve("mix")
+    assert {"data.mix", "data.tokenizer", "data.documents", "pipeline.stage"} <= set(registry.code_modules(mix))
+    before = registry.code_digest(mix)
+    ingest = registry.resolve("ingest")
+    ingest_before = registry.code_digest(ingest)
+    real = inspect.getsource
+
+    def edited(obj):  # simulate an edit of a module mix imports, not of mix itself
+        src = real(obj)
+        return src + "\n# edited\n" if getattr(obj, "__name__", "") == "data.documents" else src
+
+    monkeypatch.setattr(registry.inspect, "getsource", edited)
+    assert registry.code_digest(mix) != before
+    assert registry.code_digest(ingest) != ingest_before  # every stage importing the edited module

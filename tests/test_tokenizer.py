@@ -259,9 +259,16 @@ def test_max_train_bytes_caps_the_sample(documents, tmp_path):
     assert report["cap_keep_fraction"] < 1.0
 
 
-def test_same_input_and_params_give_identical_tokenizer_json(documents, trained, tmp_path):
+def test_same_input_and_params_give_identical_artifact_bytes(documents, trained, tmp_path):
+    """Every file, reports and plots included: identical output must not invalidate dependents."""
     again = _train(documents, tmp_path)
-    assert (again.out_dir / "tokenizer.json").read_bytes() == (trained.out_dir / "tokenizer.json").read_bytes()
+
+    def tree(d):
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+    first, second = tree(trained.out_dir), tree(again.out_dir)
+    assert "tokenizer.json" in first and first.keys() == second.keys()
+    assert [k for k in first if first[k] != second[k]] == []
 
 
 # --- params ------------------------------------------------------------------------------------
