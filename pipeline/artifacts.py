@@ -18,22 +18,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pipeline.stage import MANIFEST_NAME, Artifact
+from pipeline.stage import MANIFEST_NAME, Artifact, sha256_file
 
 MANIFEST_SCHEMA = "hylight.artifact/1"
-_HASH_CHUNK = 1 << 20
 
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cache_key(kind: str, code_digest: str, params: dict[str, Any],

@@ -162,11 +162,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows.append((tags.get(tracking.TAG_STAGE, r.info.run_name), tags.get(tracking.TAG_STATE, r.info.status),
                      {"true": "hit", "false": "miss"}.get(tags.get(tracking.TAG_CACHE_HIT, ""), "-"),
                      f"{secs:.1f}s" if secs is not None else "-", key))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for i, row in enumerate(rows):
-        print("  ".join(c_.ljust(w) for c_, w in zip(row, widths, strict=True)).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    from pipeline.orchestrator import format_table
+
+    print(format_table(rows))
     return EXIT_OK
 
 

@@ -158,16 +158,21 @@ def _fmt_summary(summary: dict[str, float], n: int = 3) -> str:
     return " ".join(parts)
 
 
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """Plain-text table: the first row is the header, underlined."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def summary_table(report: RunReport) -> str:
     rows = [("stage", "state", "time", "key metrics")]
     for r in report.stages.values():
         t = f"{r.seconds:.1f}s" if r.seconds is not None else "-"
         state = r.state + (f" ({r.reason})" if r.reason and r.state in ("skipped", "planned") else "")
         rows.append((r.name, state, t, _fmt_summary(r.summary) if r.state != "failed" else (r.error or "")[:80]))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows)
 
 
 class Orchestrator:

@@ -107,18 +107,22 @@ def metric_key(part: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\- /]", "_", part)
 
 
-def file_fingerprint(path: str | Path, hash_below_bytes: int = 256 << 20) -> dict[str, Any]:
-    """Content identity of an external file: sha256 when small enough, else size + mtime."""
+def sha256_file(path: str | Path) -> str:
     import hashlib
 
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_fingerprint(path: str | Path, hash_below_bytes: int = 256 << 20) -> dict[str, Any]:
+    """Content identity of an external file: sha256 when small enough, else size + mtime."""
     path = Path(path)
     st = path.stat()
     if st.st_size <= hash_below_bytes:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return {"path": str(path), "sha256": h.hexdigest()}
+        return {"path": str(path), "sha256": sha256_file(path)}
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 

@@ -103,13 +103,18 @@ def set_tags(c: Any, run_id: str, tags: dict[str, Any]) -> None:
     retry(c.log_batch, run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
 
 
-def log_metrics_now(c: Any, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+def _log_metric_rows(c: Any, run_id: str, rows: list[tuple[str, float, int | None, int]]) -> None:
+    """(name, value, step, timestamp ms) rows, in MLflow's batches of at most 500."""
     from mlflow.entities import Metric
 
-    ts = int(time.time() * 1000)
-    items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
+    items = [Metric(k, float(v), ts, step or 0) for k, v, step, ts in rows]
     for i in range(0, len(items), 500):
         retry(c.log_batch, run_id, metrics=items[i:i + 500])
+
+
+def log_metrics_now(c: Any, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+    ts = int(time.time() * 1000)
+    _log_metric_rows(c, run_id, [(k, v, step, ts) for k, v in metrics.items()])
 
 
 def log_lineage(c: Any, run_id: str, inputs: dict[str, list[dict[str, Any]]]) -> None:
@@ -166,10 +171,6 @@ class MLflowSink(MetricSink):
         set_tags(self.c, self.run_id, tags)
 
     def flush(self) -> None:
-        from mlflow.entities import Metric
-
-        items = [Metric(k, v, ts, step or 0) for k, v, step, ts in self._pending]
-        self._pending = []
-        for i in range(0, len(items), 500):
-            retry(self.c.log_batch, self.run_id, metrics=items[i:i + 500])
+        rows, self._pending = self._pending, []
+        _log_metric_rows(self.c, self.run_id, rows)
         self._last_flush = time.monotonic()
