@@ -292,3 +292,20 @@ def test_stage_declares_documents_in_tokenizer_out():
     assert STAGE.name == "tokenizer" and STAGE.produces == "tokenizer"
     assert STAGE.inputs["documents"].accepts("documents") and STAGE.inputs["documents"].accepts("scored_documents")
     assert STAGE.params is TokenizerParams and STAGE.run is run
+
+
+def test_bytes_per_token_is_recomputed_exactly_from_held_out_documents(documents, trained, tokenizer):
+    """The metric is UTF-8 bytes / tokens over the documents held out by id hash (no specials added)."""
+    from data.documents import iter_documents, unit_hash
+
+    totals: dict[str, list[int]] = {}
+    for rec in iter_documents(documents.path):
+        if unit_hash(0, "eval", rec["id"]) < 0.1:  # the hold-out rule with the _train params
+            t = totals.setdefault(rec["domain"] or "unknown", [0, 0])
+            t[0] += len(rec["text"].encode("utf-8"))
+            t[1] += len(tokenizer.encode(rec["text"]))
+    assert totals, "the test corpus must hold out some documents"
+    for domain, (n_bytes, n_tokens) in totals.items():
+        assert trained.sink.last(f"bytes_per_token.{domain}") == pytest.approx(n_bytes / n_tokens, rel=1e-9)
+    all_bytes, all_tokens = (sum(t[i] for t in totals.values()) for i in (0, 1))
+    assert trained.summary["bytes_per_token"] == pytest.approx(all_bytes / all_tokens, rel=1e-9)
