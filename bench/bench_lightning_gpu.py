@@ -7,6 +7,7 @@ Issue 5's measurements in one script, each a task (``--tasks``, comma-separated)
             o, final state, dq, dk, dv, dS0 (dense, split into segments, varlen, d=64), fla alongside
   tune      kernel configs side by side (KernelConfig variants) at a few N, with registers/spills
   profile   Nsight Compute on this script's --profile-run (our kernels at N=8K and 128K)
+  breakdown GPU time per kernel (torch.profiler) of ours, fwd and fwd+bwd, at the tune lengths
   main      fwd and fwd+bwd, bf16, H=16, d=128, B·N = 128K tokens, N = 512 .. 128K:
             ours, fla chunk_simple_gla (g_gamma = −s, scale 1), torch SDPA cuDNN and flash;
             Mtok/s, speedup over fla, fraction of the byte floor, crossover with cuDNN
@@ -45,7 +46,7 @@ import time
 import traceback
 import zlib
 
-ALL_TASKS = ["meta", "ceilings", "correct", "tune", "profile", "main", "layout", "decode"]
+ALL_TASKS = ["meta", "ceilings", "correct", "tune", "profile", "breakdown", "main", "layout", "decode"]
 DEFAULT_TASKS = ["meta", "ceilings", "correct", "main", "layout", "decode"]
 
 
@@ -58,6 +59,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="N values of the main task")
     p.add_argument("--tune-lengths", type=int, nargs="+", default=[2048, 16384, 131072])
     p.add_argument("--variants", default="all", help="tune: comma-separated variant names, or all")
+    p.add_argument(
+        "--rate-layers", type=int, nargs="+", default=[0],
+        help="decay rates of these layers (of 32) in tune/breakdown; main uses the first (0: fastest decay)",
+    )
     p.add_argument("--no-fla", action="store_true", help="skip fla even if importable")
     p.add_argument(
         "--ops", default="all", help="main: comma-separated op names (ours, fla_chunk_simple_gla, ...)"
@@ -130,6 +135,7 @@ VARIANTS = {
     "fuse_dq32_state_bv32": KernelConfig(fuse_dq_state=True, dq_block_v=32, state_block_v=32),
     "state_recurrent": KernelConfig(state_direct_weights=False),
     "state_split1": KernelConfig(state_split=1),
+    "state_nohorizon": KernelConfig(state_horizon_bits=None),
 }
 
 
@@ -158,9 +164,11 @@ def over_budget(what: str) -> bool:
     return False
 
 
-def rates_for(heads: int) -> torch.Tensor:
-    """Decay rates of layer 0 of 32 (fast decay, as the anchors' MiniMax slopes); speed ignores them."""
-    return lightning_decay_rates(heads, 0, 32, device=DEV)
+def rates_for(heads: int, layer: int | None = None) -> torch.Tensor:
+    """Decay rates of one layer of 32 (default the first of --rate-layers; layer 0 decays fastest, as
+    the anchors' MiniMax slopes). Only the segment state passes' reads depend on them (their horizon:
+    tokens weighing < 2^-40 are skipped), so at long N with few heads the time does too."""
+    return lightning_decay_rates(heads, ARGS.rate_layers[0] if layer is None else layer, 32, device=DEV)
 
 
 def sync() -> None:
@@ -308,13 +316,14 @@ def _time_fwd_bwd(fn, batch, n, heads, d, layout, rates):
     return bench(fwd_bwd, grads=(q, k, v))
 
 
-def measure(name, fn, layout, family, n, heads=None, d=None, tag="", cfg_name=None):
+def measure(name, fn, layout, family, n, heads=None, d=None, tag="", cfg_name=None, layer=None):
     heads, d = heads or H, d or D
     batch = TOTAL // n
-    rec = dict(op=name, family=family, N=n, B=batch, H=heads, d=d, tag=tag, config=cfg_name)
+    layer = ARGS.rate_layers[0] if layer is None else layer
+    rec = dict(op=name, family=family, N=n, B=batch, H=heads, d=d, tag=tag, config=cfg_name, rate_layer=layer)
     if over_budget(f"{name} N={n} {tag}"):
         return None
-    rates = rates_for(heads)
+    rates = rates_for(heads, layer)
     try:
         rec["fwd_ms"], rec["fwd_mode"] = _time_fwd(fn, batch, n, heads, d, layout, rates)
         if CUDA:
@@ -523,8 +532,9 @@ def t_tune():
         except Exception as err:  # noqa: BLE001
             info["error"] = repr(err)[:300]
         log(f"variant {name}: {cfg} kernels {info}")
-        for n in TUNE_N:
-            rec = measure("ours", ours_op(cfg), "bhnd", "linear", n, tag=f"tune:{name}", cfg_name=name)
+        for n, layer in itertools.product(TUNE_N, ARGS.rate_layers):
+            tag = f"tune:{name}" + (f":L{layer}" if len(ARGS.rate_layers) > 1 else "")
+            rec = measure("ours", ours_op(cfg), "bhnd", "linear", n, tag=tag, cfg_name=name, layer=layer)
             if rec is not None:
                 rec["kernels"] = info
                 RES["tune"].append(rec)
@@ -534,7 +544,7 @@ def t_tune():
         totals = {}
         for name in names:
             times = [r.get("fwdbwd_ms") for r in RES["tune"] if r["config"] == name]
-            if len(times) == len(TUNE_N) and all(times):
+            if len(times) == len(TUNE_N) * len(ARGS.rate_layers) and all(times):
                 totals[name] = sum(times)
         if totals:
             best = min(totals, key=totals.get)
@@ -619,6 +629,63 @@ def profile_run():
             o, _ = lightning_attn_triton(q, k, v, rates, 64)
             o.backward(do)
         sync()
+
+
+def _kernel_times(fn, iters: int) -> tuple[dict, float]:
+    """({kernel name: GPU µs per call of fn}, wall ms per call) over ``iters`` profiled calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if CUDA else ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        wall = (time.perf_counter() - t) * 1e3 / iters
+    out: dict = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            out[ev.key[:60]] = out.get(ev.key[:60], 0.0) + us / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])), wall
+
+
+def t_breakdown():
+    """Where the time goes: GPU time per kernel of one fwd and one fwd+bwd, at each tune length and
+    rate layer, for the variants named by --variants (default: the chosen config)."""
+    names = ["default"] if ARGS.variants == "all" else ARGS.variants.split(",")
+    for name, n, layer in itertools.product(names, TUNE_N, ARGS.rate_layers):
+        if over_budget(f"breakdown {name} N={n} L{layer}"):
+            return
+        cfg = VARIANTS[name]
+        batch = TOTAL // n
+        rates = rates_for(H, layer)
+        rec = dict(variant=name, N=n, B=batch, rate_layer=layer)
+        try:
+            q, k, v = inputs(batch, n, H, D, "bhnd", True, seed=n + 5)
+            do = torch.randn_like(q)
+            fn = ours_op(cfg)
+
+            def fwd():
+                with torch.no_grad():
+                    fn(q, k, v, rates)
+
+            def fwd_bwd():
+                for x in (q, k, v):
+                    x.grad = None
+                fn(q, k, v, rates).backward(do)
+
+            rec["fwd_kernels_us"], rec["fwd_wall_ms"] = _kernel_times(fwd, 5)
+            rec["fwdbwd_kernels_us"], rec["fwdbwd_wall_ms"] = _kernel_times(fwd_bwd, 5)
+        except Exception as err:  # noqa: BLE001
+            rec["error"] = repr(err)[:400]
+            RES["errors"].append(f"breakdown {name} N={n}: {traceback.format_exc()[-2000:]}")
+        RES.setdefault("breakdown", []).append(rec)
+        log(f"[{elapsed():6.1f}s] BREAKDOWN {json.dumps(rec, default=lambda x: round(x, 1))}")
+        save()
+        if CUDA:
+            torch.cuda.empty_cache()
 
 
 def t_main():
@@ -803,9 +870,10 @@ def tables() -> str:
     if tune:
         out += ["", "### tune: ours by config, median ms", ""]
         out.append(
-            "| config | N | fwd ms | fwd+bwd ms | fwd regs/spills | reverse regs/spills | dq(fused) regs/spills |"
+            "| config | N | rate layer | fwd ms | fwd+bwd ms | fwd regs/spills | reverse regs/spills "
+            "| state regs/spills |"
         )
-        out.append("|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|")
         for r in tune:
             kern = r.get("kernels", {})
 
@@ -814,8 +882,8 @@ def tables() -> str:
                 return f"{x.get('regs', '-')}/{x.get('spills', '-')}"
 
             out.append(
-                f"| {r['config']} | {_human(r['N'])} | {_fmt(r.get('fwd_ms'))} | {_fmt(r.get('fwdbwd_ms'))} | "
-                f"{rs('fwd')} | {rs('rev')} | {rs('dq_fused')} |"
+                f"| {r['config']} | {_human(r['N'])} | {r.get('rate_layer')} | {_fmt(r.get('fwd_ms'))} | "
+                f"{_fmt(r.get('fwdbwd_ms'))} | {rs('fwd')} | {rs('rev')} | {rs('state')} |"
             )
     layout = [r for r in RES["timings"] if r.get("tag") == "layout"]
     if layout:

@@ -10,6 +10,7 @@ file checks realistic sizes in bfloat16 against the float64 PyTorch chunk form.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import pytest
@@ -227,6 +228,58 @@ def test_segmented_sequences_match_reference(case, segment_chunks, extra):
     cfg = KernelConfig(segment_chunks=segment_chunks * (8 if ON_GPU else 1), **extra)
     errs = errors_vs_reference(triton_fn(s, BLOCK, config=cfg), q, k, v, s, s0, None, LOW)
     assert_close_rel(errs, LOW, f"segmented {case}")
+
+
+def test_segmented_fast_decays_match_reference_with_and_without_the_state_horizon():
+    # heads that forget within a few tokens (the horizon skips most of each segment), one that
+    # forgets within about a segment, and a plain prefix sum (nothing may be skipped)
+    length = 1000 if ON_GPU else 150
+    q, k, v, _, s0 = make_inputs(2, 4, length, 16, 32, 0, True, seed=23)
+    s = torch.tensor([3.0, 0.4, 0.02, 1e-9], dtype=F64, device=DEV)
+    for bits in (40, None):
+        cfg = KernelConfig(segment_chunks=4 if not ON_GPU else 3, state_horizon_bits=bits)
+        errs = errors_vs_reference(triton_fn(s, BLOCK, config=cfg), q, k, v, s, s0, None, torch.float32)
+        assert_close_rel(errs, torch.float32, f"fast decays, horizon bits {bits}")
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward_k_v", "reverse_q_dO"])
+def test_state_horizon_never_reads_tokens_beyond_reach(reverse):
+    # Plant NaN in each segment's token farthest from its weighted edge (its first token for the
+    # forward state, whose weights λ^(e−1−t) grow towards the end; its last for the reverse one). Head 0
+    # forgets within ~9 tokens, so with the horizon that token is never loaded and the states stay
+    # finite and equal to the float64 sums over the clean segment; without it, 0·NaN poisons them.
+    chunk, seg, length, d = 16, 4, 16 * 4 * 4, 16
+    x = activated(1, 2, length, d, seed=31).float()
+    y = activated(1, 2, length, d, seed=32).float()
+    rates = torch.tensor([3.0, 1e-9], device=DEV)
+    cfg = KernelConfig(segment_chunks=seg)
+    plan = triton_chunk.make_plan(1, length, None, 2, d, chunk, torch.device(DEV), cfg)
+    items = plan.items.cpu().tolist()
+    poisoned = x.clone()
+    for _, _, a, e, _, _ in items:
+        poisoned[0, 0, e - 1 if reverse else a] = float("nan")
+    for bits, finite in ((40, True), (None, False)):
+        local, parts, _ = triton_chunk.segment_local_states(
+            poisoned, y, rates, plan, chunk, KernelConfig(segment_chunks=seg, state_horizon_bits=bits), reverse
+        )
+        for _, _, a, e, flags, slot in items:
+            if flags & (triton_chunk.FIRST if reverse else triton_chunk.LAST):
+                continue  # this segment's state is never computed (the main pass makes it)
+            got = local[slot * parts : (slot + 1) * parts, 0].sum(0)
+            assert bool(torch.isfinite(got).all()) is finite, f"bits={bits} segment [{a}, {e})"
+            if finite:
+                t = torch.arange(a, e, device=DEV, dtype=F64)
+                w = torch.exp(-3.0 * ((t - a + 1) if reverse else (e - 1 - t)))
+                want = x[0, 0, a:e].double().T @ (y[0, 0, a:e].double() * w[:, None])
+                assert rel(got, want) < 1e-6
+
+
+def test_horizon_tokens_bound_the_dropped_weight():
+    for rate in (3.0, 0.7, 0.0039, 1e-7):
+        n = triton_chunk.horizon_tokens(rate)
+        assert math.exp(-rate * n) == pytest.approx(2.0**-40, rel=1e-9)
+    assert triton_chunk.horizon_tokens(0.0) == math.inf
+    assert triton_chunk.horizon_tokens(0.5, None) == math.inf
 
 
 def test_segment_policy_splits_only_to_fill_one_wave():

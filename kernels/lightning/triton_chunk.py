@@ -60,6 +60,7 @@ class KernelConfig:
     state_warps: int = 4
     state_stages: int = 2
     state_direct_weights: bool = True  # state pass: each token's own λ power, no per-chunk rescale
+    state_horizon_bits: int | None = 40  # state passes skip tokens weighing < 2^-bits (direct weights); None: off
     state_split: int | None = None  # programs per segment in the state pass; None: about two waves
     fuse_dq_state: bool = False  # the dq pass also sums the reverse segment states (one read less)
     dq_block_v: int | None = None  # value (= d_k) tile of a fused dq pass; None: block_v
@@ -247,7 +248,7 @@ def _segment_state_kernel(
     H, P,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     MASK_K: tl.constexpr, MASK_V: tl.constexpr, REVERSE: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HORIZON_NATS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # fmt: on
     """A segment's local state from zero, written to out[slot]:
@@ -257,7 +258,12 @@ def _segment_state_kernel(
     accumulation; weights far from the edge underflow to 0, below any term that counts) instead of
     rescaling the accumulator by λ^L every chunk. With direct weights the segment's chunks can be
     shared by P programs (sub-range p of P), whose partial sums go to out[slot·P + p] for the scan
-    to add: a long segment's state then needs no long sequential walk."""
+    to add: a long segment's state then needs no long sequential walk.
+    HORIZON_NATS > 0 (direct weights only) reads just the chunks within reach of the weighted edge (the end
+    for the forward, the start for the reverse): a token n positions away weighs λ^n, and once
+    λ^n < 2^-bits (n ≥ HORIZON_NATS/s, HORIZON_NATS = bits·ln 2; 40 bits by default) it adds less than
+    2^-16 of one fp32 ulp of a term at the edge, so fast-forgetting heads skip most of a long segment
+    (``horizon_tokens``)."""
     n_tiles: tl.constexpr = (V + BV - 1) // BV
     item = tl.program_id(0) // (n_tiles * P)
     part = (tl.program_id(0) // n_tiles) % P
@@ -281,14 +287,26 @@ def _segment_state_kernel(
         y_base = y + b.to(tl.int64) * s_yb + h.to(tl.int64) * s_yh
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         n_chunks = tl.cdiv(end - start, C)
-        per = tl.cdiv(n_chunks, P)
-        c_lo = tl.minimum(part * per, n_chunks)
-        c_hi = tl.minimum(c_lo + per, n_chunks)
+        n_use = n_chunks  # chunks that can carry weight, counted from the weighted edge
+        if HORIZON_NATS > 0:
+            rate = tl.load(rates + h).to(tl.float32)
+            reach = tl.where(rate > 0, HORIZON_NATS / tl.maximum(rate, 1e-30), 3.0e38)
+            reach = tl.minimum(reach, (n_chunks * C).to(tl.float32))  # no int overflow for slow heads
+            n_use = tl.minimum(n_chunks, tl.cdiv(reach.to(tl.int32), C) + 1)
+        per = tl.cdiv(n_use, P)
+        c_lo = tl.minimum(part * per, n_use)
+        c_hi = tl.minimum(c_lo + per, n_use)
         for c in range(c_lo, c_hi):
-            if REVERSE:
-                t0 = start + (n_chunks - 1 - c) * C
-            else:
-                t0 = start + c * C
+            if DIRECT:  # any order: c counts from the weighted edge (the last chunk forward, the first reverse)
+                if REVERSE:
+                    t0 = start + c * C
+                else:
+                    t0 = start + (n_chunks - 1 - c) * C
+            else:  # the recurrence walks away from the weighted edge's far side
+                if REVERSE:
+                    t0 = start + (n_chunks - 1 - c) * C
+                else:
+                    t0 = start + c * C
             rows = t0 + offs_c
             row_mask = rows < end
             n_valid = tl.minimum(end - t0, C)
@@ -555,6 +573,12 @@ def chunk_pass(
     )
 
 
+def _horizon_nats(cfg: KernelConfig) -> float:
+    if cfg.state_horizon_bits is None or not cfg.state_direct_weights:
+        return 0.0
+    return cfg.state_horizon_bits * math.log(2)
+
+
 def _state_parts(plan: WorkPlan, heads: int, tiles: int, chunk_count: int, device, cfg: KernelConfig) -> int:
     """Programs per segment in the state pass (direct weights only): none extra when the segments
     alone fill 3/4 of a wave, else enough for about two waves. Measured on an H200 (B·N = 128K, H=16):
@@ -568,6 +592,16 @@ def _state_parts(plan: WorkPlan, heads: int, tiles: int, chunk_count: int, devic
     if 4 * active >= 3 * wave:
         return 1
     return max(1, min(16, 2 * wave // active, chunk_count // 4))
+
+
+def horizon_tokens(rate: float, bits: int | None = DEFAULT_CONFIG.state_horizon_bits) -> float:
+    """Distance in tokens past which a state pass ignores a token: λ^n = exp(−s·n) < 2^-bits. This is
+    the decay-aware read the segment state passes do (HORIZON_NATS): a fast head (MiniMax layer 0,
+    head 0: s ≈ 0.71) reaches 40 tokens, the slowest head of layer 0 (s ≈ 0.0039) 7.1K, and the last
+    layers' heads (s → 1e-5 · s₀) the whole segment. ``inf`` when off or s ≤ 0."""
+    if bits is None or rate <= 0:
+        return math.inf
+    return bits * math.log(2) / rate
 
 
 def segment_local_states(x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelConfig, reverse: bool):
@@ -586,6 +620,7 @@ def segment_local_states(x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelCon
         dict(
             K=d_k, V=d_v, C=chunk, BK=bk, BV=bv, MASK_K=d_k != bk, MASK_V=d_v % bv != 0,
             REVERSE=reverse, DIRECT=cfg.state_direct_weights, DOT_PREC=_dot_precision(x.dtype),
+            HORIZON_NATS=_horizon_nats(cfg),
         ),  # fmt: skip
         cfg.state_warps,
         cfg.state_stages,
