@@ -136,6 +136,8 @@ VARIANTS = {
     "state_recurrent": KernelConfig(state_direct_weights=False),
     "state_split1": KernelConfig(state_split=1),
     "state_nohorizon": KernelConfig(state_horizon_bits=None),
+    "state_min4": KernelConfig(state_min_part_chunks=4),
+    "state_min16": KernelConfig(state_min_part_chunks=16),
 }
 
 

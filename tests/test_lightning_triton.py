@@ -236,19 +236,24 @@ def test_segmented_fast_decays_match_reference_with_and_without_the_state_horizo
     length = 1000 if ON_GPU else 150
     q, k, v, _, s0 = make_inputs(2, 4, length, 16, 32, 0, True, seed=23)
     s = torch.tensor([3.0, 0.4, 0.02, 1e-9], dtype=F64, device=DEV)
-    for bits in (40, None):
-        cfg = KernelConfig(segment_chunks=4 if not ON_GPU else 3, state_horizon_bits=bits)
+    seg = 4 if not ON_GPU else 3
+    for bits, split in itertools.product((40, None), (None, 3)):
+        # split 3 with 1-chunk parts: heads whose horizon has fewer chunks leave parts unwritten
+        extra = {"state_split": split, "state_min_part_chunks": 1} if split else {}
+        cfg = KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra)
         errs = errors_vs_reference(triton_fn(s, BLOCK, config=cfg), q, k, v, s, s0, None, torch.float32)
         assert_close_rel(errs, torch.float32, f"fast decays, horizon bits {bits}")
 
 
+@pytest.mark.parametrize("split", [None, 3], ids=["one_part", "three_parts"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward_k_v", "reverse_q_dO"])
-def test_state_horizon_never_reads_tokens_beyond_reach(reverse):
+def test_state_horizon_never_reads_tokens_beyond_reach(reverse, split):
     # Plant NaN in each segment's token farthest from its weighted edge (its first token for the
     # forward state, whose weights λ^(e−1−t) grow towards the end; its last for the reverse one). Head 0
     # forgets within ~9 tokens, so with the horizon that token is never loaded and the states stay
     # finite and equal to the float64 sums over the clean segment; without it, 0·NaN poisons them.
     chunk, seg, length, d = 16, 4, 16 * 4 * 4, 16
+    extra = {"state_split": split, "state_min_part_chunks": 1} if split else {}
     x = activated(1, 2, length, d, seed=31).float()
     y = activated(1, 2, length, d, seed=32).float()
     rates = torch.tensor([3.0, 1e-9], device=DEV)
@@ -260,18 +265,40 @@ def test_state_horizon_never_reads_tokens_beyond_reach(reverse):
         poisoned[0, 0, e - 1 if reverse else a] = float("nan")
     for bits, finite in ((40, True), (None, False)):
         local, parts, _ = triton_chunk.segment_local_states(
-            poisoned, y, rates, plan, chunk, KernelConfig(segment_chunks=seg, state_horizon_bits=bits), reverse
+            poisoned, y, rates, plan, chunk, KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra), reverse
         )
         for _, _, a, e, flags, slot in items:
             if flags & (triton_chunk.FIRST if reverse else triton_chunk.LAST):
                 continue  # this segment's state is never computed (the main pass makes it)
-            got = local[slot * parts : (slot + 1) * parts, 0].sum(0)
+            cfg_b = KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra)
+            n_written = triton_chunk.written_parts(3.0, -(-(e - a) // chunk), chunk, parts, cfg_b)
+            got = local[slot * parts : slot * parts + n_written, 0].sum(0)
             assert bool(torch.isfinite(got).all()) is finite, f"bits={bits} segment [{a}, {e})"
             if finite:
                 t = torch.arange(a, e, device=DEV, dtype=F64)
                 w = torch.exp(-3.0 * ((t - a + 1) if reverse else (e - 1 - t)))
                 want = x[0, 0, a:e].double().T @ (y[0, 0, a:e].double() * w[:, None])
                 assert rel(got, want) < 1e-6
+
+
+def test_state_split_follows_each_heads_horizon(monkeypatch):
+    # B·N = 128K, H=16, d=128 on an H100's 132 SMs at N=128K: 8 segments of 256 chunks, 7 need a state
+    monkeypatch.setattr(triton_chunk, "_sm_count", lambda device: 132)
+    cfg = KernelConfig()
+    plan = triton_chunk.make_plan(1, 131072, None, 16, 128, 64, torch.device(DEV), cfg)
+    assert plan.n_items == 8
+
+    def parts(layer):
+        return triton_chunk._state_parts(plan, 16, 2, 256, DEV, cfg, lightning_decay_rates(16, layer, 32), 64)
+
+    # the last layer forgets nothing: every head reads its whole segment, 224 programs fill the wave
+    assert parts(31) == 1
+    assert triton_chunk._state_parts(plan, 16, 2, 256, DEV, cfg) == 1  # rates unknown: same as no horizon
+    # layer 0: head 15 reads 112 chunks, head 0 two: split so that head 15 is not a long tail
+    p0 = parts(0)
+    assert 8 <= p0 <= 16
+    assert triton_chunk.written_parts(0.71, 256, 64, p0, cfg) == 1  # a fast head: one part
+    assert triton_chunk.written_parts(2**-8, 256, 64, p0, cfg) == p0
 
 
 def test_horizon_tokens_bound_the_dropped_weight():

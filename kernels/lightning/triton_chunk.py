@@ -61,7 +61,8 @@ class KernelConfig:
     state_stages: int = 2
     state_direct_weights: bool = True  # state pass: each token's own λ power, no per-chunk rescale
     state_horizon_bits: int | None = 40  # state passes skip tokens weighing < 2^-bits (direct weights); None: off
-    state_split: int | None = None  # programs per segment in the state pass; None: about two waves
+    state_split: int | None = None  # programs per segment in the state pass; None: from the work (_state_parts)
+    state_min_part_chunks: int = 8  # a state-pass program takes at least this many chunks of a segment
     fuse_dq_state: bool = False  # the dq pass also sums the reverse segment states (one read less)
     dq_block_v: int | None = None  # value (= d_k) tile of a fused dq pass; None: block_v
     mask_in_loop: bool = False  # recompute the [C, C] decay mask every chunk instead of holding it
@@ -240,6 +241,20 @@ def _chunk_kernel(
             tl.store(rev_ptrs, rev, mask=(offs_v[:, None] < V) & (offs_k[None, :] < K))
 
 
+@triton.jit
+def _state_span(rate, n_chunks, P, C: tl.constexpr, MIN_PART: tl.constexpr, HORIZON_NATS: tl.constexpr):
+    """(chunks a segment's state pass reads, chunks per part): the chunks within the decay horizon
+    (all of them when HORIZON_NATS = 0), shared by up to P programs of at least MIN_PART chunks each.
+    The scan calls this too, to know how many partial sums a segment has."""
+    n_use = n_chunks
+    if HORIZON_NATS > 0:
+        reach = tl.where(rate > 0, HORIZON_NATS / tl.maximum(rate, 1e-30), 3.0e38)
+        reach = tl.minimum(reach, (n_chunks * C).to(tl.float32))  # no int overflow for slow heads
+        n_use = tl.minimum(n_chunks, tl.cdiv(reach.to(tl.int32), C) + 1)
+    per = tl.maximum(tl.cdiv(n_use, P), MIN_PART)
+    return n_use, per
+
+
 # fmt: off
 @triton.jit
 def _segment_state_kernel(
@@ -248,7 +263,7 @@ def _segment_state_kernel(
     H, P,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     MASK_K: tl.constexpr, MASK_V: tl.constexpr, REVERSE: tl.constexpr, DIRECT: tl.constexpr,
-    HORIZON_NATS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HORIZON_NATS: tl.constexpr, MIN_PART: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # fmt: on
     """A segment's local state from zero, written to out[slot]:
@@ -257,8 +272,9 @@ def _segment_state_kernel(
     DIRECT weighs every token by its own power of λ (a plain sum: the matrix unit can chain the
     accumulation; weights far from the edge underflow to 0, below any term that counts) instead of
     rescaling the accumulator by λ^L every chunk. With direct weights the segment's chunks can be
-    shared by P programs (sub-range p of P), whose partial sums go to out[slot·P + p] for the scan
-    to add: a long segment's state then needs no long sequential walk.
+    shared by P programs (sub-range p of P, at least MIN_PART chunks each: programs left without
+    chunks write nothing), whose partial sums go to out[slot·P + p] for the scan to add: a long
+    segment's state then needs no long sequential walk.
     HORIZON_NATS > 0 (direct weights only) reads just the chunks within reach of the weighted edge (the end
     for the forward, the start for the reverse): a token n positions away weighs λ^n, and once
     λ^n < 2^-bits (n ≥ HORIZON_NATS/s, HORIZON_NATS = bits·ln 2; 40 bits by default) it adds less than
@@ -275,26 +291,21 @@ def _segment_state_kernel(
         unused = flags & 1  # a first segment's reverse state only makes dS0, which the dv pass writes
     else:
         unused = flags & 2  # a last segment's end state is the final state, which the main pass writes
-    if (slot >= 0) & (unused == 0):
+    start = tl.load(items + item * 6 + 2)
+    end = tl.load(items + item * 6 + 3)
+    rate = tl.load(rates + h).to(tl.float32)
+    n_chunks = tl.cdiv(end - start, C)
+    n_use, per = _state_span(rate, n_chunks, P, C, MIN_PART, HORIZON_NATS)
+    c_lo = part * per
+    if (slot >= 0) & (unused == 0) & (c_lo < n_use):
         b = tl.load(items + item * 6 + 0)
-        start = tl.load(items + item * 6 + 2)
-        end = tl.load(items + item * 6 + 3)
-        neg = -tl.load(rates + h).to(tl.float32) * 1.4426950408889634
+        neg = -rate * 1.4426950408889634
         offs_c = tl.arange(0, C)
         offs_k = tl.arange(0, BK)
         offs_v = i_v * BV + tl.arange(0, BV)
         x_base = x + b.to(tl.int64) * s_xb + h.to(tl.int64) * s_xh
         y_base = y + b.to(tl.int64) * s_yb + h.to(tl.int64) * s_yh
         acc = tl.zeros([BK, BV], dtype=tl.float32)
-        n_chunks = tl.cdiv(end - start, C)
-        n_use = n_chunks  # chunks that can carry weight, counted from the weighted edge
-        if HORIZON_NATS > 0:
-            rate = tl.load(rates + h).to(tl.float32)
-            reach = tl.where(rate > 0, HORIZON_NATS / tl.maximum(rate, 1e-30), 3.0e38)
-            reach = tl.minimum(reach, (n_chunks * C).to(tl.float32))  # no int overflow for slow heads
-            n_use = tl.minimum(n_chunks, tl.cdiv(reach.to(tl.int32), C) + 1)
-        per = tl.cdiv(n_use, P)
-        c_lo = tl.minimum(part * per, n_use)
         c_hi = tl.minimum(c_lo + per, n_use)
         for c in range(c_lo, c_hi):
             if DIRECT:  # any order: c counts from the weighted edge (the last chunk forward, the first reverse)
@@ -333,19 +344,21 @@ def _segment_state_kernel(
 def _segment_scan_kernel(
     local, starts, seq_init, items, multi, rates,
     H, P,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    REVERSE: tl.constexpr, HAS_SEQ_INIT: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    MIN_PART: tl.constexpr, HORIZON_NATS: tl.constexpr, REVERSE: tl.constexpr, HAS_SEQ_INIT: tl.constexpr,
 ):
     # fmt: on
     """Start states of a split sequence's segments: S = init; for each segment (right to left for the
-    dk/dv passes): starts[slot] = S; S = λ^len S + Σ_p local[slot·P + p]."""
+    dk/dv passes): starts[slot] = S; S = λ^len S + Σ_p local[slot·P + p] over the parts the state
+    pass wrote (``_state_span``)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     i_v = tl.program_id(2)
     m = tl.load(multi + j * 3 + 0)
     first = tl.load(multi + j * 3 + 1)
     count = tl.load(multi + j * 3 + 2)
-    neg = -tl.load(rates + h).to(tl.float32) * 1.4426950408889634
+    rate = tl.load(rates + h).to(tl.float32)
+    neg = -rate * 1.4426950408889634
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
@@ -363,7 +376,8 @@ def _segment_scan_kernel(
         if i + 1 < count:
             length = tl.load(items + item * 6 + 3) - tl.load(items + item * 6 + 2)
             state = state * _decay(length.to(tl.float32), neg)
-            for p in range(0, P):
+            n_use, per = _state_span(rate, tl.cdiv(length, C), P, C, MIN_PART, HORIZON_NATS)
+            for p in range(0, tl.cdiv(n_use, per)):
                 ptrs = _state_ptrs(local, slot * P + p, h, H, K, V, offs_k, offs_v, V, 1)
                 state += tl.load(ptrs, mask=state_mask, other=0.0)
 
@@ -579,19 +593,65 @@ def _horizon_nats(cfg: KernelConfig) -> float:
     return cfg.state_horizon_bits * math.log(2)
 
 
-def _state_parts(plan: WorkPlan, heads: int, tiles: int, chunk_count: int, device, cfg: KernelConfig) -> int:
-    """Programs per segment in the state pass (direct weights only): none extra when the segments
-    alone fill 3/4 of a wave, else enough for about two waves. Measured on an H200 (B·N = 128K, H=16):
-    4 at N=32K and 2 at 64K beat 1 by 6% and 5% of fwd+bwd; at 128K (224 programs) 2 lost 2%."""
+_HOST_RATES: dict[tuple, tuple[float, ...]] = {}
+
+
+def _host_rates(rates: torch.Tensor) -> tuple[float, ...] | None:
+    """The decay rates on the host, read once per rates tensor (the model keeps one per layer and
+    device), so the state-pass split can follow each head's horizon. None while a CUDA graph is being
+    captured (no device-to-host copy allowed). A stale entry (memory reused by other rates) only
+    changes how the work is split, never a result."""
+    key = (rates.data_ptr(), rates._version, str(rates.device), rates.numel())
+    hit = _HOST_RATES.get(key)
+    if hit is None:
+        if rates.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        if len(_HOST_RATES) > 1024:
+            _HOST_RATES.clear()
+        hit = _HOST_RATES[key] = tuple(float(r) for r in rates.detach().float().cpu())
+    return hit
+
+
+def _span_chunks(rate: float, n_chunks: int, chunk: int, horizon_nats: float) -> int:
+    """Host copy of ``_state_span``'s chunk count (float rounding at a boundary only moves the split)."""
+    if horizon_nats <= 0 or rate <= 0:
+        return n_chunks
+    reach = min(horizon_nats / rate, float(n_chunks * chunk))
+    return min(n_chunks, -(-int(reach) // chunk) + 1)
+
+
+def _state_parts(
+    plan: WorkPlan, heads: int, tiles: int, chunk_count: int, device, cfg: KernelConfig, rates=None, chunk=64
+) -> int:
+    """Programs per segment in the state pass (direct weights only), from the work each head has:
+    its chunks within the decay horizon (``_span_chunks``; every chunk without rates or horizon).
+    x = longest head's chunks × wave / all chunks is how many parts the longest head needs for its
+    part to be no longer than an even share of one wave. x ≤ 4/3 (the segments fill ~3/4 of a wave
+    or more): 1, no partial sums to write; else 2x (about two waves of parts), at most 16.
+    Uniform heads give the rule measured on an H200 (B·N = 128K, H=16): 4 at N=32K and 2 at 64K beat 1
+    by 6% and 5% of fwd+bwd; at 128K (224 programs) 2 lost 2%."""
     if not cfg.state_direct_weights:
         return 1
     if cfg.state_split is not None:
         return max(1, cfg.state_split)
-    active = max(1, (plan.n_slots - plan.multi.shape[0]) * heads * tiles)  # one segment per sequence is skipped
-    wave = int(cfg.programs_per_sm * _sm_count(device))
-    if 4 * active >= 3 * wave:
+    active = max(1, (plan.n_slots - plan.multi.shape[0]) * tiles)  # one segment per sequence is skipped
+    host = _host_rates(rates) if rates is not None else None
+    nats = _horizon_nats(cfg)
+    spans = [_span_chunks(r, chunk_count, chunk, nats) for r in host] if host else [chunk_count] * heads
+    longest, total = max(spans), active * sum(spans)
+    wave = cfg.programs_per_sm * _sm_count(device)
+    x = longest * wave / max(1, total)
+    if 3 * x <= 4:
         return 1
-    return max(1, min(16, 2 * wave // active, chunk_count // 4))
+    return max(1, min(16, int(2 * x), -(-longest // cfg.state_min_part_chunks)))
+
+
+def written_parts(rate: float, n_chunks: int, chunk: int, parts: int, cfg: KernelConfig) -> int:
+    """How many of a segment's ``parts`` partial states the state pass writes (host copy of
+    ``_state_span``): the parts that got chunks."""
+    n_use = _span_chunks(rate, n_chunks, chunk, _horizon_nats(cfg))
+    per = max(-(-n_use // parts), cfg.state_min_part_chunks)
+    return -(-n_use // per)
 
 
 def horizon_tokens(rate: float, bits: int | None = DEFAULT_CONFIG.state_horizon_bits) -> float:
@@ -611,7 +671,7 @@ def segment_local_states(x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelCon
     bk, bv = _pow2(d_k), min(_pow2(d_v), cfg.state_block_v)
     tiles = triton.cdiv(d_v, bv)
     chunks_per_item = -(-x.shape[2] // chunk) * x.shape[0] // max(1, plan.n_items)
-    parts = _state_parts(plan, heads, tiles, chunks_per_item, x.device, cfg)
+    parts = _state_parts(plan, heads, tiles, chunks_per_item, x.device, cfg, rates, chunk)
     local = torch.empty(plan.n_slots * parts, heads, d_k, d_v, device=x.device, dtype=torch.float32)
     compiled = _launch(
         _segment_state_kernel,
@@ -620,7 +680,7 @@ def segment_local_states(x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelCon
         dict(
             K=d_k, V=d_v, C=chunk, BK=bk, BV=bv, MASK_K=d_k != bk, MASK_V=d_v % bv != 0,
             REVERSE=reverse, DIRECT=cfg.state_direct_weights, DOT_PREC=_dot_precision(x.dtype),
-            HORIZON_NATS=_horizon_nats(cfg),
+            HORIZON_NATS=_horizon_nats(cfg), MIN_PART=cfg.state_min_part_chunks,
         ),  # fmt: skip
         cfg.state_warps,
         cfg.state_stages,
@@ -628,9 +688,11 @@ def segment_local_states(x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelCon
     return local, parts, compiled
 
 
-def segment_scan(local, rates, seq_init, plan: WorkPlan, reverse: bool, parts: int = 1) -> torch.Tensor:
-    """Start state of every segment slot from the local states (``parts`` partial sums per slot),
-    in time order or against it."""
+def segment_scan(
+    local, rates, seq_init, plan: WorkPlan, reverse: bool, chunk: int, cfg: KernelConfig, parts: int = 1
+) -> torch.Tensor:
+    """Start state of every segment slot from the local states (``parts`` partial sums per slot, of
+    which the scan reads those the state pass wrote), in time order or against it."""
     heads, d_k, d_v = local.shape[1:]
     bk, bv = _pow2(d_k), min(_pow2(d_v), 32)
     starts = torch.empty(plan.n_slots, heads, d_k, d_v, device=local.device, dtype=torch.float32)
@@ -638,7 +700,10 @@ def segment_scan(local, rates, seq_init, plan: WorkPlan, reverse: bool, parts: i
         _segment_scan_kernel,
         (plan.multi.shape[0], heads, triton.cdiv(d_v, bv)),
         (local, starts, seq_init if seq_init is not None else rates, plan.items, plan.multi, rates, heads, parts),
-        dict(K=d_k, V=d_v, BK=bk, BV=bv, REVERSE=reverse, HAS_SEQ_INIT=seq_init is not None),
+        dict(
+            K=d_k, V=d_v, BK=bk, BV=bv, C=chunk, MIN_PART=cfg.state_min_part_chunks,
+            HORIZON_NATS=_horizon_nats(cfg), REVERSE=reverse, HAS_SEQ_INIT=seq_init is not None,
+        ),  # fmt: skip
         4,
         1,
     )
@@ -653,7 +718,7 @@ def lightning_forward(q, k, v, rates, s0, plan: WorkPlan, chunk: int, cfg: Kerne
     starts = None
     if plan.segmented:
         local, parts, _ = segment_local_states(k, v, rates, plan, chunk, cfg, reverse=False)
-        starts = segment_scan(local, rates, s0, plan, reverse=False, parts=parts)
+        starts = segment_scan(local, rates, s0, plan, False, chunk, cfg, parts=parts)
     chunk_pass(q, k, v, out, rates, plan, chunk, cfg, seq_init=s0, slot_init=starts, final=final)
     return out, final, starts
 
@@ -675,7 +740,7 @@ def lightning_backward(q, k, v, rates, s0, starts, d_out, g_final, want_ds0: boo
         parts = 1
         if not fuse:
             local_r, parts, _ = segment_local_states(q, d_out, rates, plan, chunk, cfg, reverse=True)
-        starts_r = segment_scan(local_r, rates, g_final, plan, reverse=True, parts=parts)
+        starts_r = segment_scan(local_r, rates, g_final, plan, True, chunk, cfg, parts=parts)
     # dv, dk: against time order from dS_final (the dv pass ends with dS0 = λ R_0)
     chunk_pass(k, q, d_out, dv, rates, plan, chunk, cfg, reverse=True, seq_init=g_final, slot_init=starts_r, final=ds0)
     chunk_pass(
