@@ -289,7 +289,8 @@ def test_state_split_follows_each_heads_horizon(monkeypatch):
     assert plan.n_items == 8
 
     def parts(layer):
-        return triton_chunk._state_parts(plan, 16, 2, 256, DEV, cfg, lightning_decay_rates(16, layer, 32), 64)
+        host = triton_chunk._host_rates(lightning_decay_rates(16, layer, 32))
+        return triton_chunk._state_parts(plan, 16, 2, 256, DEV, cfg, host, 64)
 
     # the last layer forgets nothing: every head reads its whole segment, 224 programs fill the wave
     assert parts(31) == 1
@@ -299,6 +300,17 @@ def test_state_split_follows_each_heads_horizon(monkeypatch):
     assert 8 <= p0 <= 16
     assert triton_chunk.written_parts(0.71, 256, 64, p0, cfg) == 1  # a fast head: one part
     assert triton_chunk.written_parts(2**-8, 256, 64, p0, cfg) == p0
+
+
+def test_host_rates_are_read_once_per_tensor_and_follow_in_place_changes():
+    rates = torch.tensor([0.5, 0.25])
+    assert triton_chunk._host_rates(rates) == (0.5, 0.25)
+    assert id(rates) in triton_chunk._HOST_RATES
+    rates.mul_(2)  # bumps the version: read again
+    assert triton_chunk._host_rates(rates) == (1.0, 0.5)
+    key = id(rates)
+    del rates
+    assert key not in triton_chunk._HOST_RATES  # forgotten with its tensor: a new one at that id is read anew
 
 
 def test_horizon_tokens_bound_the_dropped_weight():

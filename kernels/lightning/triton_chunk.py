@@ -34,6 +34,7 @@ import functools
 import math
 import os
 import warnings
+import weakref
 
 import torch
 import triton
@@ -344,7 +345,7 @@ def _segment_state_kernel(
 def _segment_scan_kernel(
     local, starts, seq_init, items, multi, rates,
     H, P,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PMAX: tl.constexpr,
     MIN_PART: tl.constexpr, HORIZON_NATS: tl.constexpr, REVERSE: tl.constexpr, HAS_SEQ_INIT: tl.constexpr,
 ):
     # fmt: on
@@ -377,9 +378,10 @@ def _segment_scan_kernel(
             length = tl.load(items + item * 6 + 3) - tl.load(items + item * 6 + 2)
             state = state * _decay(length.to(tl.float32), neg)
             n_use, per = _state_span(rate, tl.cdiv(length, C), P, C, MIN_PART, HORIZON_NATS)
-            for p in range(0, tl.cdiv(n_use, per)):
+            n_parts = tl.cdiv(n_use, per)
+            for p in tl.static_range(PMAX):  # unrolled: the part loads are independent and overlap
                 ptrs = _state_ptrs(local, slot * P + p, h, H, K, V, offs_k, offs_v, V, 1)
-                state += tl.load(ptrs, mask=state_mask, other=0.0)
+                state += tl.load(ptrs, mask=state_mask & (p < n_parts), other=0.0)
 
 
 # ================================================================================================
@@ -593,23 +595,25 @@ def _horizon_nats(cfg: KernelConfig) -> float:
     return cfg.state_horizon_bits * math.log(2)
 
 
-_HOST_RATES: dict[tuple, tuple[float, ...]] = {}
+_HOST_RATES: dict[int, tuple[int, tuple[float, ...]]] = {}  # id(tensor) -> (version, values)
 
 
-def _host_rates(rates: torch.Tensor) -> tuple[float, ...] | None:
-    """The decay rates on the host, read once per rates tensor (the model keeps one per layer and
-    device), so the state-pass split can follow each head's horizon. None while a CUDA graph is being
-    captured (no device-to-host copy allowed). A stale entry (memory reused by other rates) only
-    changes how the work is split, never a result."""
-    key = (rates.data_ptr(), rates._version, str(rates.device), rates.numel())
-    hit = _HOST_RATES.get(key)
+def _host_rates(rates: torch.Tensor | None) -> tuple[float, ...] | None:
+    """The caller's decay-rate tensor on the host, read once per tensor object (the model keeps one
+    per layer and device) and forgotten with it, so the state-pass split can follow each head's
+    horizon. None without rates, and while a CUDA graph is being captured (no device-to-host copy)."""
+    if rates is None:
+        return None
+    hit = _HOST_RATES.get(id(rates))
+    if hit is not None and hit[0] == rates._version:
+        return hit[1]
+    if rates.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    values = tuple(float(r) for r in rates.detach().float().cpu())
     if hit is None:
-        if rates.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        if len(_HOST_RATES) > 1024:
-            _HOST_RATES.clear()
-        hit = _HOST_RATES[key] = tuple(float(r) for r in rates.detach().float().cpu())
-    return hit
+        weakref.finalize(rates, _HOST_RATES.pop, id(rates), None)
+    _HOST_RATES[id(rates)] = (rates._version, values)
+    return values
 
 
 def _span_chunks(rate: float, n_chunks: int, chunk: int, horizon_nats: float) -> int:
@@ -621,7 +625,7 @@ def _span_chunks(rate: float, n_chunks: int, chunk: int, horizon_nats: float) ->
 
 
 def _state_parts(
-    plan: WorkPlan, heads: int, tiles: int, chunk_count: int, device, cfg: KernelConfig, rates=None, chunk=64
+    plan: WorkPlan, heads: int, tiles: int, chunk_count: int, device, cfg: KernelConfig, host_rates=None, chunk=64
 ) -> int:
     """Programs per segment in the state pass (direct weights only), from the work each head has:
     its chunks within the decay horizon (``_span_chunks``; every chunk without rates or horizon).
@@ -635,7 +639,7 @@ def _state_parts(
     if cfg.state_split is not None:
         return max(1, cfg.state_split)
     active = max(1, (plan.n_slots - plan.multi.shape[0]) * tiles)  # one segment per sequence is skipped
-    host = _host_rates(rates) if rates is not None else None
+    host = host_rates
     nats = _horizon_nats(cfg)
     spans = [_span_chunks(r, chunk_count, chunk, nats) for r in host] if host else [chunk_count] * heads
     longest, total = max(spans), active * sum(spans)
@@ -664,14 +668,17 @@ def horizon_tokens(rate: float, bits: int | None = DEFAULT_CONFIG.state_horizon_
     return bits * math.log(2) / rate
 
 
-def segment_local_states(x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelConfig, reverse: bool):
+def segment_local_states(
+    x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelConfig, reverse: bool, host_rates=None
+):
     """(local state of every segment slot from zero [slots·P, H, d_x, d_y] in P partial sums, P,
-    compiled kernel): forward of (k, v), reverse of (q, dO)."""
+    compiled kernel): forward of (k, v), reverse of (q, dO). ``host_rates`` (the rates as floats,
+    when known) let the split follow each head's horizon."""
     heads, d_k, d_v = x.shape[1], x.shape[-1], y.shape[-1]
     bk, bv = _pow2(d_k), min(_pow2(d_v), cfg.state_block_v)
     tiles = triton.cdiv(d_v, bv)
     chunks_per_item = -(-x.shape[2] // chunk) * x.shape[0] // max(1, plan.n_items)
-    parts = _state_parts(plan, heads, tiles, chunks_per_item, x.device, cfg, rates, chunk)
+    parts = _state_parts(plan, heads, tiles, chunks_per_item, x.device, cfg, host_rates, chunk)
     local = torch.empty(plan.n_slots * parts, heads, d_k, d_v, device=x.device, dtype=torch.float32)
     compiled = _launch(
         _segment_state_kernel,
@@ -694,14 +701,15 @@ def segment_scan(
     """Start state of every segment slot from the local states (``parts`` partial sums per slot, of
     which the scan reads those the state pass wrote), in time order or against it."""
     heads, d_k, d_v = local.shape[1:]
-    bk, bv = _pow2(d_k), min(_pow2(d_v), 32)
+    bk, bv = _pow2(d_k), min(_pow2(d_v), 32 if parts == 1 else 16)
     starts = torch.empty(plan.n_slots, heads, d_k, d_v, device=local.device, dtype=torch.float32)
     _launch(
         _segment_scan_kernel,
         (plan.multi.shape[0], heads, triton.cdiv(d_v, bv)),
         (local, starts, seq_init if seq_init is not None else rates, plan.items, plan.multi, rates, heads, parts),
         dict(
-            K=d_k, V=d_v, BK=bk, BV=bv, C=chunk, MIN_PART=cfg.state_min_part_chunks,
+            K=d_k, V=d_v, BK=bk, BV=bv, C=chunk, PMAX=triton.next_power_of_2(parts),
+            MIN_PART=cfg.state_min_part_chunks,
             HORIZON_NATS=_horizon_nats(cfg), REVERSE=reverse, HAS_SEQ_INIT=seq_init is not None,
         ),  # fmt: skip
         4,
@@ -710,20 +718,24 @@ def segment_scan(
     return starts
 
 
-def lightning_forward(q, k, v, rates, s0, plan: WorkPlan, chunk: int, cfg: KernelConfig, want_final: bool):
+def lightning_forward(
+    q, k, v, rates, s0, plan: WorkPlan, chunk: int, cfg: KernelConfig, want_final: bool, host_rates=None
+):
     """(o, final or None, segment start states or None); s0 is float32 contiguous or None."""
     heads, d_k, d_v = q.shape[1], q.shape[-1], v.shape[-1]
     out = _alloc_like(q, d_v)
     final = torch.empty(plan.n_rows, heads, d_k, d_v, device=q.device, dtype=torch.float32) if want_final else None
     starts = None
     if plan.segmented:
-        local, parts, _ = segment_local_states(k, v, rates, plan, chunk, cfg, reverse=False)
+        local, parts, _ = segment_local_states(k, v, rates, plan, chunk, cfg, False, host_rates)
         starts = segment_scan(local, rates, s0, plan, False, chunk, cfg, parts=parts)
     chunk_pass(q, k, v, out, rates, plan, chunk, cfg, seq_init=s0, slot_init=starts, final=final)
     return out, final, starts
 
 
-def lightning_backward(q, k, v, rates, s0, starts, d_out, g_final, want_ds0: bool, plan, chunk, cfg):
+def lightning_backward(
+    q, k, v, rates, s0, starts, d_out, g_final, want_ds0: bool, plan, chunk, cfg, host_rates=None
+):
     """(dq, dk, dv, dS0 float32 or None) from dO and the final-state gradient (float32 or None)."""
     heads, d_k, d_v = q.shape[1], q.shape[-1], v.shape[-1]
     dq, dk, dv = (_alloc_like(x, x.shape[-1]) for x in (q, k, v))
@@ -739,7 +751,7 @@ def lightning_backward(q, k, v, rates, s0, starts, d_out, g_final, want_ds0: boo
     if plan.segmented:
         parts = 1
         if not fuse:
-            local_r, parts, _ = segment_local_states(q, d_out, rates, plan, chunk, cfg, reverse=True)
+            local_r, parts, _ = segment_local_states(q, d_out, rates, plan, chunk, cfg, True, host_rates)
         starts_r = segment_scan(local_r, rates, g_final, plan, True, chunk, cfg, parts=parts)
     # dv, dk: against time order from dS_final (the dv pass ends with dS0 = λ R_0)
     chunk_pass(k, q, d_out, dv, rates, plan, chunk, cfg, reverse=True, seq_init=g_final, slot_init=starts_r, final=ds0)
@@ -760,11 +772,13 @@ class LightningAttentionTriton(torch.autograd.Function):
     are fixed buffers (MiniMax-01 never learns them) and get none."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rates, initial_state, plan: WorkPlan, chunk: int, cfg: KernelConfig, want_final):
+    def forward(
+        ctx, q, k, v, rates, initial_state, plan: WorkPlan, chunk: int, cfg: KernelConfig, want_final, host_rates
+    ):
         s0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
-        out, final, starts = lightning_forward(q, k, v, rates, s0, plan, chunk, cfg, want_final)
+        out, final, starts = lightning_forward(q, k, v, rates, s0, plan, chunk, cfg, want_final, host_rates)
         ctx.save_for_backward(q, k, v, rates, s0, starts)
-        ctx.plan, ctx.chunk, ctx.cfg = plan, chunk, cfg
+        ctx.plan, ctx.chunk, ctx.cfg, ctx.host_rates = plan, chunk, cfg, host_rates
         ctx.state_dtype = initial_state.dtype if initial_state is not None else None
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
         return out, final
@@ -778,10 +792,10 @@ class LightningAttentionTriton(torch.autograd.Function):
         g_final = d_final.to(torch.float32).contiguous() if d_final is not None else None
         want_ds0 = s0 is not None and ctx.needs_input_grad[4]
         dq, dk, dv, ds0 = lightning_backward(
-            q, k, v, rates, s0, starts, d_out, g_final, want_ds0, ctx.plan, ctx.chunk, ctx.cfg
+            q, k, v, rates, s0, starts, d_out, g_final, want_ds0, ctx.plan, ctx.chunk, ctx.cfg, ctx.host_rates
         )
         ds0_out = ds0.to(ctx.state_dtype) if ds0 is not None else None
-        return dq, dk, dv, None, ds0_out, None, None, None, None
+        return dq, dk, dv, None, ds0_out, None, None, None, None, None
 
 
 # ================================================================================================
@@ -841,7 +855,10 @@ def lightning_attn_triton(
     chunk = config.chunk_for(block_size)
     plan = make_plan(batch, length, sequences, heads, v.shape[-1], chunk, q.device, config)
     rates = decay_rates.detach().to(device=q.device, dtype=torch.float32).contiguous()
-    return LightningAttentionTriton.apply(q, k, v, rates, initial_state, plan, chunk, config, output_final_state)
+    host_rates = _host_rates(decay_rates) if plan.segmented else None
+    return LightningAttentionTriton.apply(
+        q, k, v, rates, initial_state, plan, chunk, config, output_final_state, host_rates
+    )
 
 
 def lightning_attn_triton_chunk(
