@@ -64,6 +64,7 @@ class KernelConfig:
     state_horizon_bits: int | None = 40  # state passes skip tokens weighing < 2^-bits (direct weights); None: off
     state_split: int | None = None  # programs per segment in the state pass; None: from the work (_state_parts)
     state_min_part_chunks: int = 8  # a state-pass program takes at least this many chunks of a segment
+    state_reduce: bool = True  # the state pass adds up a segment's parts (else the scan does)
     fuse_dq_state: bool = False  # the dq pass also sums the reverse segment states (one read less)
     dq_block_v: int | None = None  # value (= d_k) tile of a fused dq pass; None: block_v
     mask_in_loop: bool = False  # recompute the [C, C] decay mask every chunk instead of holding it
@@ -259,12 +260,12 @@ def _state_span(rate, n_chunks, P, C: tl.constexpr, MIN_PART: tl.constexpr, HORI
 # fmt: off
 @triton.jit
 def _segment_state_kernel(
-    x, y, rates, out, items,
+    x, y, rates, out, items, counters,
     s_xb, s_xh, s_xt, s_yb, s_yh, s_yt,
     H, P,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     MASK_K: tl.constexpr, MASK_V: tl.constexpr, REVERSE: tl.constexpr, DIRECT: tl.constexpr,
-    HORIZON_NATS: tl.constexpr, MIN_PART: tl.constexpr, DOT_PREC: tl.constexpr,
+    HORIZON_NATS: tl.constexpr, MIN_PART: tl.constexpr, REDUCE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # fmt: on
     """A segment's local state from zero, written to out[slot]:
@@ -275,7 +276,10 @@ def _segment_state_kernel(
     rescaling the accumulator by λ^L every chunk. With direct weights the segment's chunks can be
     shared by P programs (sub-range p of P, at least MIN_PART chunks each: programs left without
     chunks write nothing), whose partial sums go to out[slot·P + p] for the scan to add: a long
-    segment's state then needs no long sequential walk.
+    segment's state then needs no long sequential walk. With REDUCE the parts also add themselves
+    up: each counts itself in on counters[item, h, tile] (zeroed by the caller) after its store, and
+    the last to arrive sums all of them in part order (the result does not depend on who is last)
+    into out[slot·P], the only one the scan then reads.
     HORIZON_NATS > 0 (direct weights only) reads just the chunks within reach of the weighted edge (the end
     for the forward, the start for the reverse): a token n positions away weighs λ^n, and once
     λ^n < 2^-bits (n ≥ HORIZON_NATS/s, HORIZON_NATS = bits·ln 2; 40 bits by default) it adds less than
@@ -336,8 +340,19 @@ def _segment_state_kernel(
                     w = _masked_decay((n_valid - 1 - offs_c).to(tl.float32), neg)
                 acc = acc * _decay(n_valid.to(tl.float32), neg)
             acc = tl.dot(tl.trans(b_x), (b_y * w[:, None]).to(b_y.dtype), acc=acc, input_precision=DOT_PREC)
-        ptrs = _state_ptrs(out, slot * P + part, h, H, K, V, offs_k, offs_v, V, 1)
-        tl.store(ptrs, acc, mask=(offs_k[:, None] < K) & (offs_v[None, :] < V))
+        out_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+        tl.store(_state_ptrs(out, slot * P + part, h, H, K, V, offs_k, offs_v, V, 1), acc, mask=out_mask)
+        if REDUCE:
+            n_parts = tl.cdiv(n_use, per)
+            if n_parts > 1:
+                tl.debug_barrier()  # every thread's store precedes the release below
+                arrived = tl.atomic_add(counters + (item * H + h) * n_tiles + i_v, 1, sem="acq_rel")
+                if arrived == n_parts - 1:
+                    total = tl.zeros([BK, BV], dtype=tl.float32)
+                    for p in range(0, n_parts):
+                        ptrs = _state_ptrs(out, slot * P + p, h, H, K, V, offs_k, offs_v, V, 1)
+                        total += tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(_state_ptrs(out, slot * P, h, H, K, V, offs_k, offs_v, V, 1), total, mask=out_mask)
 
 
 # fmt: off
@@ -680,14 +695,16 @@ def segment_local_states(
     chunks_per_item = -(-x.shape[2] // chunk) * x.shape[0] // max(1, plan.n_items)
     parts = _state_parts(plan, heads, tiles, chunks_per_item, x.device, cfg, host_rates, chunk)
     local = torch.empty(plan.n_slots * parts, heads, d_k, d_v, device=x.device, dtype=torch.float32)
+    reduce = parts > 1 and cfg.state_reduce
+    counters = torch.zeros(plan.n_items * heads * tiles if reduce else 1, device=x.device, dtype=torch.int32)
     compiled = _launch(
         _segment_state_kernel,
         (tiles * plan.n_items * parts, heads),
-        (x, y, rates, local, plan.items, *_rows_strides(x), *_rows_strides(y), heads, parts),
+        (x, y, rates, local, plan.items, counters, *_rows_strides(x), *_rows_strides(y), heads, parts),
         dict(
             K=d_k, V=d_v, C=chunk, BK=bk, BV=bv, MASK_K=d_k != bk, MASK_V=d_v % bv != 0,
             REVERSE=reverse, DIRECT=cfg.state_direct_weights, DOT_PREC=_dot_precision(x.dtype),
-            HORIZON_NATS=_horizon_nats(cfg), MIN_PART=cfg.state_min_part_chunks,
+            HORIZON_NATS=_horizon_nats(cfg), MIN_PART=cfg.state_min_part_chunks, REDUCE=reduce,
         ),  # fmt: skip
         cfg.state_warps,
         cfg.state_stages,
@@ -701,14 +718,15 @@ def segment_scan(
     """Start state of every segment slot from the local states (``parts`` partial sums per slot, of
     which the scan reads those the state pass wrote), in time order or against it."""
     heads, d_k, d_v = local.shape[1:]
-    bk, bv = _pow2(d_k), min(_pow2(d_v), 32 if parts == 1 else 16)
+    summed = parts == 1 or cfg.state_reduce  # the state pass left each segment's sum in its first part
+    bk, bv = _pow2(d_k), min(_pow2(d_v), 32 if summed else 16)
     starts = torch.empty(plan.n_slots, heads, d_k, d_v, device=local.device, dtype=torch.float32)
     _launch(
         _segment_scan_kernel,
         (plan.multi.shape[0], heads, triton.cdiv(d_v, bv)),
         (local, starts, seq_init if seq_init is not None else rates, plan.items, plan.multi, rates, heads, parts),
         dict(
-            K=d_k, V=d_v, BK=bk, BV=bv, C=chunk, PMAX=triton.next_power_of_2(parts),
+            K=d_k, V=d_v, BK=bk, BV=bv, C=chunk, PMAX=1 if summed else triton.next_power_of_2(parts),
             MIN_PART=cfg.state_min_part_chunks,
             HORIZON_NATS=_horizon_nats(cfg), REVERSE=reverse, HAS_SEQ_INIT=seq_init is not None,
         ),  # fmt: skip
