@@ -298,9 +298,10 @@ def test_state_split_follows_each_heads_horizon(monkeypatch):
     # the last layer forgets nothing: every head reads its whole segment, 224 programs fill the wave
     assert parts(31) == 1
     assert triton_chunk._state_parts(plan, 16, 2, 256, DEV, cfg) == 1  # rates unknown: same as no horizon
-    # layer 0: head 15 reads 112 chunks, head 0 two: split so that head 15 is not a long tail
+    # layer 0: head 15 reads 112 chunks, head 0 two: split so that head 15 is not a long tail,
+    # in parts of at least state_min_part_chunks (16): 7
     p0 = parts(0)
-    assert 8 <= p0 <= 16
+    assert p0 == -(-112 // cfg.state_min_part_chunks) == 7
     assert triton_chunk.written_parts(0.71, 256, 64, p0, cfg) == 1  # a fast head: one part
     assert triton_chunk.written_parts(2**-8, 256, 64, p0, cfg) == p0
 

@@ -63,7 +63,7 @@ class KernelConfig:
     state_direct_weights: bool = True  # state pass: each token's own λ power, no per-chunk rescale
     state_horizon_bits: int | None = 40  # state passes skip tokens weighing < 2^-bits (direct weights); None: off
     state_split: int | None = None  # programs per segment in the state pass; None: from the work (_state_parts)
-    state_min_part_chunks: int = 8  # a state-pass program takes at least this many chunks of a segment
+    state_min_part_chunks: int = 16  # a state-pass program takes at least this many chunks of a segment
     state_reduce: bool = True  # the state pass adds up a segment's parts (else the scan does)
     fuse_dq_state: bool = False  # the dq pass also sums the reverse segment states (one read less)
     dq_block_v: int | None = None  # value (= d_k) tile of a fused dq pass; None: block_v
