@@ -60,7 +60,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tune-lengths", type=int, nargs="+", default=[2048, 16384, 131072])
     p.add_argument("--variants", default="all", help="tune: comma-separated variant names, or all")
     p.add_argument(
-        "--rate-layers", type=int, nargs="+", default=[0],
+        "--rate-layers",
+        type=int,
+        nargs="+",
+        default=[0],
         help="decay rates of these layers (of 32) in tune/breakdown; main uses the first (0: fastest decay)",
     )
     p.add_argument("--no-fla", action="store_true", help="skip fla even if importable")
@@ -655,6 +658,23 @@ def _kernel_times(fn, iters: int) -> tuple[dict, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])), wall
 
 
+def _fwd_and_fwd_bwd(fn, batch, n, rates):
+    """Two closures over fresh inputs: one fwd without grad, one fwd+bwd."""
+    q, k, v = inputs(batch, n, H, D, "bhnd", True, seed=n + 5)
+    do = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v, rates)
+
+    def fwd_bwd():
+        for x in (q, k, v):
+            x.grad = None
+        fn(q, k, v, rates).backward(do)
+
+    return fwd, fwd_bwd
+
+
 def t_breakdown():
     """Where the time goes: GPU time per kernel of one fwd and one fwd+bwd, at each tune length and
     rate layer, for the variants named by --variants (default: the chosen config)."""
@@ -667,19 +687,7 @@ def t_breakdown():
         rates = rates_for(H, layer)
         rec = dict(variant=name, N=n, B=batch, rate_layer=layer)
         try:
-            q, k, v = inputs(batch, n, H, D, "bhnd", True, seed=n + 5)
-            do = torch.randn_like(q)
-            fn = ours_op(cfg)
-
-            def fwd():
-                with torch.no_grad():
-                    fn(q, k, v, rates)
-
-            def fwd_bwd():
-                for x in (q, k, v):
-                    x.grad = None
-                fn(q, k, v, rates).backward(do)
-
+            fwd, fwd_bwd = _fwd_and_fwd_bwd(ours_op(cfg), batch, n, rates)
             rec["fwd_kernels_us"], rec["fwd_wall_ms"] = _kernel_times(fwd, 5)
             rec["fwdbwd_kernels_us"], rec["fwdbwd_wall_ms"] = _kernel_times(fwd_bwd, 5)
         except Exception as err:  # noqa: BLE001

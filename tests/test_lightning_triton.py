@@ -246,7 +246,9 @@ def test_segmented_fast_decays_match_reference_with_and_without_the_state_horizo
 
 
 @pytest.mark.parametrize(
-    "split,reduce", [(None, True), (3, True), (3, False)], ids=["one_part", "three_parts", "three_parts_unsummed"]
+    "split,reduce",
+    [(None, True), (3, True), (3, False)],
+    ids=["one_part", "three_parts", "three_parts_unsummed"],
 )
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward_k_v", "reverse_q_dO"])
 def test_state_horizon_never_reads_tokens_beyond_reach(reverse, split, reduce):
@@ -267,7 +269,13 @@ def test_state_horizon_never_reads_tokens_beyond_reach(reverse, split, reduce):
         poisoned[0, 0, e - 1 if reverse else a] = float("nan")
     for bits, finite in ((40, True), (None, False)):
         local, parts, _ = triton_chunk.segment_local_states(
-            poisoned, y, rates, plan, chunk, KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra), reverse
+            poisoned,
+            y,
+            rates,
+            plan,
+            chunk,
+            KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra),
+            reverse,
         )
         for _, _, a, e, flags, slot in items:
             if flags & (triton_chunk.FIRST if reverse else triton_chunk.LAST):
@@ -275,7 +283,9 @@ def test_state_horizon_never_reads_tokens_beyond_reach(reverse, split, reduce):
             cfg_b = KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra)
             n_written = triton_chunk.written_parts(3.0, -(-(e - a) // chunk), chunk, parts, cfg_b)
             # summed by the last part to arrive into the first, or left for the scan to add
-            got = local[slot * parts, 0] if reduce else local[slot * parts : slot * parts + n_written, 0].sum(0)
+            got = (
+                local[slot * parts, 0] if reduce else local[slot * parts : slot * parts + n_written, 0].sum(0)
+            )
             assert bool(torch.isfinite(got).all()) is finite, f"bits={bits} segment [{a}, {e})"
             if finite:
                 t = torch.arange(a, e, device=DEV, dtype=F64)

@@ -20,7 +20,10 @@ Work items. A program owns one (work item, head, value tile): a token range [a, 
 are masked, nothing is padded in memory). When (sequence, head, tile) programs cannot fill one wave
 of the GPU (B·H small at long N), long sequences are cut into segments: a state pass computes every
 segment's local end state, a scan over segments gives each its start state, and the main pass starts
-from there. The dk/dv passes get their reverse start states the same way.
+from there. The dk/dv passes get their reverse start states the same way. A state pass reads only the
+tokens within its head's decay horizon (weight λ^n ≥ 2^-40, ``horizon_tokens``): most MiniMax heads
+forget long before a segment ends, so a split costs them almost nothing; heads that barely decay
+(the last layers) pay a full extra read of two tensors per split sequence.
 
 Entry point: ``lightning_attn_triton_chunk`` (signature of ``chunk.lightning_attn_chunk``), which
 ``kernels.lightning`` dispatches to on CUDA. It also runs on CPU tensors under TRITON_INTERPRET=1
@@ -61,8 +64,8 @@ class KernelConfig:
     state_warps: int = 4
     state_stages: int = 2
     state_direct_weights: bool = True  # state pass: each token's own λ power, no per-chunk rescale
-    state_horizon_bits: int | None = 40  # state passes skip tokens weighing < 2^-bits (direct weights); None: off
-    state_split: int | None = None  # programs per segment in the state pass; None: from the work (_state_parts)
+    state_horizon_bits: int | None = 40  # state passes skip tokens weighing < 2^-bits; None: read all
+    state_split: int | None = None  # programs per segment in the state pass; None: _state_parts
     state_min_part_chunks: int = 16  # a state-pass program takes at least this many chunks of a segment
     state_reduce: bool = True  # the state pass adds up a segment's parts (else the scan does)
     fuse_dq_state: bool = False  # the dq pass also sums the reverse segment states (one read less)
