@@ -657,9 +657,8 @@ def _state_parts(
     if cfg.state_split is not None:
         return max(1, cfg.state_split)
     active = max(1, (plan.n_slots - plan.multi.shape[0]) * tiles)  # one segment per sequence is skipped
-    host = host_rates
     nats = _horizon_nats(cfg)
-    spans = [_span_chunks(r, chunk_count, chunk, nats) for r in host] if host else [chunk_count] * heads
+    spans = [_span_chunks(r, chunk_count, chunk, nats) for r in host_rates] if host_rates else [chunk_count] * heads
     longest, total = max(spans), active * sum(spans)
     wave = cfg.programs_per_sm * _sm_count(device)
     x = longest * wave / max(1, total)
