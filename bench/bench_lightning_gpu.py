@@ -141,8 +141,6 @@ VARIANTS = {
     "state_nohorizon": KernelConfig(state_horizon_bits=None),
     "state_min4": KernelConfig(state_min_part_chunks=4),
     "state_min16": KernelConfig(state_min_part_chunks=16),
-    "state_noreduce": KernelConfig(state_reduce=False),
-    "state_min16_noreduce": KernelConfig(state_min_part_chunks=16, state_reduce=False),
 }
 
 

@@ -240,24 +240,20 @@ def test_segmented_fast_decays_match_reference_with_and_without_the_state_horizo
     for bits, split in itertools.product((40, None), (None, 3)):
         # split 3 with 1-chunk parts: heads whose horizon has fewer chunks leave parts unwritten
         extra = {"state_split": split, "state_min_part_chunks": 1} if split else {}
-        cfg = KernelConfig(segment_chunks=seg, state_horizon_bits=bits, state_reduce=bits is None, **extra)
+        cfg = KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra)
         errs = errors_vs_reference(triton_fn(s, BLOCK, config=cfg), q, k, v, s, s0, None, torch.float32)
         assert_close_rel(errs, torch.float32, f"fast decays, horizon bits {bits}")
 
 
-@pytest.mark.parametrize(
-    "split,reduce",
-    [(None, True), (3, True), (3, False)],
-    ids=["one_part", "three_parts", "three_parts_unsummed"],
-)
+@pytest.mark.parametrize("split", [None, 3], ids=["one_part", "three_parts"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward_k_v", "reverse_q_dO"])
-def test_state_horizon_never_reads_tokens_beyond_reach(reverse, split, reduce):
+def test_state_horizon_never_reads_tokens_beyond_reach(reverse, split):
     # Plant NaN in each segment's token farthest from its weighted edge (its first token for the
     # forward state, whose weights λ^(e−1−t) grow towards the end; its last for the reverse one). Head 0
     # forgets within ~9 tokens, so with the horizon that token is never loaded and the states stay
     # finite and equal to the float64 sums over the clean segment; without it, 0·NaN poisons them.
     chunk, seg, length, d = 16, 4, 16 * 4 * 4, 16
-    extra = {"state_split": split, "state_min_part_chunks": 1, "state_reduce": reduce} if split else {}
+    extra = {"state_split": split, "state_min_part_chunks": 1} if split else {}
     x = activated(1, 2, length, d, seed=31).float()
     y = activated(1, 2, length, d, seed=32).float()
     rates = torch.tensor([3.0, 1e-9], device=DEV)
@@ -268,30 +264,22 @@ def test_state_horizon_never_reads_tokens_beyond_reach(reverse, split, reduce):
     for _, _, a, e, _, _ in items:
         poisoned[0, 0, e - 1 if reverse else a] = float("nan")
     for bits, finite in ((40, True), (None, False)):
-        local, parts, _ = triton_chunk.segment_local_states(
-            poisoned,
-            y,
-            rates,
-            plan,
-            chunk,
-            KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra),
-            reverse,
-        )
+        cfg_b = KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra)
+        local, parts, _ = triton_chunk.segment_local_states(poisoned, y, rates, plan, chunk, cfg_b, reverse)
+        assert parts == (split or 1)
         for _, _, a, e, flags, slot in items:
             if flags & (triton_chunk.FIRST if reverse else triton_chunk.LAST):
                 continue  # this segment's state is never computed (the main pass makes it)
-            cfg_b = KernelConfig(segment_chunks=seg, state_horizon_bits=bits, **extra)
-            n_written = triton_chunk.written_parts(3.0, -(-(e - a) // chunk), chunk, parts, cfg_b)
-            # summed by the last part to arrive into the first, or left for the scan to add
-            got = (
-                local[slot * parts, 0] if reduce else local[slot * parts : slot * parts + n_written, 0].sum(0)
-            )
-            assert bool(torch.isfinite(got).all()) is finite, f"bits={bits} segment [{a}, {e})"
-            if finite:
-                t = torch.arange(a, e, device=DEV, dtype=F64)
-                w = torch.exp(-3.0 * ((t - a + 1) if reverse else (e - 1 - t)))
-                want = x[0, 0, a:e].double().T @ (y[0, 0, a:e].double() * w[:, None])
-                assert rel(got, want) < 1e-6
+            # the segment's sum (its parts added up by the last to finish) sits at [slot·parts]
+            got = local[slot * parts]
+            assert bool(torch.isfinite(got[0]).all()) is finite, f"bits={bits} segment [{a}, {e})"
+            t = torch.arange(a, e, device=DEV, dtype=F64)
+            for head, (rate, src) in enumerate(((3.0, x), (1e-9, poisoned))):  # head 1 is clean: all parts
+                if head == 0 and not finite:
+                    continue
+                w = torch.exp(-rate * ((t - a + 1) if reverse else (e - 1 - t)))
+                want = src[0, head, a:e].double().T @ (y[0, head, a:e].double() * w[:, None])
+                assert rel(got[head], want) < 1e-6, f"bits={bits} head {head} segment [{a}, {e})"
 
 
 def test_state_split_follows_each_heads_horizon(monkeypatch):
@@ -312,8 +300,9 @@ def test_state_split_follows_each_heads_horizon(monkeypatch):
     # in parts of at least state_min_part_chunks (16): 7
     p0 = parts(0)
     assert p0 == -(-112 // cfg.state_min_part_chunks) == 7
-    assert triton_chunk.written_parts(0.71, 256, 64, p0, cfg) == 1  # a fast head: one part
-    assert triton_chunk.written_parts(2**-8, 256, 64, p0, cfg) == p0
+    nats = triton_chunk._horizon_nats(cfg)
+    assert triton_chunk._span_chunks(2**-0.5, 256, 64, nats) == 2  # head 0 reads 2 of 256 chunks
+    assert triton_chunk._span_chunks(2**-8, 256, 64, nats) == 112  # head 15: 7 parts of 16
 
 
 def test_host_rates_are_read_once_per_tensor_and_follow_in_place_changes():

@@ -67,7 +67,6 @@ class KernelConfig:
     state_horizon_bits: int | None = 40  # state passes skip tokens weighing < 2^-bits; None: read all
     state_split: int | None = None  # programs per segment in the state pass; None: _state_parts
     state_min_part_chunks: int = 16  # a state-pass program takes at least this many chunks of a segment
-    state_reduce: bool = True  # the state pass adds up a segment's parts (else the scan does)
     fuse_dq_state: bool = False  # the dq pass also sums the reverse segment states (one read less)
     dq_block_v: int | None = None  # value (= d_k) tile of a fused dq pass; None: block_v
     mask_in_loop: bool = False  # recompute the [C, C] decay mask every chunk instead of holding it
@@ -115,6 +114,18 @@ def _store_rows(base, rows, row_mask, stride_t, cols, x, COL_MASK: tl.constexpr,
 def _state_ptrs(base, row, h, H, K: tl.constexpr, V: tl.constexpr, offs_k, offs_v, s_k, s_v):
     """Pointers into a [rows, H, K, V]-sized fp32 state buffer (element strides s_k, s_v inside a state)."""
     return base + (row.to(tl.int64) * H + h) * (K * V) + offs_k[:, None] * s_k + offs_v[None, :] * s_v
+
+
+@triton.jit
+def _chunk_rows(c, start, end, n_chunks, offs_c, FROM_END: tl.constexpr, C: tl.constexpr):
+    """(rows, row mask, valid rows) of chunk c of the token range [start, end), counting chunks from
+    its start or (FROM_END) from its end; the last chunk of the range may be short."""
+    if FROM_END:
+        t0 = start + (n_chunks - 1 - c) * C
+    else:
+        t0 = start + c * C
+    rows = t0 + offs_c
+    return rows, rows < end, tl.minimum(end - t0, C)
 
 
 @triton.jit
@@ -197,13 +208,7 @@ def _chunk_kernel(
 
     n_chunks = tl.cdiv(end - start, C)
     for c in range(0, n_chunks):
-        if REVERSE:
-            t0 = start + (n_chunks - 1 - c) * C
-        else:
-            t0 = start + c * C
-        rows = t0 + offs_c
-        row_mask = rows < end
-        n_valid = tl.minimum(end - t0, C)
+        rows, row_mask, n_valid = _chunk_rows(c, start, end, n_chunks, offs_c, REVERSE, C)
         b_q = _load_rows(q_base, rows, row_mask, s_qt, offs_k, MASK_K, K)
         b_k = _load_rows(k_base, rows, row_mask, s_kt, offs_k, MASK_K, K)
         b_v = _load_rows(v_base, rows, row_mask, s_vt, offs_v, MASK_V, V)
@@ -215,7 +220,7 @@ def _chunk_kernel(
             k_decay = _masked_decay((n_valid - 1 - offs_c).to(tl.float32), neg)
         if REV_STATE:  # Σ_i λ^(t0−a+i+1) x_iᵀ dO_i (underflow far from the segment start is harmless)
             b_x = _load_rows(x_base, rows, row_mask, s_xt, offs_v, MASK_V, V)
-            x_decay = _decay((t0 - start + offs_c + 1).to(tl.float32), neg)
+            x_decay = _decay((rows - start + 1).to(tl.float32), neg)
             b_xd = (b_x * x_decay[:, None]).to(b_x.dtype)
             rev = tl.dot(tl.trans(b_xd), b_q, acc=rev, input_precision=DOT_PREC)
         # inter-chunk right product (eq. 7's Q·KV, decayed)
@@ -249,8 +254,7 @@ def _chunk_kernel(
 @triton.jit
 def _state_span(rate, n_chunks, P, C: tl.constexpr, MIN_PART: tl.constexpr, HORIZON_NATS: tl.constexpr):
     """(chunks a segment's state pass reads, chunks per part): the chunks within the decay horizon
-    (all of them when HORIZON_NATS = 0), shared by up to P programs of at least MIN_PART chunks each.
-    The scan calls this too, to know how many partial sums a segment has."""
+    (all of them when HORIZON_NATS = 0), shared by up to P programs of at least MIN_PART chunks each."""
     n_use = n_chunks
     if HORIZON_NATS > 0:
         reach = tl.where(rate > 0, HORIZON_NATS / tl.maximum(rate, 1e-30), 3.0e38)
@@ -278,11 +282,10 @@ def _segment_state_kernel(
     accumulation; weights far from the edge underflow to 0, below any term that counts) instead of
     rescaling the accumulator by λ^L every chunk. With direct weights the segment's chunks can be
     shared by P programs (sub-range p of P, at least MIN_PART chunks each: programs left without
-    chunks write nothing), whose partial sums go to out[slot·P + p] for the scan to add: a long
-    segment's state then needs no long sequential walk. With REDUCE the parts also add themselves
-    up: each counts itself in on counters[item, h, tile] (zeroed by the caller) after its store, and
-    the last to arrive sums all of them in part order (the result does not depend on who is last)
-    into out[slot·P], the only one the scan then reads.
+    chunks write nothing): a long segment's state then needs no long sequential walk. Each part
+    stores its partial sum at out[slot·P + p] and counts itself in on counters[item, h, tile] (zeroed
+    by the caller); the last to arrive adds all of them in part order (the result does not depend on
+    who is last) into out[slot·P], the one the scan reads. REDUCE = (P > 1).
     HORIZON_NATS > 0 (direct weights only) reads just the chunks within reach of the weighted edge (the end
     for the forward, the start for the reverse): a token n positions away weighs λ^n, and once
     λ^n < 2^-bits (n ≥ HORIZON_NATS/s, HORIZON_NATS = bits·ln 2; 40 bits by default) it adds less than
@@ -315,20 +318,10 @@ def _segment_state_kernel(
         y_base = y + b.to(tl.int64) * s_yb + h.to(tl.int64) * s_yh
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         c_hi = tl.minimum(c_lo + per, n_use)
+        # direct weights: c counts chunks from the weighted edge (the end forward, the start reverse);
+        # the recurrence walks from the far edge towards it
         for c in range(c_lo, c_hi):
-            if DIRECT:  # any order: c counts from the weighted edge (the last chunk forward, the first reverse)
-                if REVERSE:
-                    t0 = start + c * C
-                else:
-                    t0 = start + (n_chunks - 1 - c) * C
-            else:  # the recurrence walks away from the weighted edge's far side
-                if REVERSE:
-                    t0 = start + (n_chunks - 1 - c) * C
-                else:
-                    t0 = start + c * C
-            rows = t0 + offs_c
-            row_mask = rows < end
-            n_valid = tl.minimum(end - t0, C)
+            rows, row_mask, n_valid = _chunk_rows(c, start, end, n_chunks, offs_c, DIRECT != REVERSE, C)
             b_x = _load_rows(x_base, rows, row_mask, s_xt, offs_k, MASK_K, K)
             b_y = _load_rows(y_base, rows, row_mask, s_yt, offs_v, MASK_V, V)
             if DIRECT:
@@ -363,21 +356,20 @@ def _segment_state_kernel(
 def _segment_scan_kernel(
     local, starts, seq_init, items, multi, rates,
     H, P,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PMAX: tl.constexpr,
-    MIN_PART: tl.constexpr, HORIZON_NATS: tl.constexpr, REVERSE: tl.constexpr, HAS_SEQ_INIT: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    REVERSE: tl.constexpr, HAS_SEQ_INIT: tl.constexpr,
 ):
     # fmt: on
     """Start states of a split sequence's segments: S = init; for each segment (right to left for the
-    dk/dv passes): starts[slot] = S; S = λ^len S + Σ_p local[slot·P + p] over the parts the state
-    pass wrote (``_state_span``)."""
+    dk/dv passes): starts[slot] = S; S = λ^len S + local[slot·P] (the segment's sum: the state pass
+    adds its P parts up there)."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     i_v = tl.program_id(2)
     m = tl.load(multi + j * 3 + 0)
     first = tl.load(multi + j * 3 + 1)
     count = tl.load(multi + j * 3 + 2)
-    rate = tl.load(rates + h).to(tl.float32)
-    neg = -rate * 1.4426950408889634
+    neg = -tl.load(rates + h).to(tl.float32) * 1.4426950408889634
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
@@ -395,11 +387,8 @@ def _segment_scan_kernel(
         if i + 1 < count:
             length = tl.load(items + item * 6 + 3) - tl.load(items + item * 6 + 2)
             state = state * _decay(length.to(tl.float32), neg)
-            n_use, per = _state_span(rate, tl.cdiv(length, C), P, C, MIN_PART, HORIZON_NATS)
-            n_parts = tl.cdiv(n_use, per)
-            for p in tl.static_range(PMAX):  # unrolled: the part loads are independent and overlap
-                ptrs = _state_ptrs(local, slot * P + p, h, H, K, V, offs_k, offs_v, V, 1)
-                state += tl.load(ptrs, mask=state_mask & (p < n_parts), other=0.0)
+            ptrs = _state_ptrs(local, slot * P, h, H, K, V, offs_k, offs_v, V, 1)
+            state += tl.load(ptrs, mask=state_mask, other=0.0)
 
 
 # ================================================================================================
@@ -667,14 +656,6 @@ def _state_parts(
     return max(1, min(16, int(2 * x), -(-longest // cfg.state_min_part_chunks)))
 
 
-def written_parts(rate: float, n_chunks: int, chunk: int, parts: int, cfg: KernelConfig) -> int:
-    """How many of a segment's ``parts`` partial states the state pass writes (host copy of
-    ``_state_span``): the parts that got chunks."""
-    n_use = _span_chunks(rate, n_chunks, chunk, _horizon_nats(cfg))
-    per = max(-(-n_use // parts), cfg.state_min_part_chunks)
-    return -(-n_use // per)
-
-
 def horizon_tokens(rate: float, bits: int | None = DEFAULT_CONFIG.state_horizon_bits) -> float:
     """Distance in tokens past which a state pass ignores a token: λ^n = exp(−s·n) < 2^-bits. This is
     the decay-aware read the segment state passes do (HORIZON_NATS): a fast head (MiniMax layer 0,
@@ -688,7 +669,7 @@ def horizon_tokens(rate: float, bits: int | None = DEFAULT_CONFIG.state_horizon_
 def segment_local_states(
     x, y, rates, plan: WorkPlan, chunk: int, cfg: KernelConfig, reverse: bool, host_rates=None
 ):
-    """(local state of every segment slot from zero [slots·P, H, d_x, d_y] in P partial sums, P,
+    """(local state of every segment slot from zero [slots·P, H, d_x, d_y], its sum at [slot·P], P,
     compiled kernel): forward of (k, v), reverse of (q, dO). ``host_rates`` (the rates as floats,
     when known) let the split follow each head's horizon."""
     heads, d_k, d_v = x.shape[1], x.shape[-1], y.shape[-1]
@@ -697,8 +678,7 @@ def segment_local_states(
     chunks_per_item = -(-x.shape[2] // chunk) * x.shape[0] // max(1, plan.n_items)
     parts = _state_parts(plan, heads, tiles, chunks_per_item, x.device, cfg, host_rates, chunk)
     local = torch.empty(plan.n_slots * parts, heads, d_k, d_v, device=x.device, dtype=torch.float32)
-    reduce = parts > 1 and cfg.state_reduce
-    counters = torch.zeros(plan.n_items * heads * tiles if reduce else 1, device=x.device, dtype=torch.int32)
+    counters = torch.zeros(plan.n_items * heads * tiles if parts > 1 else 1, device=x.device, dtype=torch.int32)
     compiled = _launch(
         _segment_state_kernel,
         (tiles * plan.n_items * parts, heads),
@@ -706,7 +686,7 @@ def segment_local_states(
         dict(
             K=d_k, V=d_v, C=chunk, BK=bk, BV=bv, MASK_K=d_k != bk, MASK_V=d_v % bv != 0,
             REVERSE=reverse, DIRECT=cfg.state_direct_weights, DOT_PREC=_dot_precision(x.dtype),
-            HORIZON_NATS=_horizon_nats(cfg), MIN_PART=cfg.state_min_part_chunks, REDUCE=reduce,
+            HORIZON_NATS=_horizon_nats(cfg), MIN_PART=cfg.state_min_part_chunks, REDUCE=parts > 1,
         ),  # fmt: skip
         cfg.state_warps,
         cfg.state_stages,
@@ -714,24 +694,17 @@ def segment_local_states(
     return local, parts, compiled
 
 
-def segment_scan(
-    local, rates, seq_init, plan: WorkPlan, reverse: bool, chunk: int, cfg: KernelConfig, parts: int = 1
-) -> torch.Tensor:
-    """Start state of every segment slot from the local states (``parts`` partial sums per slot, of
-    which the scan reads those the state pass wrote), in time order or against it."""
+def segment_scan(local, rates, seq_init, plan: WorkPlan, reverse: bool, parts: int = 1) -> torch.Tensor:
+    """Start state of every segment slot from the local states (each slot's sum at [slot·``parts``]),
+    in time order or against it."""
     heads, d_k, d_v = local.shape[1:]
-    summed = parts == 1 or cfg.state_reduce  # the state pass left each segment's sum in its first part
-    bk, bv = _pow2(d_k), min(_pow2(d_v), 32 if summed else 16)
+    bk, bv = _pow2(d_k), min(_pow2(d_v), 32)
     starts = torch.empty(plan.n_slots, heads, d_k, d_v, device=local.device, dtype=torch.float32)
     _launch(
         _segment_scan_kernel,
         (plan.multi.shape[0], heads, triton.cdiv(d_v, bv)),
         (local, starts, seq_init if seq_init is not None else rates, plan.items, plan.multi, rates, heads, parts),
-        dict(
-            K=d_k, V=d_v, BK=bk, BV=bv, C=chunk, PMAX=1 if summed else triton.next_power_of_2(parts),
-            MIN_PART=cfg.state_min_part_chunks,
-            HORIZON_NATS=_horizon_nats(cfg), REVERSE=reverse, HAS_SEQ_INIT=seq_init is not None,
-        ),  # fmt: skip
+        dict(K=d_k, V=d_v, BK=bk, BV=bv, REVERSE=reverse, HAS_SEQ_INIT=seq_init is not None),
         4,
         1,
     )
@@ -748,7 +721,7 @@ def lightning_forward(
     starts = None
     if plan.segmented:
         local, parts, _ = segment_local_states(k, v, rates, plan, chunk, cfg, False, host_rates)
-        starts = segment_scan(local, rates, s0, plan, False, chunk, cfg, parts=parts)
+        starts = segment_scan(local, rates, s0, plan, reverse=False, parts=parts)
     chunk_pass(q, k, v, out, rates, plan, chunk, cfg, seq_init=s0, slot_init=starts, final=final)
     return out, final, starts
 
@@ -772,7 +745,7 @@ def lightning_backward(
         parts = 1
         if not fuse:
             local_r, parts, _ = segment_local_states(q, d_out, rates, plan, chunk, cfg, True, host_rates)
-        starts_r = segment_scan(local_r, rates, g_final, plan, True, chunk, cfg, parts=parts)
+        starts_r = segment_scan(local_r, rates, g_final, plan, reverse=True, parts=parts)
     # dv, dk: against time order from dS_final (the dv pass ends with dS0 = λ R_0)
     chunk_pass(k, q, d_out, dv, rates, plan, chunk, cfg, reverse=True, seq_init=g_final, slot_init=starts_r, final=ds0)
     chunk_pass(
