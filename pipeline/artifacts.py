@@ -89,6 +89,11 @@ class ArtifactStore:
                 return None
         return art
 
+    def resume_dir(self, kind: str, key: str) -> Path:
+        """Where a stage keeps what must outlive a killed attempt (checkpoints); never swept, keyed like the
+        artifact so only a rerun of the same stage (same key) resumes from it."""
+        return self.root / "resume" / kind / key[:24]
+
     def begin(self, kind: str, key: str) -> Path:
         """A fresh private directory for a stage to write into."""
         self.tmp.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def execute_stage(task: StageTask) -> StageOutcome:
     tmp = store.begin(kind.name, task.key)
     ctx = StageContext(tmp, inputs, stage_name=task.stage, sink=sink,
                        resources=Resources(**{k: v for k, v in task.resources.items() if v is not None}),
-                       work_dir=tmp.with_name(tmp.name + ".work"))
+                       work_dir=tmp.with_name(tmp.name + ".work"), resume_dir=store.resume_dir(kind.name, task.key))
     start = time.monotonic()
     try:
         kind.run(params, ctx)
@@ -108,5 +108,6 @@ def execute_stage(task: StageTask) -> StageOutcome:
             sink.flush()  # metrics logged just before a failure still reach the run
         finally:
             ctx.cleanup()
+    shutil.rmtree(ctx.resume_dir, ignore_errors=True)  # committed: checkpoints of this attempt are done with
     return StageOutcome(path=str(art.path), digest=art.digest, seconds=seconds, summary=ctx.summary,
                         rows=ctx.rows)

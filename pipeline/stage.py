@@ -173,6 +173,7 @@ class StageContext:
         resources: Resources | None = None,
         sink: MetricSink | None = None,
         work_dir: str | Path | None = None,
+        resume_dir: str | Path | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,9 @@ class StageContext:
         self.sink = sink or MetricSink()
         # scratch space that is not part of the artifact (deleted after the stage)
         self.work_dir = Path(work_dir) if work_dir else self.out_dir.parent / (self.out_dir.name + ".work")
+        # scratch that SURVIVES a failed or killed attempt (training checkpoints), keyed by the stage's cache key
+        # so a rerun of the same stage finds it; the runner deletes it after the artifact is committed
+        self.resume_dir = Path(resume_dir) if resume_dir else self.work_dir / "resume"
         self.rows: dict[str, int] = {}
         self.summary: dict[str, float] = {}
         self.logger = logging.getLogger(f"hylight.stage.{stage_name}")

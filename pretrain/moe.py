@@ -1,0 +1,300 @@
+"""The MoE feed-forward on DeepSpeed-MoE, with the report's global router (§2.1) and token drop.
+
+``DeepSpeedMoEFeedForward`` replaces ``model.moe.MoEFeedForward`` inside a ``HybridForCausalLM`` for training
+(:func:`install_deepspeed_moe`); it honours the same contract (``forward(hidden, token_mask) -> MoEOutput``), the
+same router weights and the same routing function, so a trained model converts back to ``model/`` format and to
+transformers' MiniMax format without loss (:func:`export_model_state`).
+
+What is DeepSpeed's and what is ours:
+
+* DeepSpeed's: the layer is a ``deepspeed.moe.layer.MoE`` (so the engine creates the expert-parallel and
+  expert-data-parallel process groups, gives expert parameters their own ZeRO groups, reduces their gradients
+  over the expert-data-parallel group only, and saves one checkpoint file per expert); the experts are held in
+  ``deepspeed.moe.experts.Experts`` under DeepSpeed's names (``deepspeed_moe.experts.deepspeed_experts.<i>``);
+  the expert FFNs run through ``deepspeed.moe.ep_experts`` (a grouped GEMM, ``torch._grouped_mm``, on CUDA; its
+  per-expert loop elsewhere).
+* Ours: routing, capacity and dispatch. DeepSpeed's classic ``TopKGate``/``MOELayer`` builds dense
+  [tokens, experts, capacity] dispatch and combine tensors with einsums (time and memory grow with tokens² per
+  step; measured in BENCHMARKS.md), samples the second expert, selects tokens at random (RTS) and has a minimum
+  capacity of 4 by default; none of that is in the paper or in ``model/moe.py``. AutoEP's layer is dropless.
+  Here slots are sorted by expert (no one-hot cumsum), admitted GShard-style (every token's first choice before
+  any second choice, token order within a choice), and run as one grouped GEMM.
+
+Global router (§2.1): "an additional allgather communication step to synchronize the number of tokens awaiting
+processing by each expert before dispatching tokens across different EP groups". Each rank all-gathers the
+per-expert slot counts (and its token count) over the expert-parallel group; an expert's capacity is then
+``ceil(capacity_factor * tokens_of_all_ranks * k / E)``, shared in rank order: rank r's slots for expert e are
+admitted while ``(slots of e on ranks < r) + (position on rank r) < capacity``. Without it each rank caps its
+own slots at ``ceil(capacity_factor * its_tokens * k / E)``. With one rank the two are the same.
+
+Aux loss: the same (1/E) sum_i f_i m_i as ``model/moe.py`` (alpha_aux applied by the model). DeepSpeed's
+``top2gating`` returns ``mean_i(m_i c_i) * E * E`` = E^2 x ours (c_i: the share of first choices), so an
+``l_aux`` coefficient tuned for DeepSpeed's gate is E^2 times too small for this loss; we compute ours.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.experts import Experts
+from deepspeed.moe.layer import MoE
+from torch import nn
+
+from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss
+
+
+class SwiGLUExpert(nn.Module):
+    """One expert FFN as DeepSpeed's Experts container holds it: w1 (gate) [F, d], w3 (up) [F, d], w2 (down) [d, F]
+    — the layout of ``deepspeed.moe.ep_experts.GroupedExperts`` for a single expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.w3 = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+
+
+class _MoEInner(nn.Module):
+    """Holds ``experts`` so parameter names are DeepSpeed's (``deepspeed_moe.experts.deepspeed_experts.<i>.*``),
+    which its expert checkpointing matches on."""
+
+    def __init__(self, experts: Experts):
+        super().__init__()
+        self.experts = experts
+
+
+def _grouped_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
+                     counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (``counts`` per expert, rows past their sum ignored) -> SwiGLU outputs."""
+    from deepspeed.moe import ep_experts
+
+    if x.is_cuda:  # one grouped GEMM for gate+up, one for down; no host sync
+        return ep_experts._run_experts_grouped_mm_fused_gate_up(w1, w2, w3, x, counts)
+    # CPU: DeepSpeed's reference loop over experts (reads the counts on the host; fine off the GPU)
+    return ep_experts._run_experts_for_loop(w1, w2, w3, x, counts)
+
+
+def _ceil_capacity(tokens: torch.Tensor, capacity_factor: float, top_k: int, num_experts: int,
+                   min_capacity: int) -> torch.Tensor:
+    """ceil(capacity_factor * tokens * k / E) on the device, in float64 like ``model.moe.expert_capacity``."""
+    cap = torch.ceil(tokens.to(torch.float64) * capacity_factor * top_k / num_experts).to(torch.int64)
+    return cap.clamp(min=min_capacity)
+
+
+class DeepSpeedMoEFeedForward(MoE):
+    """A top-k SwiGLU MoE on DeepSpeed-MoE with global-router capacity (module docstring)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 capacity_factor: float = 1.25, token_drop: bool = True, ep_size: int = 1,
+                 global_router: bool = True, min_capacity: int = 0):
+        nn.Module.__init__(self)  # not MoE.__init__: that builds DeepSpeed's einsum TopKGate/MOELayer path
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel_size={ep_size}")
+        # attributes the DeepSpeed engine reads from a native MoE layer
+        self.ep_size = ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.enable_expert_tensor_parallelism = False
+        self.use_residual = False
+        # ours
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.top_k = top_k
+        self.capacity_factor = capacity_factor
+        self.token_drop = token_drop
+        self.global_router = global_router
+        self.min_capacity = min_capacity
+        self.ep_group: dist.ProcessGroup | None = None
+        self.router = TopKRouter(hidden_size, num_experts, top_k)
+        self.deepspeed_moe = _MoEInner(Experts(SwiGLUExpert(hidden_size, intermediate_size),
+                                               self.num_local_experts, self.expert_group_name))
+
+    # --- DeepSpeed hooks ----------------------------------------------------------------------------
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        from deepspeed.utils import groups
+
+        if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(self.ep_size,
+                                                    use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep_group) if self.ep_group is not None and self.ep_size > 1 else 0
+
+    def local_experts(self) -> Iterator[SwiGLUExpert]:
+        return iter(self.deepspeed_moe.experts.deepspeed_experts)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w2, w3 stacked over the local experts ([E_l, F, d], [E_l, d, F], [E_l, F, d]); differentiable."""
+        experts = list(self.local_experts())
+        return (torch.stack([e.w1 for e in experts]), torch.stack([e.w2 for e in experts]),
+                torch.stack([e.w3 for e in experts]))
+
+    # --- forward ------------------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> MoEOutput:  # type: ignore[override]
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        n, k, E = x.shape[0], self.top_k, self.num_experts
+        mask = None if token_mask is None else token_mask.reshape(-1).bool()
+        logits, probs, top_w, top_i = self.router(x)
+
+        # slots in admission order: rank-major (all first choices, then all second), token order within
+        slot_expert = top_i.t().reshape(-1)  # [k*n]
+        slot_weight = top_w.t().reshape(-1)
+        slot_token = torch.arange(k * n, device=x.device) % n
+        valid = torch.ones_like(slot_expert, dtype=torch.bool) if mask is None else mask.repeat(k)
+        key = torch.where(valid, slot_expert, E)  # padding -> bucket E (never dispatched)
+        ones = torch.ones_like(key)
+        counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, ones)
+        routed = counts[:E]
+
+        if self.training and self.token_drop:
+            order = torch.sort(key, stable=True).indices
+            starts = counts.cumsum(0) - counts
+            pos = torch.empty_like(key)
+            pos[order] = torch.arange(key.numel(), device=x.device) - starts[key[order]]
+            n_real = torch.tensor(n, device=x.device) if mask is None else mask.sum()
+            offset, capacity = self._capacity(routed, n_real)
+            keep = valid & (pos + offset[slot_expert] < capacity)
+        else:
+            keep = valid
+        kept_key = torch.where(keep, slot_expert, E)
+        kept = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, kept_key, ones)[:E]
+
+        # one stable sort groups the kept slots by expert (dropped and padding last)
+        order = torch.sort(kept_key, stable=True).indices
+        keep_sorted = keep[order][:, None]
+        x_sorted = torch.where(keep_sorted, x[slot_token[order]], 0)  # where: no gradient into dropped rows
+        y_sorted = self._experts(x_sorted, kept)
+        y_sorted = torch.where(keep_sorted, y_sorted, 0) * slot_weight[order, None].to(y_sorted.dtype)
+        out = torch.zeros_like(x).index_add_(0, slot_token[order], y_sorted.to(x.dtype))
+        return MoEOutput(hidden=out.view(shape), aux_loss=balance_loss(probs, routed, mask),
+                         router_logits=logits, routed=routed, dropped=routed - kept)
+
+    def _capacity(self, routed: torch.Tensor, n_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots of each expert already admitted on earlier ranks [E], each expert's capacity [] or [E])."""
+        cap_args = (self.capacity_factor, self.top_k, self.num_experts, self.min_capacity)
+        if not (self.global_router and self.ep_size > 1 and self.ep_group is not None):
+            return torch.zeros_like(routed), _ceil_capacity(n_real, *cap_args)
+        # §2.1 global router: one all-gather of [per-expert slots, tokens] over the expert-parallel group
+        mine = torch.cat([routed, n_real.reshape(1).to(routed.dtype)])
+        every = torch.empty(self.ep_size, mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(every, mine, group=self.ep_group)
+        before = every[: self.ep_rank, :-1].sum(0)
+        return before, _ceil_capacity(every[:, -1].sum(), *cap_args)
+
+    def _experts(self, x_sorted: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by global expert -> expert outputs, through the owners of the experts."""
+        w1, w2, w3 = self.stacked_weights()
+        if self.ep_size == 1:
+            return _grouped_experts(w1, w2, w3, x_sorted, kept)
+        return _expert_parallel_ffn(x_sorted, kept, (w1, w2, w3), self.ep_size, self.num_local_experts,
+                                    self.ep_group)
+
+
+def _expert_parallel_ffn(x_sorted: torch.Tensor, kept: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                         ep_size: int, local: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all the kept rows to the ranks that own their experts, run them, and bring the outputs back.
+
+    Rows arrive grouped by source rank then local expert; they are regrouped by local expert for the grouped
+    GEMM and put back in arrival order before the return trip. Split sizes come to the host once per layer
+    (all_to_all needs them), the one sync of the expert-parallel path.
+    """
+    from torch.distributed.nn.functional import all_to_all_single
+
+    total = int(kept.sum())
+    send = kept.view(ep_size, local)  # [dest rank, its local expert]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[src, local expert]
+    send_splits = send.sum(1).tolist()
+    recv_splits = recv.sum(1).tolist()
+    rows = x_sorted[:total]
+    arrived = all_to_all_single(rows.new_empty(sum(recv_splits), rows.shape[1]), rows, recv_splits, send_splits,
+                                group=group)
+    # regroup by local expert (stable: source order within an expert)
+    local_id = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep_size), recv.reshape(-1))
+    by_expert = torch.sort(local_id, stable=True).indices
+    y = torch.empty_like(arrived)
+    y[by_expert] = _grouped_experts(*weights, arrived[by_expert], recv.sum(0))
+    back = all_to_all_single(rows.new_empty(total, rows.shape[1]), y, send_splits, recv_splits, group=group)
+    return torch.cat([back, x_sorted.new_zeros(x_sorted.shape[0] - total, x_sorted.shape[1])])
+
+
+# --- installing into a model and converting back ----------------------------------------------------------
+
+
+def install_deepspeed_moe(model: nn.Module, *, ep_size: int = 1, ep_rank: int = 0, global_router: bool = True,
+                          min_capacity: int = 0) -> list[DeepSpeedMoEFeedForward]:
+    """Replace every ``MoEFeedForward`` of a ``HybridForCausalLM`` by a ``DeepSpeedMoEFeedForward`` carrying the same
+    router and (this expert-parallel rank's share of the) expert weights. Returns the new layers."""
+    layers = []
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, MoEFeedForward):
+                continue
+            gate_up, down = child.experts.gate_up_proj, child.experts.down_proj  # [E, 2F, d], [E, d, F]
+            f = down.shape[-1]
+            new = DeepSpeedMoEFeedForward(gate_up.shape[-1], f, child.num_experts, child.top_k,
+                                          capacity_factor=child.capacity_factor, token_drop=child.token_drop,
+                                          ep_size=ep_size, global_router=global_router, min_capacity=min_capacity)
+            new.to(device=gate_up.device, dtype=gate_up.dtype)
+            with torch.no_grad():
+                new.router.weight.copy_(child.router.weight)
+                for i, expert in enumerate(new.local_experts()):
+                    e = ep_rank * new.num_local_experts + i
+                    expert.w1.copy_(gate_up[e, :f])
+                    expert.w3.copy_(gate_up[e, f:])
+                    expert.w2.copy_(down[e])
+            new.train(child.training)
+            setattr(parent, name, new)
+            layers.append(new)
+    if not layers:
+        raise ValueError("install_deepspeed_moe: the model has no model.moe.MoEFeedForward layers to replace")
+    return layers
+
+
+def export_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The ``model/``-format state dict of a model whose MoE layers are ``DeepSpeedMoEFeedForward``.
+
+    Experts are gathered over the expert-parallel group (a collective: call it on every rank). The result loads
+    into a fresh ``HybridForCausalLM`` with ``load_state_dict(strict=True)``.
+    """
+    state: dict[str, torch.Tensor] = {}
+    moe_prefixes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DeepSpeedMoEFeedForward):
+            moe_prefixes[name] = module
+    for key, value in model.state_dict().items():
+        if not any(key.startswith(p + ".deepspeed_moe.") for p in moe_prefixes):
+            state[key] = value.detach()
+    for prefix, layer in moe_prefixes.items():
+        w1, w2, w3 = (w.detach() for w in layer.stacked_weights())
+        if layer.ep_size > 1:
+            w1, w2, w3 = (_all_gather_cat(w, layer.ep_group, layer.ep_size) for w in (w1, w2, w3))
+        state[f"{prefix}.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1).contiguous()
+        state[f"{prefix}.experts.down_proj"] = w2.contiguous()
+    return state
+
+
+def _all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    for module in model.modules():
+        if isinstance(module, DeepSpeedMoEFeedForward):
+            for expert in module.local_experts():
+                yield from expert.parameters()
+
+
+def capacity_for(tokens: int, capacity_factor: float, top_k: int, num_experts: int, min_capacity: int = 0) -> int:
+    """Host-side twin of the device capacity formula (tests, logging)."""
+    return max(math.ceil(capacity_factor * tokens * top_k / num_experts), min_capacity)
+
+
