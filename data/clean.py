@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import gzip
 import importlib.util
 import json
 import re
@@ -53,7 +52,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import orjson
 from datatrove.data import Document
 from datatrove.pipeline.filters import (
     C4QualityFilter,
@@ -76,6 +74,7 @@ from data.documents import (
     LANGUAGE_SCORE,
     DocumentWriter,
     iter_documents,
+    write_jsonl_gz,
 )
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 
@@ -797,10 +796,7 @@ def _check_accounting(n_in: int, kept: int, written: int, reasons: Counter[str],
 def _write_samples(directory: Path, samples: dict[str, list[dict[str, Any]]]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for reason, docs in sorted(samples.items()):
-        # mtime=0: deterministic bytes
-        with gzip.GzipFile(directory / f"{reason}.jsonl.gz", "wb", compresslevel=6, mtime=0) as f:
-            for doc in docs:
-                f.write(orjson.dumps(doc) + b"\n")
+        write_jsonl_gz(directory / f"{reason}.jsonl.gz", docs)
 
 
 def _drops_figure(domains: dict[str, DomainTally], step_names: list[str]) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -26,6 +26,11 @@ SCHEMA_VERSION = 1
 DUP_COUNT = "dup_count"  # set by dedup on each kept document: size of its duplicate cluster (>= 1)
 DUP_MEMBERS = "dup_members"  # set by dedup: ids of the removed members of its cluster
 QUALITY = "quality"  # set by quality: {"knowledge_depth": 0-5, "helpfulness": 0-5, "category": str}
+# the quality contract (§4.1.1), read by quality, its labelers and scorer, and mix: the score dimensions
+# in this order everywhere, their range, and the category field
+QUALITY_DIMENSIONS = ("knowledge_depth", "helpfulness")
+QUALITY_CATEGORY = "category"
+SCORE_MIN, SCORE_MAX = 0.0, 5.0
 LANGUAGE = "language"  # set by clean's language filter on kept documents
 LANGUAGE_SCORE = "language_score"
 EVAL_CONTAMINATION = "eval_contamination"  # set by dedup in flag mode: the eval sets a document overlaps
@@ -46,6 +51,50 @@ class DocumentRecord(TypedDict):
     metadata: dict[str, Any]
 
 
+class JsonlGzWriter:
+    """One gzip'd JSON Lines file, written so the same rows give the same bytes (gzip ``mtime=0``).
+
+    Every JSONL.gz file of an artifact goes through here, so the artifact digest depends on content only.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.count = 0
+        self._fh: gzip.GzipFile | None = gzip.GzipFile(self.path, "wb", compresslevel=6, mtime=0)
+
+    def write(self, row: Any) -> None:
+        if self._fh is None:
+            raise ValueError(f"JsonlGzWriter: {self.path} is closed")
+        self._fh.write(orjson.dumps(row) + b"\n")
+        self.count += 1
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> JsonlGzWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_jsonl_gz(path: str | Path, rows: Iterable[Any]) -> int:
+    """Write ``rows`` to one deterministic gzip'd JSONL file; returns how many were written."""
+    with JsonlGzWriter(path) as w:
+        for row in rows:
+            w.write(row)
+        return w.count
+
+
+def read_jsonl_gz(path: str | Path) -> Iterator[Any]:
+    """The rows of a gzip'd JSONL file, in order."""
+    with gzip.open(path, "rb") as f:
+        for line in f:
+            yield orjson.loads(line)
+
+
 class DocumentWriter:
     """Writes documents into gzip'd JSONL shards of at most ``shard_docs`` documents."""
 
@@ -57,27 +106,20 @@ class DocumentWriter:
         self.prefix = prefix
         self.count = 0
         self._shard = -1
-        self._fh: gzip.GzipFile | None = None
-
-    def _open_next(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-        self._shard += 1
-        path = self.dir / f"{self.prefix}-{self._shard:05d}.jsonl.gz"
-        # mtime=0 keeps the bytes (and so the artifact digest) deterministic
-        self._fh = gzip.GzipFile(path, "wb", compresslevel=6, mtime=0)
+        self._out: JsonlGzWriter | None = None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._fh is None or self.count % self.shard_docs == 0:
-            self._open_next()
-        assert self._fh is not None
-        self._fh.write(orjson.dumps(record) + b"\n")
+        if self._out is None or self.count % self.shard_docs == 0:
+            self.close()
+            self._shard += 1
+            self._out = JsonlGzWriter(self.dir / f"{self.prefix}-{self._shard:05d}.jsonl.gz")
+        self._out.write(record)
         self.count += 1
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._out is not None:
+            self._out.close()
+            self._out = None
 
     def __enter__(self) -> DocumentWriter:
         return self
@@ -93,9 +135,7 @@ def document_files(artifact_path: str | Path, subdir: str = DOCUMENTS_DIR) -> li
 def iter_documents(artifact_path: str | Path, subdir: str = DOCUMENTS_DIR) -> Iterator[DocumentRecord]:
     """All records of a documents artifact, in shard order."""
     for path in document_files(artifact_path, subdir):
-        with gzip.open(path, "rb") as f:
-            for line in f:
-                yield orjson.loads(line)
+        yield from read_jsonl_gz(path)
 
 
 def record_from_datatrove(doc: Any) -> DocumentRecord:

@@ -30,7 +30,6 @@ Decisions a reader of the output should know:
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from datatrove.data import Document
 from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from pydantic import Field, field_validator, model_validator
 
-from data.documents import DOCUMENTS_TYPE, DocumentWriter, record_from_datatrove
+from data.documents import DOCUMENTS_TYPE, DocumentWriter, JsonlGzWriter, record_from_datatrove
 from pipeline.stage import StageContext, StageKind, StageParams, file_fingerprint, metric_key
 
 SAMPLE_CORPUS_DIR = Path(__file__).parent / "sample_corpus"
@@ -483,18 +482,11 @@ class FileTally:
         return sum(self.reasons.values())
 
 
-class QuarantineWriter:
-    """``quarantine.jsonl.gz``: one JSON object per rejected record (gzip mtime=0: deterministic)."""
-
-    def __init__(self, path: Path) -> None:
-        self._fh = gzip.GzipFile(path, "wb", compresslevel=6, mtime=0)
+class QuarantineWriter(JsonlGzWriter):
+    """``quarantine.jsonl.gz``: one JSON object per rejected record."""
 
     def write(self, q: QuarantinedRecord) -> None:
-        self._fh.write(orjson.dumps({"file": q.file, "line": q.line, "reason": q.reason,
-                                     "detail": q.detail, "raw": q.raw}) + b"\n")
-
-    def close(self) -> None:
-        self._fh.close()
+        super().write({"file": q.file, "line": q.line, "reason": q.reason, "detail": q.detail, "raw": q.raw})
 
 
 def run(params: IngestParams, ctx: StageContext) -> None:
@@ -570,8 +562,9 @@ def run(params: IngestParams, ctx: StageContext) -> None:
 
     by_reason = ", ".join(f"{r}={n}" for r, n in sorted(reasons.items())) or "none"
     if quarantined:
-        ctx.logger.warning("ingest quarantined %d of %d records (%s); see %s",
-                           quarantined, read, by_reason, ctx.out_dir / QUARANTINE_NAME)
+        # out_dir is a temp dir renamed on commit: name the file inside the artifact, not this path
+        ctx.logger.warning("ingest quarantined %d of %d records (%s); see %s in this stage's artifact "
+                           "(`hylight status` shows its path)", quarantined, read, by_reason, QUARANTINE_NAME)
     ctx.progress(f"read {read} records from {len(inputs)} file(s): ingested {ingested} in "
                  f"{len(domains)} domain(s), quarantined {quarantined} ({by_reason})")
 

@@ -12,7 +12,9 @@ What the paper asks for (MiniMax-01 §4.1.1, §4.1.3.2) and how this module does
   mid [2, 3.5) at most 3, high [3.5, 5] at most 4. The caps for low and high are the paper's finding
   ("low-quality data suffer a substantial decrease in performance after training for more than two
   epochs, while high-quality data can be effectively trained for up to four epochs", §4.1.3.2); the
-  mid bucket and the thresholds are ours. Default weights equal the caps (2, 3, 4): with weights
+  mid bucket and the thresholds are ours. Caps above the paper's (the lowest-score bucket above 2, any
+  bucket above 4) are a validation error unless ``allow_over_paper_caps: true``, and then the run warns
+  and records them (MLflow tag ``mix.over_paper_caps``, metric, stats). Default weights equal the caps (2, 3, 4): with weights
   proportional to caps every bucket reaches its cap at the same budget, so a bigger budget scales the
   whole mixture instead of saturating one bucket first.
 
@@ -74,7 +76,6 @@ bucket). Read the manifest with :func:`iter_mixture`.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from collections import Counter
@@ -84,10 +85,21 @@ from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 import numpy as np
-import orjson
 from pydantic import Field, field_validator, model_validator
 
-from data.documents import DUP_COUNT, QUALITY, SCORED_DOCUMENTS_TYPE, iter_documents, unit_hash
+from data.documents import (
+    DUP_COUNT,
+    QUALITY,
+    QUALITY_CATEGORY,
+    QUALITY_DIMENSIONS,
+    SCORE_MAX,
+    SCORE_MIN,
+    SCORED_DOCUMENTS_TYPE,
+    JsonlGzWriter,
+    iter_documents,
+    read_jsonl_gz,
+    unit_hash,
+)
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 
@@ -95,7 +107,6 @@ MIXTURE_TYPE = "mixture"
 MANIFEST_FILE = "mixture.jsonl.gz"
 STATS_FILE = "mixture_stats.json"
 PACKING_TOKENS_PER_DOC = 2  # BOS + EOS added around every document by pretraining packing
-SCORE_MIN, SCORE_MAX = 0.0, 5.0  # range of knowledge_depth and helpfulness (quality stage contract)
 ENCODE_BATCH_DOCS = 512
 
 # why a document got sample_count 0 (a document with sample_count > 0 has reason null)
@@ -134,6 +145,26 @@ class BucketSpec(StageParams):
         if not math.isfinite(v):
             raise ValueError(f"bucket weight must be finite (got {v})")
         return v
+
+
+# §4.1.3.2: "low-quality data suffer a substantial decrease in performance after training for more than
+# two epochs, while high-quality data can be effectively trained for up to four epochs". Caps above these
+# are refused unless allow_over_paper_caps says the user means it.
+PAPER_LOW_QUALITY_MAX_EPOCHS = 2  # the lowest-score bucket holds the low-quality data
+PAPER_MAX_EPOCHS = 4  # no data, however good, beyond four epochs
+
+
+def over_paper_caps(buckets: list[BucketSpec]) -> list[str]:
+    """Why each bucket's cap exceeds the paper's finding (empty: none does). ``buckets`` in score order."""
+    problems = []
+    for i, b in enumerate(buckets):
+        if i == 0 and b.max_epochs > PAPER_LOW_QUALITY_MAX_EPOCHS:
+            problems.append(f"bucket {b.name!r} (the lowest scores, from {b.min_score}) has max_epochs="
+                            f"{b.max_epochs} > {PAPER_LOW_QUALITY_MAX_EPOCHS}, the paper's cap for low-quality data")
+        elif b.max_epochs > PAPER_MAX_EPOCHS:
+            problems.append(f"bucket {b.name!r} has max_epochs={b.max_epochs} > {PAPER_MAX_EPOCHS}, the paper's "
+                            "cap for high-quality data")
+    return problems
 
 
 # low <= 2 and high <= 4 epochs: §4.1.3.2. Weights equal the caps (module docstring).
@@ -207,6 +238,10 @@ class MixParams(StageParams):
     ablation: AblationParams = Field(default_factory=AblationParams, description=(
         "enabled, full_token_budget, ablation_token_budget: keep each document's full-run repetition, "
         "down-sample documents to the ablation budget (§4.1.3.2)."))
+    allow_over_paper_caps: bool = Field(False, description=(
+        "Accept bucket caps above the paper's (§4.1.3.2): the lowest-score bucket above 2 epochs or any bucket "
+        "above 4. Off: such buckets are a validation error. On: the run warns and records them "
+        "(tag mix.over_paper_caps, metric over_paper_caps, stats over_paper_caps)."))
     seed: int = Field(0, description="Salt of the per-document hash draws.")
 
     @field_validator("buckets")
@@ -246,6 +281,10 @@ class MixParams(StageParams):
         if not self.ablation.enabled and self.token_budget is None:
             raise ValueError("token_budget is required: the number of tokens (incl. 2 BOS/EOS per document) "
                              "the mixture should hold")
+        problems = over_paper_caps(self.buckets)
+        if problems and not self.allow_over_paper_caps:
+            raise ValueError("; ".join(problems) + ". Lower max_epochs, or set allow_over_paper_caps: true to "
+                             "train beyond the paper's caps on purpose (the run then records a warning)")
         return self
 
 
@@ -298,16 +337,16 @@ def _quality_of(rec: dict[str, Any], where: Path) -> tuple[float, float, str]:
         raise MissingQualityError(f"document {rec['id']!r} in {where}: metadata[{QUALITY!r}] is "
                                   f"{type(q).__name__}, expected an object from the quality stage")
     values = []
-    for key in ("knowledge_depth", "helpfulness"):
+    for key in QUALITY_DIMENSIONS:
         v = q.get(key)
         if isinstance(v, bool) or not isinstance(v, int | float) or not SCORE_MIN <= v <= SCORE_MAX:
             raise MissingQualityError(
                 f"document {rec['id']!r} in {where}: metadata[{QUALITY!r}][{key!r}] = {v!r}; expected a "
                 f"number in [{SCORE_MIN}, {SCORE_MAX}] from the quality stage")
         values.append(float(v))
-    cat = q.get("category")
+    cat = q.get(QUALITY_CATEGORY)
     if not isinstance(cat, str) or not cat:
-        raise MissingQualityError(f"document {rec['id']!r} in {where}: metadata[{QUALITY!r}]['category'] = "
+        raise MissingQualityError(f"document {rec['id']!r} in {where}: metadata[{QUALITY!r}][{QUALITY_CATEGORY!r}] = "
                                   f"{cat!r}; expected a non-empty string from the quality stage")
     return values[0], values[1], cat
 
@@ -655,16 +694,14 @@ class MixtureEntry(TypedDict):
 
 def iter_mixture(artifact_path: str | Path, only_sampled: bool = False) -> Iterator[MixtureEntry]:
     """Rows of a mixture artifact's manifest, in the documents' input order."""
-    with gzip.open(Path(artifact_path) / MANIFEST_FILE, "rb") as f:
-        for line in f:
-            row = orjson.loads(line)
-            if not only_sampled or row["sample_count"] > 0:
-                yield row
+    for row in read_jsonl_gz(Path(artifact_path) / MANIFEST_FILE):
+        if not only_sampled or row["sample_count"] > 0:
+            yield row
 
 
 def _write_manifest(path: Path, table: DocumentTable, plan: MixturePlan, buckets: list[BucketSpec]) -> None:
     names = [b.name for b in buckets]
-    with gzip.GzipFile(path, "wb", compresslevel=6, mtime=0) as f:  # mtime=0: deterministic bytes
+    with JsonlGzWriter(path) as f:
         for i, doc_id in enumerate(table.ids):
             row: MixtureEntry = {
                 "id": doc_id, "sample_count": int(plan.count[i]), "full_sample_count": int(plan.full_count[i]),
@@ -673,7 +710,7 @@ def _write_manifest(path: Path, table: DocumentTable, plan: MixturePlan, buckets
                 "score": round(float(plan.score[i]), 6), "dup_count": int(table.dup_count[i]),
                 "max_epochs": int(plan.cap[i]), "expected_epochs": round(float(plan.expected_epochs[i]), 6),
                 "zero_reason": plan.zero_reason[i]}
-            f.write(orjson.dumps(row) + b"\n")
+            f.write(row)
 
 
 def _share_table(groups: np.ndarray, names: list[str], tokens: np.ndarray, counts: np.ndarray) -> dict[str, Any]:
@@ -818,9 +855,12 @@ def run(params: MixParams, ctx: StageContext) -> None:
     if not len(table):
         raise ValueError(f"mix: documents artifact {docs.path} holds no documents")
     plan = plan_mixture(table, params)
-    for w in plan.warnings:
+    over_caps = over_paper_caps(params.buckets)  # only non-empty with allow_over_paper_caps (validated)
+    for w in [*plan.warnings, *(f"allow_over_paper_caps: {p}" for p in over_caps)]:
         ctx.logger.warning("mix: %s", w)
         ctx.progress(f"WARNING: {w}")
+    if over_caps:
+        ctx.set_tags({"mix.over_paper_caps": "; ".join(over_caps)})
 
     stats = mixture_stats(table, plan, params, inputs={
         "documents": {"path": str(docs.path), "digest": docs.manifest.get("digest")},
@@ -832,6 +872,8 @@ def run(params: MixParams, ctx: StageContext) -> None:
                            "(a bug in data/mix.py)")
 
     _write_manifest(ctx.out_dir / MANIFEST_FILE, table, plan, params.buckets)
+    if over_caps:
+        stats["over_paper_caps"] = over_caps
     stats_path = ctx.out_dir / STATS_FILE
     stats_path.write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     ctx.log_artifact(stats_path, "mixture")
@@ -847,7 +889,8 @@ def run(params: MixParams, ctx: StageContext) -> None:
     if plan.ablation is not None:
         summary |= {"ablation_tokens": plan.ablation.achieved, "ablation_p": plan.ablation.p}
     ctx.log_summary(summary)
-    metrics: dict[str, float] = {"capacity_at_caps": b.capacity, "unique_tokens": stats["tokens"]["unique_input"]}
+    metrics: dict[str, float] = {"capacity_at_caps": b.capacity, "unique_tokens": stats["tokens"]["unique_input"],
+                                 "over_paper_caps": len(over_caps)}
     metrics |= {f"zero.{r}": zero.get(r, 0) for r in ZERO_REASONS}
     for name, s in stats["buckets"].items():
         key = metric_key(name)

@@ -166,6 +166,9 @@ def test_quarantines_are_logged_as_a_warning(tmp_path, inputs, caplog):
         _ingest(tmp_path, paths=[str(inputs / "messy.jsonl")])
     [msg] = [r.getMessage() for r in caplog.records if r.name == "hylight.stage.ingest"]
     assert "quarantined 12 of 15" in msg and "bad_json=1" in msg and "duplicate_id=1" in msg
+    # the stage writes into a temp dir that is renamed on commit: the log names the file in the artifact
+    assert "see quarantine.jsonl.gz in this stage's artifact" in msg
+    assert str(tmp_path) not in msg
 
 
 def test_two_runs_write_identical_bytes(tmp_path, inputs):

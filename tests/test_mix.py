@@ -474,3 +474,37 @@ def test_sample_corpus_mixture_end_to_end(tmp_path):
     assert all(c["sampled_documents"] > 0 for c in stats["categories"].values())
     assert stats["buckets"]["high"]["share_after"] > stats["buckets"]["high"]["share_before"]
     print(f"sample corpus: {len(records)} docs, {unique:,} unique tokens, two mix runs in {elapsed:.1f}s")
+
+
+# --- the paper's epoch caps (§4.1.3.2) ----------------------------------------------------------------
+def _buckets(low: int, high: int) -> list[dict]:
+    return [{"name": "low", "min_score": 0, "max_epochs": low, "weight": 1.0},
+            {"name": "high", "min_score": 2.5, "max_epochs": high, "weight": 2.0}]
+
+
+@pytest.mark.parametrize(("low", "high", "problem"), [
+    (3, 4, r"bucket 'low' \(the lowest scores, from 0.0\) has max_epochs=3 > 2"),
+    (2, 5, r"bucket 'high' has max_epochs=5 > 4, the paper's cap for high-quality data"),
+])
+def test_caps_above_the_papers_are_refused_unless_allowed(low, high, problem):
+    with pytest.raises(ValidationError, match=problem + r".*allow_over_paper_caps: true"):
+        MixParams(token_budget=10, buckets=_buckets(low, high))
+    allowed = MixParams(token_budget=10, buckets=_buckets(low, high), allow_over_paper_caps=True)
+    assert [b.max_epochs for b in allowed.buckets] == [low, high]
+    MixParams(token_budget=10, buckets=_buckets(2, 4))  # at the caps: fine
+    MixParams(token_budget=10, buckets=_buckets(1, 3))
+
+
+def test_allowed_caps_above_the_papers_are_warned_and_recorded(documents, tokenizer, unique_tokens, tmp_path,
+                                                               caplog):
+    caplog.set_level(logging.WARNING)
+    ctx = _mix(documents, tokenizer, tmp_path / "over", token_budget=unique_tokens,
+               buckets=_buckets(2, 6), allow_over_paper_caps=True)
+    assert any("max_epochs=6 > 4" in r.getMessage() for r in caplog.records)
+    assert "max_epochs=6 > 4" in ctx.sink.tags["mix.over_paper_caps"]
+    assert ctx.sink.last("over_paper_caps") == 1
+    assert _stats(ctx)["over_paper_caps"] == [
+        "bucket 'high' has max_epochs=6 > 4, the paper's cap for high-quality data"]
+    assert max(r["sample_count"] for r in _rows(ctx) if r["bucket"] == "high") <= 6
+    default = _mix(documents, tokenizer, tmp_path / "default", token_budget=unique_tokens)
+    assert default.sink.last("over_paper_caps") == 0 and "over_paper_caps" not in _stats(default)

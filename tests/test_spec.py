@@ -126,8 +126,10 @@ def test_cli_validate_ok(tmp_path, capsys):
 
 
 def test_shipped_specs_validate():
-    for spec in sorted(Path(__file__).parent.parent.glob("dags/*.yaml")):
-        load_spec(spec)
+    specs = sorted(Path(__file__).parent.parent.glob("dags/*.yaml"))
+    assert "tiny.yaml" in [s.name for s in specs], f"dags/tiny.yaml not found (glob found {specs})"
+    for spec in specs:
+        assert load_spec(spec).stages, f"{spec} declares no stage"
 
 
 def test_stage_reference_doc_is_current():
