@@ -39,6 +39,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from kernels.lightning import lightning_attention, lightning_attention_decode, lightning_decay_rates
+from kernels.softmax_varlen import document_causal_attention
 from model.configuration import LIGHTNING, SOFTMAX, HybridConfig
 from model.moe import MoEFeedForward, SwiGLUExperts, TopKRouter
 
@@ -106,8 +107,15 @@ class SequenceLayout:
 
     position_ids: torch.Tensor  # [B, T]
     token_mask: torch.Tensor | None  # [B, T] bool, False at padding; None = no padding
-    softmax_mask: torch.Tensor | None  # [B, 1, T, past + T] bool (True = attend); None = plain causal
+    softmax_mask: torch.Tensor | None  # [B, 1, T, past + T] bool (True = attend); None = no dense mask
     cu_seqlens: torch.Tensor | None  # [N + 1] int32 over the flattened B*T tokens; None = not packed
+
+    @property
+    def softmax_by_documents(self) -> bool:
+        """Packed documents without padding (never with a cache): softmax layers attend within each document
+        through ``cu_seqlens`` (kernels/softmax_varlen.py), and no O(T^2) mask exists. Otherwise they use
+        ``softmax_mask``, or plain causal attention when it is None."""
+        return self.cu_seqlens is not None and self.softmax_mask is None
 
     @classmethod
     def build(
@@ -180,8 +188,11 @@ class SequenceLayout:
             first = torch.nonzero(starts).squeeze(1)
             packed_cu = torch.cat([first, first.new_tensor([batch * length])]).to(torch.int32)
 
+        # A dense softmax mask only where padding or a cache needs one. Packed rows without padding go to
+        # document_causal_attention over packed_cu instead (memory linear in B*T, §3.2 data-packing); packed
+        # rows WITH padding keep the mask: pads join a neighbouring document there and must stay unseen.
         softmax_mask = None
-        if full_mask is not None or doc_ids is not None or (past and length > 1):
+        if full_mask is not None or (past and length > 1):
             q_pos = torch.arange(past, past + length, device=device)[:, None]
             k_pos = torch.arange(past + length, device=device)[None, :]
             mask = (k_pos <= q_pos)[None].expand(batch, length, past + length)
@@ -312,7 +323,8 @@ class LightningAttention(nn.Module):
 
 
 class SoftmaxAttention(nn.Module):
-    """Causal softmax attention with GQA and RoPE on the first ``rotary_dim`` dims of each head (§2)."""
+    """Causal softmax attention with GQA and RoPE on the first ``rotary_dim`` dims of each head (§2); packed
+    documents attend only within themselves, through ``kernels.softmax_varlen`` (no [T, T] mask)."""
 
     def __init__(self, config: HybridConfig, layer_idx: int):
         super().__init__()
@@ -339,6 +351,16 @@ class SoftmaxAttention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)
+        gqa = self.num_kv_heads != self.num_heads
+        if layout.softmax_by_documents:  # packed: one row of all B*T tokens, as in LightningAttention
+            if cache is not None:
+                raise ValueError(
+                    "packed documents (cu_seqlens, restarting position_ids) cannot use a KV cache"
+                )
+            flat = [t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q, k, v)]
+            o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa)
+            o = o.reshape(self.num_heads, B, T, D).transpose(0, 1)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * D))
         if cache is not None:
             k, v = cache.update_kv(self.layer_idx, k, v)
         mask = layout.softmax_mask
@@ -348,7 +370,7 @@ class SoftmaxAttention(nn.Module):
             v,
             attn_mask=mask,
             is_causal=mask is None and T > 1,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+            enable_gqa=gqa,
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * D))
 
