@@ -359,7 +359,7 @@ def _positive_1d(where: str, name: str, values: Sequence[float]) -> np.ndarray:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"{where}: every {name} value must be finite and > 0 (a power "
-                         f"law is fitted on logs); {name}[{i}] = {arr[i]!r}")
+                         f"law is fitted on logs); {name}[{i}] = {float(arr[i])!r}")
     return arr
 
 
