@@ -484,3 +484,41 @@ def test_memory_is_bounded_by_one_document_not_by_its_repetitions(corpus, tmp_pa
     rows = PackedRows(tmp_path / "out24")
     assert _documents_in(rows, c.special["bos"])[c.docs["big"]] == 24
 
+
+
+def test_no_eval_documents_gives_an_empty_eval_split(corpus, tmp_path):
+    info = corpus.build(tmp_path, eval_documents=0)
+    ev = PackedRows(tmp_path, "eval")
+    assert len(ev) == info.eval.rows == info.eval.tokens == 0 and info.unused_documents == 6
+    assert ev.tokens.shape == (0, SEQ_LEN)
+    with pytest.raises(ValueError, match="no label positions"):
+        unigram_loss(ev, np.load(tmp_path / UNIGRAM_FILE))
+    with pytest.raises(ValueError, match="at least one row"):
+        RowLoader(ev, seed=0)
+
+
+@pytest.mark.slow  # ~3 s alone: the real mix stage imports matplotlib for its plots
+def test_packs_a_mixture_planned_by_the_real_mix_stage(corpus, tmp_path):
+    """The contract with data/mix.py: its token counts (encode_batch_fast + 2) agree with packing's, and every
+    sample_count it plans is what the rows hold."""
+    from data.mix import MixParams, iter_mixture
+    from data.mix import run as mix
+    from pipeline.stage import Artifact, StageContext
+
+    rng = random.Random(1)
+    scored = [r | {"metadata": {"quality": {"knowledge_depth": rng.uniform(0, 5), "helpfulness": rng.uniform(0, 5),
+                                            "category": ("a", "b")[i % 2]}}} for i, r in enumerate(corpus.records)]
+    docs = _write_documents(tmp_path / "scored", scored)
+    ctx = StageContext(tmp_path / "mix", stage_name="mix", inputs={
+        "documents": Artifact(docs, {"type": "scored_documents", "digest": "d"}),
+        "tokenizer": Artifact(corpus.tokenizer, {"type": "tokenizer", "digest": "t"})})
+    unique = sum(len(d) for d in corpus.docs.values())
+    mix(MixParams(token_budget=int(0.9 * unique)), ctx)
+    plan = {row["id"]: row["sample_count"] for row in iter_mixture(ctx.out_dir)}
+    assert 0 in plan.values() and max(plan.values()) >= 2
+    info = build_packed_dataset(ctx.out_dir, docs, corpus.tokenizer, tmp_path / "out", seq_len=SEQ_LEN, seed=3,
+                                eval_documents=2)
+    eval_ids = {e["id"] for e in json.loads((tmp_path / "out" / EVAL_IDS_FILE).read_text())}
+    expected = Counter({corpus.docs[i]: c for i, c in plan.items() if c > 0 and i not in eval_ids})
+    assert _documents_in(PackedRows(tmp_path / "out"), corpus.special["bos"]) == expected
+    assert info.train.tokens + info.held_out_training_tokens == info.mixture_tokens
