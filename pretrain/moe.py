@@ -182,8 +182,9 @@ class DeepSpeedMoEFeedForward(MoE):
             return torch.zeros_like(routed), _ceil_capacity(n_real, *cap_args)
         # §2.1 global router: one all-gather of [per-expert slots, tokens] over the expert-parallel group
         mine = torch.cat([routed, n_real.reshape(1).to(routed.dtype)])
-        every = torch.empty(self.ep_size, mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(every, mine, group=self.ep_group)
+        every = torch.empty(self.ep_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        _all_gather_flat(every, mine, group=self.ep_group)  # flat output: gloo wants [R * n]
+        every = every.view(self.ep_size, -1)
         before = every[: self.ep_rank, :-1].sum(0)
         return before, _ceil_capacity(every[:, -1].sum(), *cap_args)
 
@@ -204,8 +205,6 @@ def _expert_parallel_ffn(x_sorted: torch.Tensor, kept: torch.Tensor, weights: tu
     GEMM and put back in arrival order before the return trip. Split sizes come to the host once per layer
     (all_to_all needs them), the one sync of the expert-parallel path.
     """
-    from torch.distributed.nn.functional import all_to_all_single
-
     total = int(kept.sum())
     send = kept.view(ep_size, local)  # [dest rank, its local expert]
     recv = torch.empty_like(send)
@@ -213,15 +212,38 @@ def _expert_parallel_ffn(x_sorted: torch.Tensor, kept: torch.Tensor, weights: tu
     send_splits = send.sum(1).tolist()
     recv_splits = recv.sum(1).tolist()
     rows = x_sorted[:total]
-    arrived = all_to_all_single(rows.new_empty(sum(recv_splits), rows.shape[1]), rows, recv_splits, send_splits,
-                                group=group)
+    arrived = _AllToAll.apply(rows, recv_splits, send_splits, group)
     # regroup by local expert (stable: source order within an expert)
     local_id = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep_size), recv.reshape(-1))
     by_expert = torch.sort(local_id, stable=True).indices
     y = torch.empty_like(arrived)
     y[by_expert] = _grouped_experts(*weights, arrived[by_expert], recv.sum(0))
-    back = all_to_all_single(rows.new_empty(total, rows.shape[1]), y, send_splits, recv_splits, group=group)
+    back = _AllToAll.apply(y, send_splits, recv_splits, group)
     return torch.cat([back, x_sorted.new_zeros(x_sorted.shape[0] - total, x_sorted.shape[1])])
+
+
+def _all_gather_flat(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, t, group=group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; the backward sends the gradients the opposite way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # noqa: ANN001
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
 
 
 # --- installing into a model and converting back ----------------------------------------------------------

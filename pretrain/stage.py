@@ -1,0 +1,232 @@
+"""Stage ``pretrain``: train the hybrid lightning/softmax MoE (``model/``) on the mixture (artifact ``checkpoint``).
+
+Inputs: the ``mixture`` (how many times each document is trained on), the ``scored_documents`` it was planned
+from (the texts) and the ``tokenizer``. The stage packs the mixture into rows (``pretrain/data.py``), launches the
+training processes (``pretrain/train.py``: one process for a CPU or one GPU, ``torchrun`` with one rank per GPU
+for several; the stage's ``resources.gpus`` decides) under ``pipeline.launch.run_process_tree`` (nothing outlives
+a cancelled stage), forwards their metrics to MLflow, and writes the artifact:
+
+    model/            HybridForCausalLM (``import model`` registers it) + tokenizer, token ids, chat template
+    minimax/          the same weights as transformers' MiniMaxForCausalLM (no remote code) + tokenizer
+    train_log.jsonl   every logged step (loss, aux_loss, lr, batch_size, grad_norm, tokens_per_second, mfu, ...)
+    summary.json      eval_loss, unigram_loss, steps, tokens, skipped steps, drop rate
+    expert_routed.npy / expert_dropped.npy   token slots per [layer, expert] over the run
+    packing.json      what was packed (rows, tokens, held-out documents)
+    plots/            loss curve, expert load and drop-rate heat maps
+
+Checkpoints live in the stage's resume directory (kept across a killed attempt, keyed by the cache key): a rerun
+of ``hylight run`` continues from the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from data.documents import SCORED_DOCUMENTS_TYPE
+from data.mix import MIXTURE_TYPE
+from data.tokenizer import TOKENIZER_TYPE
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+
+CHECKPOINT_TYPE = "checkpoint"
+
+
+class PretrainParams(StageParams):
+    size: str = Field("tiny", description="Named model size (model/sizes.py): tiny, cpu-small, gpu-300m, gpu-1b.")
+    model_overrides: dict[str, Any] = Field(default_factory=dict, description=(
+        "HybridConfig fields to override (e.g. attention_pattern, num_hidden_layers); vocab_size and the "
+        "special token ids always come from the tokenizer."))
+    seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
+    micro_batch_rows: int = Field(4, ge=1, description="Rows per forward call on each rank.")
+    batch_rows: int = Field(8, ge=1, description="Initial global batch in rows (gradient accumulation fills it).")
+    max_batch_rows: int = Field(64, ge=1, description="Cap of the batch-size schedule.")
+    double_batch_at_tokens: list[int] = Field(default_factory=list, description=(
+        "Double the batch at these token counts (§4.2 batch-size schedule)."))
+    double_batch_below_loss: list[float] = Field(default_factory=list, description=(
+        "Double the batch when the smoothed training loss first falls below each value (critical-batch rule)."))
+    train_tokens: int = Field(1_000_000, ge=1, description="Tokens to train on (global, counting padding).")
+    peak_lr: float = Field(3e-3, gt=0, description="Peak learning rate of the WSD schedule.")
+    warmup_frac: float = Field(0.05, ge=0, lt=1, description="Linear warm-up, as a fraction of the run.")
+    decay_frac: float = Field(0.2, ge=0, lt=1, description="Final exponential fast decay, as a fraction of the run.")
+    final_lr_ratio: float = Field(0.1, gt=0, le=1, description="lr at the end of the decay / peak lr.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices (report: 0.1).")
+    beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1 (report: 0.9).")
+    beta2: float = Field(0.95, gt=0, lt=1, description="AdamW beta2 (report: 0.95).")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient clipping (global norm).")
+    zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage (DeepSpeed refuses its MoE under 3).")
+    expert_parallel_size: int = Field(1, ge=1, description="Ranks that split each layer's experts (DeepSpeed-MoE).")
+    global_router: bool = Field(True, description=(
+        "§2.1 global router: all-gather per-expert counts over the expert-parallel group; capacity applied globally."))
+    token_drop: bool = Field(True, description="Capacity-based token drop in training (False: dropless).")
+    capacity_factor: float = Field(1.25, gt=0, description="Expert capacity = ceil(factor x tokens x k / E).")
+    min_capacity: int = Field(0, ge=0, description="Lower bound on capacity (DeepSpeed's own default is 4; the paper has none).")
+    aux_loss_coef: float = Field(0.001, ge=0, description="alpha_aux of the balance loss (released MiniMax value).")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between checkpoints (plus one at the end).")
+    log_every: int = Field(10, ge=1, description="Steps between metric logs.")
+    eval_documents: int = Field(64, ge=1, description=(
+        "Held-out documents for eval_loss (documents the mixture never samples first; taken out of training if "
+        "there are not enough, and counted)."))
+    eval_max_rows: int = Field(64, ge=1, description="Eval rows used for eval_loss.")
+    seed: int = Field(0, ge=0, description="Packing order, loader order and initialisation.")
+    spike_factor: float = Field(10.0, gt=1, description="Skip a step whose grad norm exceeds this x the recent median.")
+    max_consecutive_skips: int = Field(5, ge=1, description="Stop with an error after this many skipped steps in a row.")
+    inject_nan_at_steps: list[int] = Field(default_factory=list, description="Fault injection (tests of the divergence guard).")
+    lightning_impl: str = Field("auto", description="Lightning kernel: auto (Triton on CUDA, chunked PyTorch on CPU).")
+    compile: bool = Field(False, description="torch.compile the model (GPU).")
+    processes: int | None = Field(None, ge=1, description=(
+        "Training ranks to launch; default one per GPU of the stage's resources (1 on CPU). Several CPU ranks "
+        "train with gloo (tests of expert parallelism)."))
+
+    @model_validator(mode="after")
+    def _batches(self) -> PretrainParams:
+        if self.max_batch_rows < self.batch_rows:
+            raise ValueError(f"max_batch_rows={self.max_batch_rows} < batch_rows={self.batch_rows}")
+        if self.batch_rows % self.micro_batch_rows:
+            raise ValueError(f"batch_rows={self.batch_rows} must be a multiple of micro_batch_rows={self.micro_batch_rows}")
+        return self
+
+
+def _train_command(config_path: Path, world: int) -> list[str]:
+    if world == 1:
+        return [sys.executable, "-m", "pretrain.train", "--config", str(config_path)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            "-m", "pretrain.train", "--config", str(config_path)]
+
+
+class _Relay:
+    """Turns the ranks' ``@@hylight`` lines into MLflow metrics / progress; other lines are shown as they come."""
+
+    def __init__(self, ctx: StageContext):
+        self.ctx, self.summary = ctx, {}
+
+    def __call__(self, line: str) -> None:
+        from pretrain.train import METRIC_PREFIX
+
+        if not line.startswith(METRIC_PREFIX):
+            if line.strip():
+                self.ctx.progress(line)
+            return
+        msg = json.loads(line[len(METRIC_PREFIX):])
+        if msg["kind"] == "metrics":
+            self.ctx.log_metrics(msg["metrics"], step=msg["step"])
+        elif msg["kind"] == "progress":
+            self.ctx.progress(msg["message"])
+        elif msg["kind"] == "summary":
+            self.summary = msg["summary"]
+
+
+def run(params: PretrainParams, ctx: StageContext) -> None:
+    from pipeline.launch import run_process_tree
+    from pretrain.data import build_packed_dataset
+    from pretrain.train import TrainConfig
+
+    mixture, documents, tokenizer = ctx.input("mixture"), ctx.input("documents"), ctx.input("tokenizer")
+    data_dir = ctx.resume_dir / "data"
+    if not (data_dir / "packing.json").exists():
+        ctx.progress(f"packing the mixture into rows of {params.seq_len} tokens")
+        tmp = ctx.resume_dir / "data.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_packed_dataset(mixture.path, documents.path, tokenizer.path, tmp, seq_len=params.seq_len,
+                             seed=params.seed, eval_documents=params.eval_documents, progress=ctx.progress,
+                             scratch_dir=ctx.work_dir)
+        os.replace(tmp, data_dir)
+    shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")
+    packing = json.loads((data_dir / "packing.json").read_text())
+
+    world = params.processes or max(1, int(ctx.resources.gpus))
+    if ctx.resources.gpus and world > int(ctx.resources.gpus):
+        raise ValueError(f"pretrain: processes={world} but the stage has {ctx.resources.gpus:g} GPUs (one rank each)")
+    fields = {k: v for k, v in params.model_dump().items()
+              if k not in ("double_batch_at_tokens", "double_batch_below_loss", "eval_documents", "processes")}
+    cfg = TrainConfig(data_dir=str(data_dir), tokenizer_dir=str(tokenizer.path), resume_dir=str(ctx.resume_dir),
+                      export_dir=str(ctx.out_dir), double_at_tokens=params.double_batch_at_tokens,
+                      double_below_loss=params.double_batch_below_loss, **fields)
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    config_path = ctx.work_dir / "train_config.json"
+    from dataclasses import asdict
+
+    config_path.write_text(json.dumps(asdict(cfg), indent=2))
+    threads = max(1, int(ctx.resources.cpus) // world)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    relay = _Relay(ctx)
+    ctx.progress(f"training {params.size} on {packing['train']['rows']:,} rows x {params.seq_len} tokens, "
+                 f"{world} process(es), target {params.train_tokens:,} tokens")
+    run_process_tree(_train_command(config_path, world), env=env, cwd=os.getcwd(), log=relay, name="pretrain")
+
+    summary = json.loads((ctx.out_dir / "summary.json").read_text())
+    history = [json.loads(line) for line in (ctx.out_dir / "train_log.jsonl").read_text().splitlines() if line]
+    _plots(ctx, history)
+    last = history[-1] if history else {}
+    ctx.log_summary({
+        "eval_loss": summary["eval_loss"], "unigram_loss": summary["unigram_loss"],
+        "loss": last.get("loss", float("nan")), "tokens": summary["tokens"], "steps": summary["steps"],
+        "skipped_steps": summary["skipped_steps"], "drop_rate": summary["drop_rate"],
+        "tokens_per_second": last.get("tokens_per_second", float("nan")), "mfu": last.get("mfu", float("nan")),
+    })
+    ctx.set_rows("tokens", summary["tokens"])
+    ctx.set_rows("steps", summary["steps"])
+    ctx.set_tags({"hylight.model_size": params.size, "hylight.world_size": world})
+    if summary["eval_loss"] >= summary["unigram_loss"]:
+        ctx.progress(f"WARNING: eval_loss {summary['eval_loss']:.3f} is not below the unigram baseline "
+                     f"{summary['unigram_loss']:.3f}: the model learned no more than token frequencies")
+
+
+def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    summary = json.loads((ctx.out_dir / "summary.json").read_text())
+    if history:
+        fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+        tokens = [h["tokens"] for h in history]
+        ax[0].plot(tokens, [h["loss"] for h in history], label="train loss")
+        ax[0].axhline(summary["eval_loss"], color="C1", ls="--", label=f"eval_loss {summary['eval_loss']:.3f}")
+        ax[0].axhline(summary["unigram_loss"], color="C2", ls=":", label=f"unigram {summary['unigram_loss']:.3f}")
+        ax[0].set_xlabel("tokens")
+        ax[0].set_ylabel("loss (nats/token)")
+        ax[0].legend()
+        ax[0].set_title("loss")
+        ax[1].plot(tokens, [h["lr"] for h in history], color="C3")
+        ax[1].set_xlabel("tokens")
+        ax[1].set_ylabel("learning rate")
+        ax[1].set_title("WSD schedule")
+        ctx.log_figure(fig, "loss_curve.png")
+    routed = np.load(ctx.out_dir / "expert_routed.npy")
+    dropped = np.load(ctx.out_dir / "expert_dropped.npy")
+    share = routed / np.maximum(routed.sum(1, keepdims=True), 1)
+    drop = dropped / np.maximum(routed, 1)
+    fig, ax = plt.subplots(1, 2, figsize=(11, 0.35 * routed.shape[0] + 1.8))
+    for a, data, title in ((ax[0], share, "expert load (share of token slots)"), (ax[1], drop, "token-drop rate")):
+        im = a.imshow(data, aspect="auto", cmap="viridis")
+        a.set_xlabel("expert")
+        a.set_ylabel("layer")
+        a.set_title(title)
+        fig.colorbar(im, ax=a)
+    ctx.log_figure(fig, "expert_load.png")
+
+
+STAGE = StageKind(
+    name="pretrain",
+    params=PretrainParams,
+    run=run,
+    produces=CHECKPOINT_TYPE,
+    inputs={
+        "mixture": InputSpec(MIXTURE_TYPE, doc="sample count of every document"),
+        "documents": InputSpec(SCORED_DOCUMENTS_TYPE, doc="the scored documents the mixture was planned from"),
+        "tokenizer": InputSpec(TOKENIZER_TYPE, doc="the trained tokenizer"),
+    },
+    doc="Pretraining on DeepSpeed (ZeRO-1/2, DeepSpeed-MoE experts with the §2.1 global router and token drop, "
+        "Triton lightning kernels on CUDA): packed rows honouring the mixture's sample counts, WSD learning rate "
+        "and batch-size doubling (§4.2), checkpoints a rerun resumes from, divergence guard; exports model/ and "
+        "transformers MiniMax checkpoints with the tokenizer.",
+)

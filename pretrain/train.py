@@ -1,0 +1,533 @@
+"""The pretraining loop on DeepSpeed: one function every rank runs, CPU tiny and multi-GPU alike.
+
+``python -m pretrain.train --config CONFIG.json`` is what the ``pretrain`` stage launches (one process on a CPU or
+one GPU, ``torchrun`` for several GPUs); :func:`train` is the body. It reads packed rows (``pretrain/data.py``),
+builds the ``model/`` hybrid with DeepNorm init, swaps its MoE layers for DeepSpeed-MoE ones with the global router
+(``pretrain/moe.py``), and trains with ``deepspeed.initialize`` (ZeRO stage 1 or 2, torch AdamW with the report's
+β = (0.9, 0.95) and weight decay 0.1, gradient clipping, bf16 on GPU / fp32 on CPU), under the WSD learning-rate
+schedule and the critical-batch-size doubling of §4.2 (``pretrain/schedules.py``).
+
+Rank 0 reports to the parent through stdout lines ``@@hylight {json}`` (metrics, progress, events), which the stage
+forwards to MLflow, and appends every logged step to ``train_log.jsonl`` in the export directory.
+
+Checkpoints (DeepSpeed's: model, optimizer partitions, per-expert files) carry everything else a resume needs in
+their client state: the loader position, the batch-size schedule, tokens seen, the guard's counters, the RNG
+states and the metric history, so a killed run continues from its last checkpoint and, on CPU, reproduces the
+uninterrupted loss curve.
+
+Divergence guard: a non-finite loss or gradient makes DeepSpeed's ZeRO optimizer skip the step (its overflow
+path: no update, gradients cleared); a finite gradient norm above ``spike_factor`` x the median of the last 64
+accepted steps is turned into the same skip. Skips are counted (``skipped_steps``); ``max_consecutive_skips`` in a
+row stop training with a clear error, leaving the last periodic checkpoint as the valid one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+METRIC_PREFIX = "@@hylight "
+CHECKPOINT_DIR = "deepspeed"
+TRAIN_LOG = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a rank needs; JSON-able (the stage writes it, ``python -m pretrain.train`` reads it)."""
+
+    data_dir: str
+    tokenizer_dir: str
+    resume_dir: str
+    export_dir: str
+    size: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    seq_len: int = 256
+    micro_batch_rows: int = 4  # rows per forward call on each rank (one packed sequence of rows x seq_len)
+    batch_rows: int = 8  # initial global batch, in rows
+    max_batch_rows: int = 64
+    double_at_tokens: list[int] = field(default_factory=list)
+    double_below_loss: list[float] = field(default_factory=list)
+    train_tokens: int = 1_000_000
+    peak_lr: float = 3e-3
+    warmup_frac: float = 0.05
+    decay_frac: float = 0.2
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    zero_stage: int = 1
+    expert_parallel_size: int = 1
+    global_router: bool = True
+    token_drop: bool = True
+    capacity_factor: float = 1.25
+    min_capacity: int = 0
+    aux_loss_coef: float = 0.001
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_max_rows: int = 64
+    seed: int = 0
+    spike_factor: float = 10.0
+    max_consecutive_skips: int = 5
+    inject_nan_at_steps: list[int] = field(default_factory=list)  # fault injection, for testing the guard
+    lightning_impl: str = "auto"
+    compile: bool = False
+    stop_after_steps: int | None = None  # end early (tests of resume); the checkpoint at that step is kept
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+class DivergenceError(RuntimeError):
+    pass
+
+
+# --- reporting -----------------------------------------------------------------------------------------------
+
+
+def emit(kind: str, payload: dict[str, Any], rank: int) -> None:
+    """One line to the parent (rank 0 only): ``@@hylight {"kind": ..., ...}``."""
+    if rank == 0:
+        print(METRIC_PREFIX + json.dumps({"kind": kind, **payload}), flush=True)
+
+
+def measured_peak_flops(device: torch.device) -> float:
+    """Peak matmul FLOP/s measured on this device (bf16 8192³ on CUDA, fp32 1024³ on CPU): the MFU denominator."""
+    if device.type == "cuda":
+        n, dtype, reps = 8192, torch.bfloat16, 10
+    else:
+        n, dtype, reps = 1024, torch.float32, 3
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# --- setup ---------------------------------------------------------------------------------------------------
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Rank, world size and device; a lone process (no launcher) gets a world of one on 127.0.0.1."""
+    import deepspeed
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce with g++ on first use (50-85 s, ENV-NOTES);
+        # gloo does the job for our sizes.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def special_token_ids(tokenizer_dir: str | Path) -> dict[str, Any]:
+    """vocab size and the bos/eos/pad/end-of-turn ids of the trained tokenizer (data/tokenizer.py names them)."""
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import BOS_TOKEN, END_OF_TURN_TOKEN, EOS_TOKEN, PAD_TOKEN
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    ids = {name: tok.token_to_id(t) for name, t in
+           (("bos", BOS_TOKEN), ("eos", EOS_TOKEN), ("pad", PAD_TOKEN), ("end_of_turn", END_OF_TURN_TOKEN))}
+    missing = [n for n, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer in {tokenizer_dir} has no {missing} special tokens; train it with the "
+                         "project's tokenizer stage (data/tokenizer.py)")
+    return {"vocab_size": tok.get_vocab_size(), **ids}
+
+
+def build_model(cfg: TrainConfig) -> Any:
+    import model  # noqa: F401  (registers the Auto classes)
+    from model import HybridForCausalLM, config_for
+
+    special = special_token_ids(cfg.tokenizer_dir)
+    overrides = {
+        "vocab_size": special["vocab_size"],
+        "capacity_factor": cfg.capacity_factor,
+        "moe_token_drop": cfg.token_drop,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "lightning_impl": cfg.lightning_impl,
+        "bos_token_id": special["bos"],
+        "eos_token_id": special["eos"],
+        "pad_token_id": special["pad"],
+        "use_cache": False,
+        **cfg.model_overrides,
+    }
+    mc = config_for(cfg.size, **overrides)
+    if mc.max_position_embeddings < cfg.seq_len:
+        mc.max_position_embeddings = cfg.seq_len
+    torch.manual_seed(cfg.seed)  # the same DeepNorm init on every rank
+    return HybridForCausalLM(mc)
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (embeddings, projections, experts, router), none on norm gains; expert parameters
+    in their own groups (DeepSpeed-MoE reduces them over the expert-data-parallel group)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def deepspeed_config(cfg: TrainConfig, world: int, device: torch.device) -> dict[str, Any]:
+    gas = max(1, cfg.batch_rows // (cfg.micro_batch_rows * world))
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_rows,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": cfg.micro_batch_rows * gas * world,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": device.type == "cuda"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
+    """Make DeepSpeed's ZeRO optimizer treat a gradient-norm spike like an overflow (skip + clear grads)."""
+    original = optimizer.scaled_global_norm
+
+    def guarded_norm(*args: Any, **kwargs: Any) -> Any:
+        norm = original(*args, **kwargs)
+        value = float(norm)
+        guard.last_norm = value
+        if math.isfinite(value) and guard.is_spike(value):
+            guard.spiked = True
+            return torch.full_like(norm, float("inf")) if torch.is_tensor(norm) else float("inf")
+        return norm
+
+    optimizer.scaled_global_norm = guarded_norm
+
+
+@dataclass
+class GradGuard:
+    spike_factor: float
+    max_consecutive: int
+    history: deque = field(default_factory=lambda: deque(maxlen=64))
+    skipped: int = 0
+    consecutive: int = 0
+    last_norm: float = float("nan")
+    spiked: bool = False
+
+    def is_spike(self, norm: float) -> bool:
+        return len(self.history) >= 8 and norm > self.spike_factor * statistics.median(self.history)
+
+    def after_step(self, overflow: bool) -> bool:
+        """Record one optimizer step; True if it was skipped."""
+        skipped = overflow or self.spiked
+        self.spiked = False
+        if skipped:
+            self.skipped += 1
+            self.consecutive += 1
+        else:
+            self.consecutive = 0
+            if math.isfinite(self.last_norm):
+                self.history.append(self.last_norm)
+        return skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.history = deque(s["history"], maxlen=64)
+        self.skipped, self.consecutive = s["skipped"], s["consecutive"]
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- the loop ------------------------------------------------------------------------------------------------
+
+
+def train(cfg: TrainConfig) -> dict[str, float]:
+    import deepspeed
+
+    from pretrain.data import PackedRows, RowLoader, make_batch, unigram_loss
+    from pretrain.moe import install_deepspeed_moe
+    from pretrain.schedules import BatchSizeSchedule, WSDSchedule
+
+    rank, world, device = init_distributed()
+    if cfg.expert_parallel_size < 1 or world % cfg.expert_parallel_size:
+        raise ValueError(f"expert_parallel_size={cfg.expert_parallel_size} must divide the world size {world}")
+    packing = json.loads((Path(cfg.data_dir) / "packing.json").read_text())
+    if packing["seq_len"] != cfg.seq_len:
+        raise ValueError(f"packed rows are {packing['seq_len']} tokens but seq_len={cfg.seq_len}")
+    rows = PackedRows(cfg.data_dir, "train")
+    eval_rows = PackedRows(cfg.data_dir, "eval")
+    tokens_per_row = cfg.seq_len
+
+    model = build_model(cfg)
+    model_config = model.config
+    ep_rank = rank % cfg.expert_parallel_size  # DeepSpeed's E+D layout: ranks [0..ep) form expert group 0
+    install_deepspeed_moe(model, ep_size=cfg.expert_parallel_size, ep_rank=ep_rank,
+                          global_router=cfg.global_router, min_capacity=cfg.min_capacity)
+    optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.peak_lr,
+                                  betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=device.type == "cuda")
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                   config=deepspeed_config(cfg, world, device))
+    guard = GradGuard(cfg.spike_factor, cfg.max_consecutive_skips)
+    _install_spike_guard(optimizer, guard)
+    forward = torch.compile(engine.module) if cfg.compile else engine
+
+    initial_batch_tokens = cfg.batch_rows * tokens_per_row
+    lr_schedule = WSDSchedule.from_total(
+        cfg.peak_lr, max(1, cfg.train_tokens // initial_batch_tokens), warmup_frac=cfg.warmup_frac,
+        decay_frac=cfg.decay_frac, final_lr_ratio=cfg.final_lr_ratio)
+    batch_schedule = BatchSizeSchedule(cfg.batch_rows, cfg.max_batch_rows, cfg.double_at_tokens,
+                                       cfg.double_below_loss)
+    loader = RowLoader(rows, seed=cfg.seed, rank=rank, world_size=world)
+
+    step, tokens_seen, history = 0, 0, []
+    ckpt_dir = Path(cfg.resume_dir) / CHECKPOINT_DIR
+    if (ckpt_dir / "latest").exists():
+        _, client = engine.load_checkpoint(str(ckpt_dir), load_lr_scheduler_states=False)
+        step, tokens_seen, history = client["step"], client["tokens_seen"], client["history"]
+        loader.load_state_dict(client["loader"])
+        batch_schedule.load_state_dict(client["batch_schedule"])
+        guard.load_state_dict(client["guard"])
+        _set_rng_state(client["rng"])
+        emit("progress", {"message": f"resumed from step {step} ({tokens_seen:,} tokens) in {ckpt_dir}"}, rank)
+
+    peak = measured_peak_flops(device)
+    from model.accounting import flops_per_token
+
+    flops_tok = flops_per_token(model_config, cfg.seq_len).total
+    num_layers = model_config.num_hidden_layers
+    routed_sum = torch.zeros(num_layers, model_config.num_experts, dtype=torch.float64)
+    dropped_sum = torch.zeros_like(routed_sum)
+    log_path = Path(cfg.export_dir) / TRAIN_LOG
+    Path(cfg.export_dir).mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # the log restarts from the checkpoint's history (lines after it are from the killed attempt)
+        log_path.write_text("".join(json.dumps(h) + "\n" for h in history))
+
+    def save_checkpoint() -> None:
+        client = {"step": step, "tokens_seen": tokens_seen, "history": history, "loader": loader.state_dict(),
+                  "batch_schedule": batch_schedule.state_dict(), "guard": guard.state_dict(),
+                  "rng": _rng_state()}
+        engine.save_checkpoint(str(ckpt_dir), tag=f"step{step:08d}", client_state=client)
+        if rank == 0:  # keep the newest few
+            tags = sorted(p for p in ckpt_dir.glob("step*") if p.is_dir())
+            for old in tags[: -cfg.keep_checkpoints]:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+
+    window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
+    window_routed = window_dropped = 0.0
+    train_start = time.perf_counter()
+    engine.train()
+    while tokens_seen < cfg.train_tokens:
+        if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps:
+            break
+        batch_rows = batch_schedule.batch_size
+        gas = max(1, batch_rows // (cfg.micro_batch_rows * world))
+        if gas != engine.gradient_accumulation_steps():
+            engine.set_train_batch_size(cfg.micro_batch_rows * gas * world)
+        lr = lr_schedule.lr(tokens_seen // initial_batch_tokens)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_loss = step_aux = 0.0
+        step_tokens = 0
+        for _ in range(gas):
+            batch = make_batch(rows, loader.next_indices(cfg.micro_batch_rows))
+            out = forward(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device),
+                          cu_seqlens=batch.cu_seqlens.to(device), position_ids=batch.position_ids.to(device),
+                          output_router_logits=True)
+            loss = out.loss
+            if step in cfg.inject_nan_at_steps:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+            aux = out.aux_loss.detach()
+            step_loss += (loss.detach() - cfg.aux_loss_coef * aux).item() / gas
+            step_aux += aux.item() / gas
+            step_tokens += batch.input_ids.numel()
+            routed, dropped = out.moe_routed.detach().double().cpu(), out.moe_dropped.detach().double().cpu()
+            routed_sum += routed
+            dropped_sum += dropped
+            window_routed += routed.sum().item()
+            window_dropped += dropped.sum().item()
+        skipped = guard.after_step(bool(getattr(optimizer, "overflow", False)))
+        step += 1
+        global_tokens = step_tokens * world
+        tokens_seen += global_tokens
+        window_tokens += global_tokens
+        if guard.consecutive >= cfg.max_consecutive_skips:
+            raise DivergenceError(
+                f"{guard.consecutive} optimizer steps in a row were skipped (non-finite loss/gradients or grad-norm "
+                f"spikes above {cfg.spike_factor}x the recent median) at step {step}; the last valid checkpoint is "
+                f"in {ckpt_dir}. Lower the learning rate or check the data, then rerun to resume from it.")
+        if not skipped:
+            window_losses.append(step_loss)
+            window_aux.append(step_aux)
+            batch_schedule.update(tokens_seen, step_loss)
+        if step % cfg.log_every == 0 or tokens_seen >= cfg.train_tokens:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            tps = window_tokens / (now - window_t)
+            window_routed, window_dropped = _sum_over_data_parallel(
+                torch.tensor([window_routed, window_dropped], dtype=torch.float64)).tolist()  # all ranks' slots
+            metrics = {
+                "loss": statistics.fmean(window_losses) if window_losses else float("nan"),
+                "aux_loss": statistics.fmean(window_aux) if window_aux else float("nan"),
+                "lr": lr, "batch_size": batch_rows, "grad_norm": guard.last_norm,
+                "tokens_per_second": tps, "mfu": tps * flops_tok / (peak * world),
+                "drop_rate": window_dropped / max(window_routed, 1.0),  # all ranks' slots since the last log
+                "memory_gb": memory_gb(device), "tokens": tokens_seen, "skipped_steps": guard.skipped,
+            }
+            history.append({"step": step, **metrics})
+            if rank == 0:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(history[-1]) + "\n")
+            emit("metrics", {"step": step, "metrics": metrics}, rank)
+            emit("progress", {"message": (
+                f"step {step} · {tokens_seen:,}/{cfg.train_tokens:,} tokens · loss {metrics['loss']:.4f} · "
+                f"lr {lr:.2e} · batch {batch_rows} · {tps:,.0f} tok/s · mfu {metrics['mfu']:.1%} · "
+                f"drop {metrics['drop_rate']:.2%} · skipped {guard.skipped}")}, rank)
+            window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
+            window_routed = window_dropped = 0.0
+        if step % cfg.checkpoint_every == 0:
+            save_checkpoint()
+    save_checkpoint()
+    train_seconds = time.perf_counter() - train_start
+
+    # --- end: held-out loss, expert load, export -------------------------------------------------------------
+    engine.eval()
+    eval_loss = evaluate(engine, eval_rows, make_batch, cfg, device)
+    uni = unigram_loss(eval_rows, np.load(Path(cfg.data_dir) / "unigram_counts.npy"))
+    routed_all = _sum_over_data_parallel(routed_sum)
+    dropped_all = _sum_over_data_parallel(dropped_sum)
+    from pretrain.export import export_checkpoint
+
+    export_checkpoint(engine.module, model_config, cfg, rank)
+    summary = {"eval_loss": eval_loss, "unigram_loss": uni, "steps": step, "tokens": tokens_seen,
+               "skipped_steps": guard.skipped, "train_seconds": train_seconds,
+               "drop_rate": float(dropped_all.sum() / max(routed_all.sum(), 1.0))}
+    if rank == 0:
+        np.save(Path(cfg.export_dir) / "expert_routed.npy", routed_all.numpy())
+        np.save(Path(cfg.export_dir) / "expert_dropped.npy", dropped_all.numpy())
+        (Path(cfg.export_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    emit("summary", {"summary": summary}, rank)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+@torch.no_grad()
+def evaluate(engine: Any, eval_rows: Any, make_batch: Any, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean next-token cross-entropy (nats) over the held-out rows' label positions, dropless (eval mode)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = min(len(eval_rows), cfg.eval_max_rows)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    mine = list(range(rank, n, world))
+    # every rank runs the same number of calls (expert parallelism needs all ranks in each layer's all-to-all)
+    calls = math.ceil(math.ceil(n / world) / cfg.micro_batch_rows)
+    for c in range(calls):
+        idx = mine[c * cfg.micro_batch_rows:(c + 1) * cfg.micro_batch_rows] or [0]
+        batch = make_batch(eval_rows, idx)
+        out = engine(input_ids=batch.input_ids.to(device), cu_seqlens=batch.cu_seqlens.to(device),
+                     position_ids=batch.position_ids.to(device), output_router_logits=False)
+        if c * cfg.micro_batch_rows >= len(mine):
+            continue  # a padding call of a rank with fewer rows
+        logits = out.logits[0, :-1].float()
+        labels = batch.labels[0, 1:].to(device)
+        total[0] += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").double()
+        total[1] += (labels != -100).sum()
+    dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _sum_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return t
+    backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    x = t.to(backend_device)
+    dist.all_reduce(x)
+    return x.cpu()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="One rank of the hylight pretrain stage (launched by the stage).")
+    ap.add_argument("--config", required=True, help="TrainConfig JSON written by the pretrain stage")
+    args = ap.parse_args(argv)
+    cfg = TrainConfig.load(args.config)
+    try:
+        train(cfg)
+    except DivergenceError as e:
+        print(f"pretrain: {e}", file=sys.stderr, flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
