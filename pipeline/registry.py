@@ -24,6 +24,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "quality": "data.quality",
     "mix": "data.mix",
     "tokenizer": "data.tokenizer",
+    "pretrain": "pretrain.stage",
 }
 
 
