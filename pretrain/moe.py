@@ -157,9 +157,10 @@ class DeepSpeedMoEFeedForward(MoE):
             starts = counts.cumsum(0) - counts
             pos = torch.empty_like(key)
             pos[order] = torch.arange(key.numel(), device=x.device) - starts[key[order]]
-            n_real = torch.tensor(n, device=x.device) if mask is None else mask.sum()
-            offset, capacity = self._capacity(routed, n_real)
-            keep = valid & (pos + offset[slot_expert] < capacity)
+            offset, capacity = self._capacity(routed, n if mask is None else mask.sum())
+            if isinstance(offset, torch.Tensor):
+                pos = pos + offset[slot_expert]
+            keep = valid & (pos < capacity)
         else:
             keep = valid
         kept_key = torch.where(keep, slot_expert, E)
@@ -175,13 +176,18 @@ class DeepSpeedMoEFeedForward(MoE):
         return MoEOutput(hidden=out.view(shape), aux_loss=balance_loss(probs, routed, mask),
                          router_logits=logits, routed=routed, dropped=routed - kept)
 
-    def _capacity(self, routed: torch.Tensor, n_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots of each expert already admitted on earlier ranks [E], each expert's capacity [] or [E])."""
+    def _capacity(self, routed: torch.Tensor, n_real: int | torch.Tensor) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+        """(slots of each expert already admitted on earlier ranks [E] or 0, the capacity per expert).
+
+        ``n_real`` is a host int when every token is real (no device round trip), else a device count."""
         cap_args = (self.capacity_factor, self.top_k, self.num_experts, self.min_capacity)
         if not (self.global_router and self.ep_size > 1 and self.ep_group is not None):
-            return torch.zeros_like(routed), _ceil_capacity(n_real, *cap_args)
+            if isinstance(n_real, int):
+                return 0, capacity_for(n_real, *cap_args)
+            return 0, _ceil_capacity(n_real, *cap_args)
         # §2.1 global router: one all-gather of [per-expert slots, tokens] over the expert-parallel group
-        mine = torch.cat([routed, n_real.reshape(1).to(routed.dtype)])
+        n_dev = torch.full((1,), n_real, device=routed.device) if isinstance(n_real, int) else n_real.reshape(1)
+        mine = torch.cat([routed, n_dev.to(routed.dtype)])
         every = torch.empty(self.ep_size * mine.numel(), dtype=mine.dtype, device=mine.device)
         _all_gather_flat(every, mine, group=self.ep_group)  # flat output: gloo wants [R * n]
         every = every.view(self.ep_size, -1)

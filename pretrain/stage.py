@@ -128,6 +128,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
 
     mixture, documents, tokenizer = ctx.input("mixture"), ctx.input("documents"), ctx.input("tokenizer")
     data_dir = ctx.resume_dir / "data"
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
     if not (data_dir / "packing.json").exists():
         ctx.progress(f"packing the mixture into rows of {params.seq_len} tokens")
         tmp = ctx.resume_dir / "data.partial"
@@ -147,7 +148,6 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     cfg = TrainConfig(data_dir=str(data_dir), tokenizer_dir=str(tokenizer.path), resume_dir=str(ctx.resume_dir),
                       export_dir=str(ctx.out_dir), double_at_tokens=params.double_batch_at_tokens,
                       double_below_loss=params.double_batch_below_loss, **fields)
-    ctx.work_dir.mkdir(parents=True, exist_ok=True)
     config_path = ctx.work_dir / "train_config.json"
     from dataclasses import asdict
 

@@ -354,7 +354,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
     flops_tok = flops_per_token(model_config, cfg.seq_len).total
     num_layers = model_config.num_hidden_layers
-    routed_sum = torch.zeros(num_layers, model_config.num_experts, dtype=torch.float64)
+    routed_sum = torch.zeros(num_layers, model_config.num_experts, dtype=torch.float64, device=device)
     dropped_sum = torch.zeros_like(routed_sum)
     log_path = Path(cfg.export_dir) / TRAIN_LOG
     Path(cfg.export_dir).mkdir(parents=True, exist_ok=True)
@@ -374,7 +374,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 shutil.rmtree(old, ignore_errors=True)
 
     window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
-    window_routed = window_dropped = 0.0
+    window_start = torch.zeros(2, dtype=torch.float64, device=device)  # routed, dropped at the last log
     train_start = time.perf_counter()
     engine.train()
     while tokens_seen < cfg.train_tokens:
@@ -403,11 +403,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             step_loss += (loss.detach() - cfg.aux_loss_coef * aux).item() / gas
             step_aux += aux.item() / gas
             step_tokens += batch.input_ids.numel()
-            routed, dropped = out.moe_routed.detach().double().cpu(), out.moe_dropped.detach().double().cpu()
-            routed_sum += routed
-            dropped_sum += dropped
-            window_routed += routed.sum().item()
-            window_dropped += dropped.sum().item()
+            routed_sum += out.moe_routed.detach()  # on the device: no sync until the next log
+            dropped_sum += out.moe_dropped.detach()
         skipped = guard.after_step(bool(getattr(optimizer, "overflow", False)))
         step += 1
         global_tokens = step_tokens * world
@@ -427,8 +424,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 torch.cuda.synchronize()
             now = time.perf_counter()
             tps = window_tokens / (now - window_t)
-            window_routed, window_dropped = _sum_over_data_parallel(
-                torch.tensor([window_routed, window_dropped], dtype=torch.float64)).tolist()  # all ranks' slots
+            totals = torch.stack([routed_sum.sum(), dropped_sum.sum()])
+            window_routed, window_dropped = _sum_over_data_parallel(totals - window_start).tolist()  # all ranks
+            window_start = totals
             metrics = {
                 "loss": statistics.fmean(window_losses) if window_losses else float("nan"),
                 "aux_loss": statistics.fmean(window_aux) if window_aux else float("nan"),
@@ -447,7 +445,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 f"lr {lr:.2e} · batch {batch_rows} · {tps:,.0f} tok/s · mfu {metrics['mfu']:.1%} · "
                 f"drop {metrics['drop_rate']:.2%} · skipped {guard.skipped}")}, rank)
             window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
-            window_routed = window_dropped = 0.0
         if step % cfg.checkpoint_every == 0:
             save_checkpoint()
     save_checkpoint()
@@ -457,8 +454,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     engine.eval()
     eval_loss = evaluate(engine, eval_rows, make_batch, cfg, device)
     uni = unigram_loss(eval_rows, np.load(Path(cfg.data_dir) / "unigram_counts.npy"))
-    routed_all = _sum_over_data_parallel(routed_sum)
-    dropped_all = _sum_over_data_parallel(dropped_sum)
+    routed_all = _sum_over_data_parallel(routed_sum).cpu()
+    dropped_all = _sum_over_data_parallel(dropped_sum).cpu()
     from pretrain.export import export_checkpoint
 
     export_checkpoint(engine.module, model_config, cfg, rank)
@@ -509,10 +506,9 @@ def _sum_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
 
     if dist.get_world_size() == 1:
         return t
-    backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    x = t.to(backend_device)
+    x = t.clone()
     dist.all_reduce(x)
-    return x.cpu()
+    return x
 
 
 def main(argv: list[str] | None = None) -> int:
