@@ -6,17 +6,19 @@ Usage (GPU): python bench/check_softmax_varlen_gpu.py [--lengths 2048 8192 32768
    when its error is within 2x (+1e-3) of dense-mask SDPA's own bf16 error on the same inputs; fp32 within
    1e-5 relative (max abs error / max abs reference). Then the model: a packed fp32 forward on CUDA equals each
    document run alone.
-2. Speed and memory at each N (bf16, documents of random lengths 64..4096, GQA): forward and forward+backward
-   median ms (CUDA events) and peak memory over the inputs (torch.cuda.max_memory_allocated) for
-   flex (ours), the SDPA loop, dense-mask SDPA as the model called it before (enable_gqa + [N, N] bool mask),
-   dense-mask SDPA with k/v repeated (lets the memory-efficient kernel take the mask), and causal flash SDPA
-   over the whole row (ignores documents: a speed-of-light reference, not a correct answer).
+2. Speed and memory at each N (bf16, GQA), for documents of random lengths 64..4096 and 16..512: forward and
+   forward+backward median ms (CUDA events) and peak memory over the inputs (torch.cuda.max_memory_allocated)
+   for flex (ours), the SDPA loop, torch's flash ``varlen_attn`` where it exists, dense-mask SDPA as the model
+   called it before (enable_gqa + [N, N] bool mask), dense-mask SDPA with k/v repeated, and causal flash SDPA
+   over the whole row (ignores documents: a speed-of-light reference, not a correct answer); and the cost of
+   building the flex BlockMask, paid once per forward call.
 Prints markdown tables; exits 1 on any correctness failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -39,7 +41,8 @@ FAILURES: list[str] = []
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+    """max |a - b| / max |b|, absolute where max |b| < 1 (dq and dk vanish when every document has length 1)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1.0)).item()
 
 
 def cu_from_lengths(lengths: list[int], device: str = "cuda") -> torch.Tensor:
@@ -72,6 +75,10 @@ def dense_sdpa_repeat_kv(q, k, v, cu, enable_gqa):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(cu, q.shape[2]))
 
 
+def reference(q, k, v, cu, enable_gqa):
+    return document_causal_attention_reference(q, k, v, cu, enable_gqa=enable_gqa)
+
+
 def flex(q, k, v, cu, enable_gqa):
     return document_causal_attention(q, k, v, cu, enable_gqa=enable_gqa, impl="flex")
 
@@ -82,6 +89,24 @@ def sdpa_loop(q, k, v, cu, enable_gqa):
 
 def causal_flash_whole_row(q, k, v, cu, enable_gqa):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+
+
+def varlen_flash(q, k, v, cu, enable_gqa):
+    """torch.nn.attention.varlen.varlen_attn (flash varlen, fp16/bf16 only), feature-detected: torch 2.11 has
+    neither is_causal nor enable_gqa (causal is window_size=(-1, 0); k/v are repeated for GQA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    longest = int((cu[1:] - cu[:-1]).max())  # a host read, once per call
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [N, H, D]
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw).transpose(0, 1)[None]
 
 
 def forward_backward(fn: Callable, q, k, v, cu, gqa, do):
@@ -115,7 +140,7 @@ def correctness(heads: int, kv_heads: int, dim: int) -> None:
                 v = torch.randn(1, h_kv, n, dim, device="cuda", generator=g)
                 do = torch.randn(1, heads, n, dim, device="cuda", generator=g)
                 ref_o, ref_g = forward_backward(
-                    document_causal_attention_reference,
+                    reference,
                     *(t.double() for t in (q, k, v)),
                     cu,
                     gqa,
@@ -141,8 +166,8 @@ def correctness(heads: int, kv_heads: int, dim: int) -> None:
 
 
 def model_check() -> None:
-    """The model's packed forward on CUDA (flattened B > 1 rows, Flex in the softmax layers) equals each
-    document run alone."""
+    """The model's packed forward and gradients on CUDA (flattened B > 1 rows, Flex in the softmax layers)
+    equal each document run alone."""
     try:
         from model.modeling import HybridForCausalLM
         from model.sizes import config_for
@@ -151,22 +176,26 @@ def model_check() -> None:
         return
     torch.manual_seed(0)
     cfg = config_for("tiny", num_hidden_layers=4, attention_pattern=["lightning", "softmax"] * 2)
-    model = HybridForCausalLM(cfg).cuda().eval()
+    model = HybridForCausalLM(cfg).cuda().eval()  # eval: no MoE capacity drops that depend on the batch
     g = torch.Generator().manual_seed(0)
     rows = [
         [torch.randint(0, 512, (n,), generator=g).cuda() for n in lens] for lens in ([200, 1, 311], [512])
     ]
     ids = torch.stack([torch.cat(r) for r in rows])
     pos = torch.stack([torch.cat([torch.arange(len(d), device="cuda") for d in r]) for r in rows])
-    with torch.no_grad():
-        packed = model(ids, position_ids=pos).logits
-        alone = torch.stack([torch.cat([model(d[None], use_cache=False).logits[0] for d in r]) for r in rows])
-    err = rel_err(packed, alone)
-    ok = err < 1e-4  # fp32; lightning's Triton path in packed vs single rows differs by ~1e-6
+    packed = model(ids, position_ids=pos).logits
+    packed.square().mean().backward()
+    packed_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    model.zero_grad()
+    alone = torch.stack([torch.cat([model(d[None], use_cache=False).logits[0] for d in r]) for r in rows])
+    alone.square().mean().backward()
+    alone_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    errs = [((a - b).norm() / b.norm()).item() for a, b in ((packed, alone), (packed_grads, alone_grads))]
+    ok = max(errs) < 1e-4  # fp32; lightning's Triton path in packed vs single rows differs by ~1e-6
     if not ok:
-        FAILURES.append(f"model packed forward vs documents alone: relative error {err:.1e}")
-    print(f"model: packed fp32 forward (2 rows, 4 documents) vs each document alone: {err:.1e} "
-          f"({'ok' if ok else 'FAIL'})\n")  # fmt: skip
+        FAILURES.append(f"model packed vs documents alone: logits/grads relative errors {errs}")
+    print(f"model: packed fp32 forward+backward (2 rows, 4 documents) vs each document alone: logits "
+          f"{errs[0]:.1e} (relative L2), all parameter grads {errs[1]:.1e} ({'ok' if ok else 'FAIL'})\n")  # fmt: skip
 
 
 # ---- 2. speed and memory -------------------------------------------------------------------------------------
@@ -217,27 +246,45 @@ def measure(fn: Callable, leaves: list[torch.Tensor], cu: torch.Tensor, do: torc
         torch.cuda.empty_cache()
 
 
+def block_mask_ms(cu: torch.Tensor, n: int, reps: int) -> str:
+    """The flex path builds its BlockMask once per forward call (cached across layers): its cost."""
+    from kernels.softmax_varlen import _document_block_mask, _flex_functions
+
+    create = _flex_functions(True)[1]
+    return f"{median_ms(lambda: _document_block_mask(cu.clone(), n, cu.device, create, True), reps):.2f}"
+
+
 def speed(lengths: list[int], heads: int, kv_heads: int, dim: int, reps: int) -> list[tuple]:
     paths = {
         "flex (ours, CUDA default)": flex,
         "sdpa_loop (ours, fallback)": sdpa_loop,
+        "varlen_attn (torch flash varlen)": varlen_flash,
         "dense mask SDPA, enable_gqa (old path)": dense_sdpa,
         "dense mask SDPA, k/v repeated": dense_sdpa_repeat_kv,
         "causal flash, whole row (no doc mask)": causal_flash_whole_row,
     }
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        del paths["varlen_attn (torch flash varlen)"]
     rows = []
-    for n in lengths:
-        docs = random_lengths(n, 64, 4096, seed=n)
-        cu = cu_from_lengths(docs)
-        g = torch.Generator(device="cuda").manual_seed(n)
-        q, k, v, do = (
-            torch.randn(1, h, n, dim, device="cuda", dtype=torch.bfloat16, generator=g)
-            for h in (heads, kv_heads, kv_heads, heads)
-        )
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        for name, fn in paths.items():
-            rows.append((n, len(docs), name, *measure(fn, leaves, cu, do, reps)))
-        del q, k, v, do, leaves
+    for low, high in ((64, 4096), (16, 512)):
+        for n in lengths:
+            docs = random_lengths(n, low, high, seed=n)
+            cu = cu_from_lengths(docs)
+            g = torch.Generator(device="cuda").manual_seed(n)
+            q, k, v, do = (
+                torch.randn(1, h, n, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                for h in (heads, kv_heads, kv_heads, heads)
+            )
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            what = (n, f"{len(docs)} ({low}..{high})")
+            for name, fn in paths.items():
+                rows.append((*what, name, *measure(fn, leaves, cu, do, reps)))
+            rows.append(
+                (*what, "flex BlockMask build (once per forward)", block_mask_ms(cu, n, reps), "-", "-", "-")
+            )
+            del q, k, v, do, leaves
     return rows
 
 
@@ -260,7 +307,9 @@ def main() -> int:
     model_check()
     if not args.no_speed:
         rows = speed(args.lengths, heads, kv_heads, args.dim, args.reps)
-        print("| N | docs | path | fwd ms | fwd+bwd ms | peak MiB over inputs | first call s |")
+        print(
+            "| N | documents (lengths) | path | fwd ms | fwd+bwd ms | peak MiB over inputs | first call s |"
+        )
         print("|---|---|---|---|---|---|---|")
         for row in rows:
             print("| " + " | ".join(str(c) for c in row) + " |")

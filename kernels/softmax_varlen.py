@@ -13,6 +13,11 @@ build one.
     document_causal_attention_reference  the dense masked form, plain PyTorch in the input dtype (fp64 works);
                 tests compare every path against it
 
+Why Flex on CUDA (H100, torch 2.11, bf16, H=16/H_kv=2, D=128, N=32K; bench/check_softmax_varlen_gpu.py):
+forward+backward 9.1 ms with documents of 64..4096 tokens and 3.5 ms with 16..512, against 114 ms and 3.2 GiB
+for dense-mask SDPA; the SDPA loop is as fast for long documents but launches per document (45 ms for 130
+short ones); torch 2.11's flash ``varlen_attn`` has no fp32 and no GQA (k/v repeated: 1.3 GiB at 32K).
+
 Shapes: q [1, H, N, D]; k, v [1, H_kv, N, D] (H_kv = H, or a divisor of H with ``enable_gqa``); cu_seqlens
 [n + 1] int32/int64, 0 = cu_seqlens[0] <= ... <= cu_seqlens[n] = N (an empty document is allowed and adds
 nothing, as in ``kernels.lightning``). Scale 1/sqrt(D), as SDPA's default.
