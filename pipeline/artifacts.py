@@ -61,6 +61,35 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` of this host started (clock ticks since boot, /proc), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime
+
+
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether process ``pid`` of this host still runs. With ``start_ticks`` (from
+    :func:`process_start_ticks`), a newer process that reused the pid does not count."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        if stat[stat.rindex(b")") + 2:].split()[0] == b"Z":  # exited, not yet reaped
+            return False
+    except OSError:
+        pass
+    return start_ticks is None or process_start_ticks(pid) in (None, start_ticks)
+
+
 class ArtifactStore:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -148,13 +177,7 @@ class ArtifactStore:
             elif len(parts) != 5 or parts[2] != host:
                 continue
             else:
-                try:
-                    os.kill(int(parts[3]), 0)
-                    alive = True
-                except (ProcessLookupError, ValueError):
-                    alive = False
-                except PermissionError:
-                    alive = True
+                alive = parts[3].isdigit() and pid_alive(int(parts[3]))
             if not alive:
                 shutil.rmtree(p, ignore_errors=True)
                 removed += 1

@@ -18,14 +18,6 @@ from typing import Any
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def _setup_env() -> None:
-    # torch threads thrash on small CPU boxes (ENV-NOTES); stages raise this per their resources
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not os.path.exists("/dev/nvidia0") else "cuda")
-
-
 def _load(args: argparse.Namespace) -> Any:
     from pipeline.orchestrator import local_capacity, ray_capacity
     from pipeline.spec import SpecError, load_raw, load_spec
@@ -109,7 +101,7 @@ def _tracking_from(args: argparse.Namespace) -> tuple[str, str | None]:
         from pipeline.tracking import default_tracking_uri
 
         try:
-            spec = load_spec(args.spec)
+            spec = load_spec(args.spec, check_external=False)  # only its tracking settings are needed
         except SpecError as e:
             raise SystemExit(f"invalid spec:\n{e}") from None
         return spec.tracking_uri or default_tracking_uri(spec.artifact_root), spec.name
@@ -237,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _setup_env()
+    from pipeline.runner import apply_env_defaults
+
+    apply_env_defaults()  # defaults it fills in are not forwarded: each stage worker picks its own
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

@@ -23,16 +23,29 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline import tracking
-from pipeline.artifacts import ArtifactStore, cache_key, write_json_atomic
+from pipeline.artifacts import ArtifactStore, cache_key, pid_alive, process_start_ticks, write_json_atomic
 from pipeline.registry import code_digest
-from pipeline.runner import StageOutcome, StageTask, execute_stage
-from pipeline.spec import ClusterCapacity, PipelineSpec, ResolvedStage
+from pipeline.runner import StageOutcome, StageTask, execute_stage, forwarded_env
+from pipeline.spec import ClusterCapacity, NodeCapacity, PipelineSpec, ResolvedStage
 from pipeline.stage import Artifact
 
 # Ray listens on every interface by default; this makes all its listeners bind to 127.0.0.1
 # (measured: ENV-NOTES, "Keep Ray on loopback").
 _RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0"}
+
+# Which process owns an MLflow run it left RUNNING: "host:pid:start ticks" of the `hylight run` driver.
+TAG_OWNER = "hylight.owner"
+TAG_ROOT = "hylight.artifact_root"
+
+
+def task_reserves_resources(st: ResolvedStage, on_cluster: bool) -> bool:
+    """Whether a stage's own Ray task is given its resources. Not for a kind that launches its own
+    workers when it spans nodes or asks for GPUs on a Ray cluster: a task holding the GPUs would make the
+    nested Ray Train job that asks for them again wait forever, so the task holds nothing and the job
+    gets them (docs/pipeline.md, 'Stages that need GPUs or several processes')."""
+    r = st.resources
+    return not (st.kind.launches_workers and (r.nodes > 1 or (r.gpus > 0 and on_cluster)))
 
 
 @dataclass
@@ -118,7 +131,7 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
 
 
 def ray_capacity(address: str) -> ClusterCapacity:
-    """Largest node of an existing Ray cluster (attaches to it)."""
+    """The live nodes of an existing Ray cluster (attaches to it)."""
     import ray
 
     os.environ.update({k: v for k, v in _RAY_ENV.items() if k not in os.environ})
@@ -127,15 +140,12 @@ def ray_capacity(address: str) -> ClusterCapacity:
     if started:
         ray.init(address=address, log_to_driver=False)
     try:
-        best = ClusterCapacity(0, 0, 0, where=f"the Ray cluster at {address}")
-        for node in ray.nodes():
-            if not node.get("Alive"):
-                continue
-            r = node.get("Resources", {})
-            best.cpus = max(best.cpus, r.get("CPU", 0))
-            best.gpus = max(best.gpus, r.get("GPU", 0))
-            best.memory_gb = max(best.memory_gb, r.get("memory", 0) / 2**30)
-        return best
+        nodes = [NodeCapacity(cpus=r.get("CPU", 0), gpus=r.get("GPU", 0), memory_gb=r.get("memory", 0) / 2**30)
+                 for r in (n.get("Resources", {}) for n in ray.nodes() if n.get("Alive"))]
+        return ClusterCapacity(cpus=max((n.cpus for n in nodes), default=0),
+                               gpus=max((n.gpus for n in nodes), default=0),
+                               memory_gb=max((n.memory_gb for n in nodes), default=0),
+                               where=f"the Ray cluster at {address}", nodes=nodes)
     finally:
         if started:
             ray.shutdown()
@@ -220,6 +230,10 @@ class Orchestrator:
         if not ray.is_initialized():
             if self.ray_address:
                 self.console.say(f"attaching to Ray at {self.ray_address}")
+                if self.tracking_uri.startswith("sqlite:"):
+                    self.console.say("warning: stages on other nodes write to the sqlite tracking store "
+                                     f"{self.tracking_uri} through the shared filesystem; sqlite locking over "
+                                     "NFS is unreliable: prefer an MLflow server (--tracking-uri http://...)")
                 _check_reachable(self.ray_address)
                 ray.init(address=self.ray_address, log_to_driver=True)
             else:
@@ -236,18 +250,57 @@ class Orchestrator:
 
         self._ensure_ray()
         r = st.resources
-        opts: dict[str, Any] = {"num_cpus": r.cpus, "num_gpus": r.gpus, "max_retries": 0}
-        if r.memory_gb:
-            opts["memory"] = int(r.memory_gb * 2**30)
+        if task.resources["reserved_for_task"]:
+            opts: dict[str, Any] = {"num_cpus": r.cpus, "num_gpus": r.gpus, "max_retries": 0}
+            if r.memory_gb:
+                opts["memory"] = int(r.memory_gb * 2**30)
+        else:  # zero, not "a little": any share of a node's CPUs could keep a full-node worker from fitting
+            opts = {"num_cpus": 0, "num_gpus": 0, "max_retries": 0}
         remote = ray.remote(execute_stage).options(name=f"stage:{st.name}", **opts)
         return remote.remote(task)
 
     # --- mlflow ------------------------------------------------------------------------------
+    def _owner_tags(self) -> dict[str, str]:
+        pid = os.getpid()
+        return {TAG_OWNER: f"{socket.gethostname()}:{pid}:{process_start_ticks(pid) or ''}",
+                TAG_ROOT: str(self.spec.artifact_root)}
+
+    def close_orphaned_runs(self, c: Any, exp: str) -> int:
+        """Mark KILLED the runs of this artifact root left RUNNING by a `hylight run` whose process is
+        gone (killed with -9, machine crash). Runs of other hosts are left alone: their liveness cannot
+        be checked from here."""
+        host, root, closed = socket.gethostname(), str(self.spec.artifact_root), 0
+        token = None
+        while True:
+            page = tracking.retry(c.search_runs, [exp], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=500, page_token=token)
+            for r in page:
+                tags = r.data.tags
+                owner = tags.get(TAG_OWNER, "").split(":")
+                if tags.get(TAG_ROOT) != root or len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
+                    continue
+                if pid_alive(int(owner[1]), int(owner[2]) if owner[2].isdigit() else None):
+                    continue
+                note = {tracking.TAG_STATE: "orphaned",
+                        "hylight.orphaned": f"`hylight run` process {owner[1]} on {host} died while this run "
+                                            "was open; closed by the next run"}
+                kind, key = tags.get(tracking.TAG_KIND), tags.get(tracking.TAG_CACHE_KEY)
+                art = self.store.lookup(kind, key) if kind and key else None
+                if art is not None and (art.manifest.get("producer") or {}).get("run_id") == r.info.run_id:
+                    note |= {tracking.TAG_ARTIFACT_URI: art.path.as_uri(),
+                             tracking.TAG_ARTIFACT_DIGEST: art.digest, "hylight.artifact_committed": "true"}
+                tracking.set_tags(c, r.info.run_id, note)
+                tracking.end_run(c, r.info.run_id, "KILLED")
+                closed += 1
+            token = page.token
+            if not token:
+                return closed
+
     def _stage_run(self, c: Any, exp: str, parent: str, st: ResolvedStage, key: str,
                    inputs: dict[str, list[dict[str, Any]]], tags: dict[str, Any]) -> str:
         run_id = tracking.start_run(c, exp, st.name, parent_run_id=parent, tags={
             tracking.TAG_STAGE: st.name, tracking.TAG_KIND: st.kind.name, tracking.TAG_CACHE_KEY: key,
-            **tags})
+            **self._owner_tags(), **tags})
         tracking.log_params(c, run_id, {"params": st.params.model_dump(mode="json"),
                                         "resources": st.resources.model_dump()})
         tracking.log_lineage(c, run_id, inputs)
@@ -281,9 +334,13 @@ class Orchestrator:
         if not o.dry_run:
             c = tracking.client(self.tracking_uri)
             exp = tracking.ensure_experiment(c, spec.name, spec.artifact_root, self.tracking_uri)
+            orphans = self.close_orphaned_runs(c, exp)
+            if orphans:
+                say(f"marked {orphans} MLflow run(s) KILLED: left RUNNING by a `hylight run` that was killed")
             parent = tracking.start_run(c, exp, f"{spec.name} {time.strftime('%Y-%m-%d %H:%M:%S')}", tags={
                 tracking.TAG_SPEC: str(spec.path), "hylight.command": o.command,
-                "hylight.overrides": " ".join(spec.overrides), "hylight.host": socket.gethostname()})
+                "hylight.overrides": " ".join(spec.overrides), "hylight.host": socket.gethostname(),
+                **self._owner_tags()})
             self._log_spec(c, parent)
             remember_last_run({"tracking_uri": self.tracking_uri, "run_id": parent, "experiment": spec.name,
                                "spec": str(spec.path), "artifact_root": str(spec.artifact_root)})
@@ -441,15 +498,19 @@ class Orchestrator:
             rid = self._stage_run(c, exp, parent, st, key, lineage,
                                   {tracking.TAG_CACHE_HIT: "false", tracking.TAG_STATE: "running"})
             res.run_id = rid
+            reserved = task_reserves_resources(st, on_cluster=bool(self.ray_address))
             task = StageTask(
                 stage=name, uses=st.uses, params=st.params.model_dump(mode="json"),
-                resources=st.resources.model_dump(), root=str(spec.artifact_root), key=key,
+                resources={**st.resources.model_dump(), "reserved_for_task": reserved},
+                root=str(spec.artifact_root), key=key,
                 key_material=material, cwd=os.getcwd(), tracking_uri=self.tracking_uri, run_id=rid,
                 inputs={role: [str(artifacts[n].path) for n in names] for role, names in st.inputs.items()},
-                env={k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_", "HYLIGHT_"))},
+                env=forwarded_env(),
             )
             res.state = "running"
-            say(f"▶ {name} started ({why}; cpus={st.resources.cpus:g} gpus={st.resources.gpus:g})")
+            r = st.resources
+            asked = f"cpus={r.cpus:g} gpus={r.gpus:g}" + (f" x {r.nodes} nodes" if r.nodes > 1 else "")
+            say(f"▶ {name} started ({why}; {asked}{'' if reserved else ', for the workers it launches'})")
             ref = self._submit(task, st)
             running[ref] = (name, rid, time.monotonic())
         return progressed

@@ -11,6 +11,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,46 @@ class StageOutcome:
     rows: dict[str, int]
 
 
+# Variables a stage's worker gets from the environment `hylight run` was started in. Ray starts workers
+# with the raylet's environment, not the driver's, so whatever a user sets for a run (NCCL_DEBUG,
+# TRITON_CACHE_DIR, HF_HOME, ...) has to be carried over explicitly.
+FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "HYLIGHT_", "NCCL_", "CUDA_", "TORCH_", "TRITON_", "DS_",
+                          "OMP_", "PYTORCH_", "NVSHMEM_")
+# Chosen per task or per launch, never copied from the driver: Ray sets each task's GPUs, a launcher its
+# rendezvous; the runner sets OMP_NUM_THREADS from the stage's cpus.
+NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"})
+
+# names apply_env_defaults() filled in (not chosen by the user): each node decides those for itself
+_DEFAULTED: set[str] = set()
+
+
+def apply_env_defaults(gpus: float | None = None, user_set: Mapping[str, str] | None = None) -> None:
+    """Process-wide defaults where the user set nothing. On the driver (``gpus`` None) DeepSpeed's
+    accelerator follows this machine; on a stage worker it follows the GPUs the task holds, whatever the
+    worker inherited, unless the user's own value was forwarded (``user_set``, the task's env)."""
+    defaults = {
+        "OMP_NUM_THREADS": "1",  # torch threads thrash on small CPU boxes (ENV-NOTES); stages raise it
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "DS_ACCELERATOR": "cuda" if (os.path.exists("/dev/nvidia0") if gpus is None else gpus > 0) else "cpu",
+    }
+    for k, v in defaults.items():
+        if k not in os.environ:
+            os.environ[k] = v
+            _DEFAULTED.add(k)
+    if gpus is not None and "DS_ACCELERATOR" not in (user_set or {}):
+        os.environ["DS_ACCELERATOR"] = defaults["DS_ACCELERATOR"]
+
+
+def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: this process, less the defaults it filled in itself) that
+    stage workers receive. Also what to pass as ``runtime_env={"env_vars": ...}`` to Ray Train workers
+    a stage starts: they do not inherit the stage process's environment."""
+    skip = NOT_FORWARDED | (_DEFAULTED if environ is None else frozenset())
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in skip}
+
+
 def _limit_threads(cpus: float) -> None:
     n = str(max(1, int(cpus)))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
@@ -52,12 +93,48 @@ def _limit_threads(cpus: float) -> None:
         sys.modules["torch"].set_num_threads(int(n))
 
 
-def execute_stage(task: StageTask) -> StageOutcome:
-    os.chdir(task.cwd)
+def _enter(task: StageTask) -> None:
+    """Working directory and environment of the stage, as on the machine `hylight run` started on."""
+    try:
+        os.chdir(task.cwd)
+    except OSError as e:
+        raise RuntimeError(
+            f"stage {task.stage!r}: cannot enter {task.cwd!r} (the directory `hylight run` was started "
+            f"from) on node {socket.gethostname()}: {e}. On a Ray cluster every node needs the same "
+            "checkout at the same path (docs/pipeline.md, 'Running on a Ray cluster').") from None
     if task.cwd not in sys.path:  # plugin stages (`uses: module:ATTR`) import relative to the launch dir
         sys.path.insert(0, task.cwd)
     os.environ.update(task.env)
-    _limit_threads(task.resources.get("cpus", 1))
+    r = task.resources
+    held_gpus = (r.get("gpus") or 0) if r.get("reserved_for_task", True) else 0
+    if not held_gpus:
+        # a stage sees the GPUs it was granted and no others (Ray leaves a GPU-less task's
+        # CUDA_VISIBLE_DEVICES alone, so it would otherwise see, and could grab, every GPU of the node)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    apply_env_defaults(gpus=held_gpus, user_set=task.env)
+    _limit_threads(r.get("cpus", 1))
+
+
+def _restore_env(saved: dict[str, str]) -> None:
+    """Undo a stage's environment changes: Ray reuses worker processes for later tasks."""
+    for k in [k for k in os.environ if k not in saved]:
+        del os.environ[k]
+    for k, v in saved.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
+
+
+def execute_stage(task: StageTask) -> StageOutcome:
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    try:
+        return _execute(task)
+    finally:
+        _restore_env(saved_env)
+        os.chdir(saved_cwd)
+
+
+def _execute(task: StageTask) -> StageOutcome:
+    _enter(task)
     kind = resolve(task.uses)
     params = kind.params.model_validate(task.params)
     store = ArtifactStore(task.root)

@@ -45,10 +45,13 @@ class SpecError(Exception):
 
 
 class ResourcesSpec(BaseModel):
+    """What a stage asks for, per node. ``nodes > 1`` needs a kind that launches its own workers."""
+
     model_config = ConfigDict(extra="forbid")
     cpus: float = Field(1, ge=0)
     gpus: float = Field(0, ge=0)
     memory_gb: float | None = Field(None, gt=0)
+    nodes: int = Field(1, ge=1)
 
 
 class StageSpec(BaseModel):
@@ -60,13 +63,15 @@ class StageSpec(BaseModel):
 
 
 class PipelineSpecModel(BaseModel):
+    """The top level of a spec; each stage is validated on its own so every problem is reported."""
+
     model_config = ConfigDict(extra="forbid")
     name: str
     description: str = ""
     artifact_root: str | None = None
     tracking_uri: str | None = None
     ray_address: str | None = None
-    stages: dict[str, StageSpec]
+    stages: dict[str, Any]
 
 
 @dataclass
@@ -112,14 +117,29 @@ class PipelineSpec:
         return [s for s in self.stages if s in out]
 
 
+@dataclass(frozen=True)
+class NodeCapacity:
+    cpus: float
+    gpus: float
+    memory_gb: float
+
+    def fits(self, r: ResourcesSpec) -> bool:
+        return (r.cpus <= self.cpus and r.gpus <= self.gpus
+                and (r.memory_gb is None or r.memory_gb <= self.memory_gb))
+
+
 @dataclass
 class ClusterCapacity:
-    """What the largest node offers; a stage must fit on one node."""
+    """What the cluster offers: the largest amount of each resource on any node, and the nodes."""
 
     cpus: float
     gpus: float
     memory_gb: float
     where: str = "this machine"
+    nodes: list[NodeCapacity] | None = None  # every live node; None: a single node with the above
+
+    def node_list(self) -> list[NodeCapacity]:
+        return self.nodes if self.nodes is not None else [NodeCapacity(self.cpus, self.gpus, self.memory_gb)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,18 +165,29 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _stage_lines(text: str) -> dict[str, int]:
-    """Line number of each stage's key, for error messages."""
+def _field_lines(text: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every key (and list item) in the YAML, by path: ("stages", "a", "params", "paths",
+    "0") -> line. Error messages point at the field's own line."""
     try:
         root = yaml.compose(text)
     except yaml.YAMLError:
         return {}
-    lines: dict[str, int] = {}
-    if isinstance(root, yaml.MappingNode):
-        for k, v in root.value:
-            if k.value == "stages" and isinstance(v, yaml.MappingNode):
-                for sk, _ in v.value:
-                    lines[sk.value] = sk.start_mark.line + 1
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                sub = (*path, str(k.value))
+                lines.setdefault(sub, k.start_mark.line + 1)
+                walk(v, sub)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                sub = (*path, str(i))
+                lines.setdefault(sub, item.start_mark.line + 1)
+                walk(item, sub)
+
+    if root is not None:
+        walk(root, ())
     return lines
 
 
@@ -172,13 +203,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> None:
+def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> dict[tuple[str, ...], str]:
+    """Apply ``--set`` overrides to the raw spec; returns the path each one set -> its text."""
     problems = []
+    applied: dict[tuple[str, ...], str] = {}
     top_level = set(PipelineSpecModel.model_fields) - {"stages"}
     for text in overrides:
         path, value = parse_override(text)
         if len(path) == 1 and path[0] in top_level:
             raw[path[0]] = value
+            applied[(path[0],)] = text
             continue
         stages = raw.get("stages") or {}
         stage = path[0]
@@ -194,6 +228,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> No
             section, rest = path[1], path[2:]
         else:
             section, rest = "params", path[1:]  # stage.param is short for stage.params.param
+        applied[("stages", stage, section, *rest)] = text
         if not rest:
             target[section] = value
             continue
@@ -203,6 +238,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> No
         node[rest[-1]] = value
     if problems:
         raise SpecError(problems)
+    return applied
 
 
 def load_raw(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -227,51 +263,98 @@ def _fmt_loc(loc: tuple) -> str:
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None,
-              capacity: ClusterCapacity | None = None) -> PipelineSpec:
-    """Load, override and validate a spec. Raises :class:`SpecError` listing every problem."""
+              capacity: ClusterCapacity | None = None, check_external: bool = True) -> PipelineSpec:
+    """Load, override and validate a spec. Raises :class:`SpecError` listing every problem.
+
+    ``check_external``: also run each kind's ``validate_external`` (e.g. do ingest's input files
+    exist); off for commands that only read a spec's settings (``hylight status``)."""
     path = Path(path)
     raw, text = load_raw(path)
     return build_spec(raw, where=str(path), path=path, text=text, overrides=overrides or [],
-                      capacity=capacity)
+                      capacity=capacity, check_external=check_external)
+
+
+class _Locator:
+    """Turns a field path into ``file:line`` (the deepest part of the path present in the YAML), or
+    names the ``--set`` override that put the value there."""
+
+    def __init__(self, where: str, text: str, applied: dict[tuple[str, ...], str]):
+        self.where, self.applied = where, applied
+        self.lines = _field_lines(text) if text else {}
+
+    def __call__(self, *path: Any) -> str:
+        key = tuple(str(p) for p in path)
+        for n in range(len(key), 0, -1):
+            if key[:n] in self.applied:
+                return f"{self.where} (--set {self.applied[key[:n]]})"
+        for n in range(len(key), 0, -1):
+            if key[:n] in self.lines:
+                return f"{self.where}:{self.lines[key[:n]]}"
+        return self.where
 
 
 def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None = None, text: str = "",
-               overrides: list[str] | None = None, capacity: ClusterCapacity | None = None) -> PipelineSpec:
+               overrides: list[str] | None = None, capacity: ClusterCapacity | None = None,
+               check_external: bool = True) -> PipelineSpec:
     overrides = overrides or []
-    apply_overrides(raw, overrides, where)
-    lines = _stage_lines(text) if text else {}
+    at = _Locator(where, text, apply_overrides(raw, overrides, where))
+    problems: list[str] = []
 
-    def at(stage: str | None) -> str:
-        if stage is None:
-            return where
-        line = lines.get(stage)
-        return f"{where}:{line}" if line else where
+    def problem(loc: tuple[Any, ...], stage: str | None, field_: str, msg: str) -> None:
+        who = f"stage {stage!r}, " if stage is not None else ""
+        problems.append(f"{at(*loc)}: {who}field {field_}: {msg}")
 
     try:
         model = PipelineSpecModel.model_validate(raw)
     except ValidationError as e:
-        problems = []
         for err in e.errors():
-            loc = err["loc"]
-            if len(loc) >= 2 and loc[0] == "stages":
-                problems.append(f"{at(str(loc[1]))}: stage {loc[1]!r}, field {_fmt_loc(loc[2:]) or '(stage)'}: "
-                                f"{err['msg']}")
-            else:
-                problems.append(f"{where}: field {_fmt_loc(loc)}: {err['msg']}")
-        raise SpecError(problems) from None
+            problem(err["loc"], None, _fmt_loc(err["loc"]), err["msg"])
+        stages_raw = raw.get("stages")
+        if not isinstance(stages_raw, dict):
+            raise SpecError(problems) from None
+        model = None
+    else:
+        stages_raw = model.stages
+    if not stages_raw:
+        problems.append(f"{at('stages')}: field stages: a spec needs at least one stage")
 
-    problems: list[str] = []
-    if not model.stages:
-        problems.append(f"{where}: field stages: a spec needs at least one stage")
+    # Each stage on its own, each section on its own: a bad `resources` must not hide a bad `uses`,
+    # an unknown param or a missing need (README: every problem is reported at once).
+    specs: dict[str, StageSpec] = {}
     kinds: dict[str, StageKind] = {}
     params: dict[str, StageParams] = {}
-    for name, st in model.stages.items():
+    resources_ok: set[str] = set()
+    for name, st_raw in stages_raw.items():
+        name = str(name)
         if not STAGE_NAME_RE.match(name):
-            problems.append(f"{at(name)}: stage {name!r}: names use letters, digits, '_' and '-'")
+            problems.append(f"{at('stages', name)}: stage {name!r}: names use letters, digits, '_' and '-'")
+        if not isinstance(st_raw, dict):
+            problem(("stages", name), name, "(stage)", "a stage is a mapping with at least 'uses'")
+            continue
+        bad_sections: set[str] = set()
+        try:
+            StageSpec.model_validate(st_raw)
+        except ValidationError as e:
+            for err in e.errors():
+                loc = err["loc"]
+                got = f" (got {err['input']!r})" if err["type"] not in ("missing", "extra_forbidden") \
+                    and not isinstance(err.get("input"), dict | list) else ""
+                problem(("stages", name, *loc), name, _fmt_loc(loc) or "(stage)", err["msg"] + got)
+                if loc:
+                    bad_sections.add(str(loc[0]))
+        kept = {k: v for k, v in st_raw.items() if k in StageSpec.model_fields and k not in bad_sections}
+        if "uses" not in kept:
+            continue
+        st = StageSpec.model_validate(kept)
+        specs[name] = st
+        if "resources" not in bad_sections:
+            resources_ok.add(name)
         try:
             kinds[name] = resolve(st.uses)
         except UnknownStageKind as e:
-            problems.append(f"{at(name)}: stage {name!r}, field uses: {e}")
+            problem(("stages", name, "uses"), name, "uses", str(e))
+            continue
+        if "params" in bad_sections:
             continue
         try:
             params[name] = kinds[name].params.model_validate(st.params)
@@ -279,13 +362,17 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
             for err in e.errors():
                 got = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(
                     err.get("input"), dict) else ""
-                problems.append(f"{at(name)}: stage {name!r}, field params.{_fmt_loc(err['loc'])}: "
-                                f"{err['msg']}{got}")
+                problem(("stages", name, "params", *err["loc"]), name,
+                        f"params.{_fmt_loc(err['loc'])}".rstrip("."), f"{err['msg']}{got}")
+            continue
+        if check_external and kinds[name].validate_external is not None:
+            _check_external(name, kinds[name], params[name], problem)
 
     # needs: existence, role binding
     needs: dict[str, list[str]] = {}
     inputs: dict[str, dict[str, list[str]]] = {}
-    for name, st in model.stages.items():
+    for name, st in specs.items():
+        needs_at = at("stages", name, "needs")
         bound: dict[str, list[str]] = {}
         if isinstance(st.needs, dict):
             for role, targets in st.needs.items():
@@ -294,43 +381,82 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
         else:
             flat = list(st.needs)
         if len(set(flat)) != len(flat):
-            problems.append(f"{at(name)}: stage {name!r}, field needs: lists a stage twice")
-        missing = [n for n in flat if n not in model.stages]
+            problems.append(f"{needs_at}: stage {name!r}, field needs: lists a stage twice")
+        missing = [n for n in flat if n not in stages_raw]
         for n in missing:
-            problems.append(f"{at(name)}: stage {name!r}, field needs: no stage named {n!r} "
-                            f"(stages: {', '.join(model.stages)})")
+            problems.append(f"{needs_at}: stage {name!r}, field needs: no stage named {n!r} "
+                            f"(stages: {', '.join(map(str, stages_raw))})")
         if name in flat:
-            problems.append(f"{at(name)}: stage {name!r}, field needs: a stage cannot need itself")
-        needs[name] = [n for n in dict.fromkeys(flat) if n in model.stages]
+            problems.append(f"{needs_at}: stage {name!r}, field needs: a stage cannot need itself")
+        needs[name] = [n for n in dict.fromkeys(flat) if n in specs]
         kind = kinds.get(name)
-        if kind is None or missing:
+        if kind is None or missing or any(n not in kinds for n in flat):
             continue
-        inputs[name] = _bind_inputs(name, kind, bound, needs[name], kinds, problems, at(name))
+        inputs[name] = _bind_inputs(name, kind, bound, needs[name], kinds, problems, needs_at)
 
-    order = _topological_order(model.stages, needs, problems, at)
+    order = _topological_order(specs, needs, problems, lambda n: at("stages", n, "needs"))
 
-    if capacity is not None:
-        for name, st in model.stages.items():
-            r = st.resources
-            for what, asked, have in (("cpus", r.cpus, capacity.cpus), ("gpus", r.gpus, capacity.gpus),
-                                      ("memory_gb", r.memory_gb, capacity.memory_gb)):
-                if asked is not None and asked > have:
-                    problems.append(
-                        f"{at(name)}: stage {name!r}, field resources.{what}: asks for {asked:g} but the "
-                        f"largest node of {capacity.where} has {have:g}")
+    for name in resources_ok:
+        if name in kinds:
+            _check_resources(name, specs[name].resources, kinds[name], capacity, problem)
 
     if problems:
         raise SpecError(problems)
 
+    assert model is not None  # no problems: the top level validated
     root = Path(model.artifact_root or f"runs/{model.name}").expanduser()
     stages = {
-        n: ResolvedStage(name=n, uses=model.stages[n].uses, kind=kinds[n], params=params[n],
-                         resources=model.stages[n].resources, inputs=inputs[n], needs=needs[n])
+        n: ResolvedStage(name=n, uses=specs[n].uses, kind=kinds[n], params=params[n],
+                         resources=specs[n].resources, inputs=inputs[n], needs=needs[n])
         for n in order
     }
     return PipelineSpec(name=model.name, path=path, artifact_root=Path(os.path.abspath(root)),
                         tracking_uri=model.tracking_uri, ray_address=model.ray_address, stages=stages,
                         description=model.description, overrides=overrides)
+
+
+def _check_external(name: str, kind: StageKind, params: StageParams, problem: Any) -> None:
+    """The kind's own check of what its params name outside the spec (input files...)."""
+    try:
+        found = kind.validate_external(params)  # type: ignore[misc]
+    except Exception as e:  # noqa: BLE001 (a hook that raises still reports, it does not crash validation)
+        problem(("stages", name, "params"), name, "params", f"{type(e).__name__}: {e}")
+        return
+    for item in found or []:
+        field_, msg = item if isinstance(item, tuple) else ("", item)
+        parts = [p for p in str(field_).split(".") if p]
+        problem(("stages", name, "params", *parts), name, ".".join(["params", *parts]), msg)
+
+
+def _check_resources(name: str, r: ResourcesSpec, kind: StageKind, capacity: ClusterCapacity | None,
+                     problem: Any) -> None:
+    """A stage runs in one process on one node unless its kind launches its own workers; whatever it
+    asks for, per node, must exist on that many live nodes."""
+    if r.nodes > 1 and not kind.launches_workers:
+        problem(("stages", name, "resources", "nodes"), name, "resources.nodes",
+                f"asks for {r.nodes} nodes but kind {kind.name!r} runs in one process on one node; only a "
+                "kind that launches its own workers (StageKind(launches_workers=True)) can span nodes")
+        return
+    if capacity is None:
+        return
+    over = False
+    for what, asked, have in (("cpus", r.cpus, capacity.cpus), ("gpus", r.gpus, capacity.gpus),
+                              ("memory_gb", r.memory_gb, capacity.memory_gb)):
+        if asked is not None and asked > have:
+            over = True
+            problem(("stages", name, "resources", what), name, f"resources.{what}",
+                    f"asks for {asked:g}{' per node' if r.nodes > 1 else ''} but the largest node of "
+                    f"{capacity.where} has {have:g}")
+    if over:
+        return
+    nodes = capacity.node_list()
+    fitting = sum(n.fits(r) for n in nodes)
+    if fitting < r.nodes:
+        each = f"cpus={r.cpus:g} gpus={r.gpus:g}" + (f" memory_gb={r.memory_gb:g}" if r.memory_gb else "")
+        field_ = "nodes" if r.nodes > 1 else "cpus"
+        problem(("stages", name, "resources", field_), name, f"resources.{field_}",
+                f"asks for {r.nodes} node(s) with {each} each but only {fitting} of the {len(nodes)} live "
+                f"node(s) of {capacity.where} have that much")
 
 
 def _bind_inputs(name: str, kind: StageKind, explicit: dict[str, list[str]], needs: list[str],

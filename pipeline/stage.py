@@ -66,6 +66,14 @@ class StageKind(Generic[P]):
     # JSON-able description of their current content, mixed into the cache key so editing an
     # external input file reruns the stage.
     fingerprint: Callable[[P], Any] | None = None
+    # Checks, at validation time (before anything is created), what the params name outside the spec:
+    # input files that must exist, and the like. Returns problems as (field, message) pairs, the field
+    # dotted within params ("paths.1"; "" for the params as a whole) so the error points at its line.
+    validate_external: Callable[[P], list[tuple[str, str]]] | None = None
+    # The stage starts its own distributed workers (Ray Train, or a launcher on each node). Only such a
+    # kind may ask for resources.nodes > 1; when it spans nodes or asks for GPUs on a Ray cluster its
+    # own task reserves (almost) nothing, so the workers it starts can be given the resources.
+    launches_workers: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,9 +164,16 @@ class MetricSink:
 
 @dataclass
 class Resources:
+    """What the spec asked for, per node (``resources:``), and whether the stage's own task holds it."""
+
     cpus: float = 1
     gpus: float = 0
     memory_gb: float | None = None
+    nodes: int = 1
+    # True: this process was granted the resources (Ray set CUDA_VISIBLE_DEVICES to its GPUs; run on them,
+    # e.g. with a launcher on this node). False: nothing is reserved for this process and it sees no GPU;
+    # start workers that ask for `nodes` x (cpus, gpus) themselves (Ray Train's ScalingConfig).
+    reserved_for_task: bool = True
 
 
 class StageContext:

@@ -6,6 +6,8 @@ without the cost of data stages. Each appends a line to ``$HYLIGHT_TEST_LOG`` wh
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import time
@@ -93,3 +95,91 @@ def run_file_source(params: FileSourceParams, ctx: StageContext) -> None:
 
 FILE_SOURCE = StageKind(name="test_file_source", params=FileSourceParams, run=run_file_source,
                         produces="text", fingerprint=lambda p: [file_fingerprint(p.path)])
+
+
+def _file_exists(params: FileSourceParams) -> list[tuple[str, str]]:
+    return [] if Path(params.path).is_file() else [("path", f"input file {params.path!r} does not exist")]
+
+
+# FILE_SOURCE with the validation hook: a missing input is a spec error (exit 2, nothing created)
+CHECKED_FILE_SOURCE = dataclasses.replace(FILE_SOURCE, validate_external=_file_exists)
+
+
+class EnvProbeParams(StageParams):
+    names: list[str] = []
+
+
+def run_env_probe(params: EnvProbeParams, ctx: StageContext) -> None:
+    """Writes the values the worker sees of ``names`` (null when unset)."""
+    _record(ctx.stage_name)
+    seen = {n: os.environ.get(n) for n in params.names}
+    (ctx.out_dir / "env.json").write_text(json.dumps(seen, sort_keys=True))
+
+
+ENV_PROBE = StageKind(name="test_env_probe", params=EnvProbeParams, run=run_env_probe, produces="env")
+
+
+class WaitParams(StageParams):
+    marker: str  # block while this file exists (at most timeout_s)
+    pid_file: str  # where the worker writes its pid
+    timeout_s: float = 120.0
+
+
+def run_wait(params: WaitParams, ctx: StageContext) -> None:
+    _record(ctx.stage_name)
+    Path(params.pid_file).write_text(str(os.getpid()))
+    deadline = time.monotonic() + params.timeout_s
+    while Path(params.marker).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (ctx.out_dir / "text.txt").write_text("waited")
+
+
+WAIT = StageKind(name="test_wait", params=WaitParams, run=run_wait, produces="text")
+
+
+class WorkersParams(StageParams):
+    timeout_s: float = 60.0
+
+
+def _worker(i: int) -> int:
+    return i
+
+
+def run_workers(params: WorkersParams, ctx: StageContext) -> None:
+    """Starts one nested Ray task per node asking for the stage's per-node cpus, like a Ray Train job
+    would; hangs (until timeout_s) if the stage's own task held those CPUs."""
+    import ray
+
+    _record(ctx.stage_name)
+    r = ctx.resources
+    worker = ray.remote(_worker).options(num_cpus=r.cpus, num_gpus=r.gpus)
+    done = ray.get([worker.remote(i) for i in range(r.nodes)], timeout=params.timeout_s)
+    (ctx.out_dir / "workers.json").write_text(json.dumps(
+        {"done": done, "resources": dataclasses.asdict(r),
+         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}, sort_keys=True))
+
+
+WORKERS = StageKind(name="test_workers", params=WorkersParams, run=run_workers, produces="workers",
+                    launches_workers=True)
+
+
+class TreeParams(StageParams):
+    pid_file: str  # every process of the tree appends its pid
+
+
+TREE_SCRIPT = Path(__file__).with_name("process_tree.py")
+
+
+def run_tree(params: TreeParams, ctx: StageContext) -> None:
+    """A launcher-like job: three levels of sleeping processes, the second in a session of its own
+    (like torchrun's ranks), through pipeline.launch.run_process_tree."""
+    import sys
+
+    from pipeline.launch import run_process_tree
+
+    _record(ctx.stage_name)
+    run_process_tree([sys.executable, str(TREE_SCRIPT), "1", "3", params.pid_file], log=ctx.progress,
+                     name=ctx.stage_name)
+
+
+TREE = StageKind(name="test_tree", params=TreeParams, run=run_tree, produces="text")

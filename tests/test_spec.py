@@ -53,7 +53,7 @@ def test_good_spec_resolves_order_roles_and_defaults(tmp_path):
 
 def test_unknown_stage_kind_names_file_line_stage_and_suggests(tmp_path):
     msg = problems(tmp_path, GOOD.replace("uses: tests.stage_fixtures:COUNT", "uses: tokenizr"))
-    assert "spec.yaml:12" in msg and "stage 'n', field uses" in msg and "did you mean 'tokenizer'" in msg
+    assert "spec.yaml:13" in msg and "stage 'n', field uses" in msg and "did you mean 'tokenizer'" in msg
 
 
 def test_unknown_and_mistyped_params(tmp_path):

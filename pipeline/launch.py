@@ -1,0 +1,253 @@
+"""Run a multi-process job (the DeepSpeed launcher, torchrun, ...) from inside a stage, leaving nothing behind.
+
+Launchers start their workers in new sessions (torchrun's elastic agent gives every rank its own
+``setsid``), so killing the launcher's process group misses them, and a Ray worker that is force-
+cancelled dies by SIGKILL without running any cleanup. Both holes are closed by one small
+*supervisor* process between the caller and the job (Linux)::
+
+    caller (stage worker) ── supervisor (child subreaper) ── launcher ── ranks (any session) ── ...
+
+- The supervisor is a child subreaper (``PR_SET_CHILD_SUBREAPER``): every process of the job that
+  loses its parent is re-parented to it, whatever session it moved to, so ``/proc`` always shows the
+  whole job as the supervisor's descendants.
+- It asks the kernel for SIGTERM when the caller dies (``PR_SET_PDEATHSIG``) and also polls its parent
+  id, so a SIGKILLed caller still gets its job killed (SIGTERM, a grace period, then SIGKILL).
+- When the launcher exits, stragglers it left running are killed as well, so the output pipe closes
+  and nothing outlives the call.
+
+This module imports only the standard library: the supervisor runs it as a script (``python -I``).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+TAIL_LINES = 40
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_SUPERVISE_FLAG = "--hylight-supervise"
+
+
+class ProcessTreeError(RuntimeError):
+    """A launched job exited with a non-zero status; ``tail`` holds its last lines of output."""
+
+    def __init__(self, name: str, cmd: Sequence[str], returncode: int, tail: list[str]):
+        self.name, self.cmd, self.returncode, self.tail = name, list(cmd), returncode, tail
+        if returncode < 0:
+            try:
+                how = f"was killed by {signal.Signals(-returncode).name}"
+            except ValueError:
+                how = f"was killed by signal {-returncode}"
+        else:
+            how = f"exited with status {returncode}"
+        shown = shlex.join(self.cmd)
+        shown = shown if len(shown) <= 300 else shown[:300] + " ..."
+        lines = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
+        super().__init__(f"{name}: `{shown}` {how}; its last {len(tail)} line(s) of output:\n{lines}")
+
+
+def run_process_tree(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+                     log: Callable[[str], None] = print, name: str = "job", grace_s: float = 5.0) -> None:
+    """Run ``cmd`` and every process it starts to completion; stream its output lines to ``log``.
+
+    ``env`` replaces the environment when given (as in :mod:`subprocess`; pass ``{**os.environ, ...}``
+    to add to it). stdout and stderr are merged; a line rewritten with ``\\r`` (progress bars) is
+    logged as its last state. On a non-zero exit :class:`ProcessTreeError` carries the last
+    ``TAIL_LINES`` lines. Whatever ends the call — success, failure, an exception raised by ``log``,
+    KeyboardInterrupt, or this process being SIGKILLed — no process of the job is left running
+    (SIGTERM first, SIGKILL after ``grace_s`` seconds).
+    """
+    if not cmd:
+        raise ValueError(f"{name}: empty command")
+    if not sys.platform.startswith("linux"):
+        raise OSError(f"{name}: run_process_tree needs Linux (prctl child-subreaper and parent-death signal)")
+    supervisor = [sys.executable, "-I", os.path.abspath(__file__), _SUPERVISE_FLAG, str(os.getpid()),
+                  f"{grace_s:g}", "--", *map(str, cmd)]
+    # The supervisor gets a session of its own: the terminal's Ctrl-C goes to the orchestrator, which
+    # cancels the stage; the job is then stopped through the supervisor, in order.
+    proc = subprocess.Popen(supervisor, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            line = next((part for part in reversed(text.split("\r")) if part.strip()), "")
+            tail.append(line)
+            log(line)
+        returncode = proc.wait()
+    except BaseException:
+        _stop_supervisor(proc, grace_s)
+        raise
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()
+    if returncode != 0:
+        raise ProcessTreeError(name, cmd, returncode, list(tail))
+
+
+def _stop_supervisor(proc: subprocess.Popen, grace_s: float) -> None:
+    """Ask the supervisor to stop the job; if it does not exit in time, kill its whole group."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=grace_s + 10)
+        except subprocess.TimeoutExpired:
+            pass  # falls through to the group kill
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # last resort; also catches anything left in its group
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# the supervisor (runs as `python -I launch.py --hylight-supervise CALLER_PID GRACE -- CMD...`)
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {value}) failed: {os.strerror(err)}")
+
+
+def _say(message: str) -> None:
+    """Best effort: once the caller is dead nobody reads the pipe, and a write must not kill us."""
+    try:
+        os.write(2, f"[hylight launch] {message}\n".encode())
+    except OSError:
+        pass
+
+
+def _children_map() -> dict[int, list[int]]:
+    """ppid -> pids of every process visible in /proc."""
+    kids: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        # fields after the ")" that closes the command name: state ppid ...
+        fields = stat[stat.rindex(b")") + 2:].split()
+        kids[int(fields[1])].append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first), read from /proc."""
+    kids = _children_map()
+    out, todo = [], list(kids.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def _reap() -> dict[int, int]:
+    """Collect every exited child without blocking: pid -> wait status."""
+    done = {}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done[pid] = status
+
+
+def _kill_all(grace_s: float) -> None:
+    """SIGTERM every descendant, wait up to ``grace_s``, then SIGKILL until none is left."""
+    me = os.getpid()
+
+    def signal_all(sig: int) -> int:
+        pids = descendants(me)
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    if signal_all(signal.SIGTERM) == 0:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        _reap()
+        if not descendants(me):
+            return
+        time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while signal_all(signal.SIGKILL):  # new processes may appear while we kill: loop until none
+        if time.monotonic() > deadline:  # e.g. stuck in uninterruptible I/O: say so rather than hang
+            _say(f"{len(descendants(me))} process(es) survive SIGKILL: {descendants(me)}")
+            return
+        time.sleep(0.05)
+        _reap()
+
+
+def _supervise(caller: int, grace_s: float, cmd: list[str]) -> int:
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda s, _f: stop.append(s))
+    if os.getppid() != caller:  # the caller died before the death signal was armed
+        return 128 + signal.SIGTERM
+    try:
+        # inherits stdout/stderr (the caller's pipe), env and cwd; if the supervisor itself is killed,
+        # the launcher gets SIGTERM and can still stop the ranks it started
+        root = subprocess.Popen(cmd, preexec_fn=lambda: _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM))
+    except OSError as e:
+        _say(f"cannot start {cmd[0]!r}: {e}")
+        return 127
+    status = None
+    while status is None:
+        if stop or os.getppid() != caller:
+            why = f"signal {signal.Signals(stop[0]).name}" if stop else "its caller exited"
+            _say(f"stopping the job ({why})")
+            _kill_all(grace_s)
+            root.returncode = -signal.SIGKILL  # reaped by _kill_all; keeps Popen from warning
+            return 128 + (stop[0] if stop else signal.SIGTERM)
+        status = _reap().get(root.pid)
+        if status is None:
+            time.sleep(0.05)
+    root.returncode = os.waitstatus_to_exitcode(status)
+    left = descendants(os.getpid())
+    if left:
+        _say(f"{cmd[0]} exited and left {len(left)} process(es) running: killing them")
+        _kill_all(grace_s)
+    return root.returncode
+
+
+def _main(argv: list[str]) -> None:
+    caller, grace_s = int(argv[0]), float(argv[1])
+    code = _supervise(caller, grace_s, argv[3:])
+    if code < 0:  # the job died of a signal: die of the same one so the caller sees it
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL/SIGSTOP cannot be handled; they need no reset
+            pass
+        os.kill(os.getpid(), -code)
+        time.sleep(1)
+        code = 128 - code
+    sys.exit(code)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == _SUPERVISE_FLAG:
+    _main(sys.argv[2:])
