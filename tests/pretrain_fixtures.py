@@ -7,6 +7,7 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 from tokenizers import Tokenizer, pre_tokenizers, trainers
@@ -35,6 +36,19 @@ def _artifact(path: Path, type_: str) -> Artifact:
     return Artifact(path=path, manifest=manifest)
 
 
+def _save_like_the_tokenizer_stage(tok_dir: Path) -> None:
+    """tokenizer_config.json and chat_template.jinja beside tokenizer.json, as data/tokenizer.py saves them (the
+    export must carry the chat template and the special-token ids into the model directories)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from data.tokenizer import BOS_TOKEN, CHAT_TEMPLATE, END_OF_TURN_TOKEN, EOS_TOKEN, PAD_TOKEN, ROLE_TOKENS
+
+    PreTrainedTokenizerFast(
+        tokenizer_file=str(tok_dir / "tokenizer.json"), bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN, additional_special_tokens=[*ROLE_TOKENS, END_OF_TURN_TOKEN], chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False).save_pretrained(tok_dir)
+
+
 def build_inputs(root: Path, *, documents: int = 120, max_chars: int = 3000, vocab_size: int = 512,
                  sample_count: int = 1) -> PretrainInputs:
     """``documents`` prose documents (truncated to ``max_chars``); every 10th gets sample_count 0 (held out)."""
@@ -57,6 +71,7 @@ def build_inputs(root: Path, *, documents: int = 120, max_chars: int = 3000, voc
         vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(str(tok_dir / "tokenizer.json"))
+    _save_like_the_tokenizer_stage(tok_dir)
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     mix_dir = root / "mixture"
     mix_dir.mkdir()
@@ -70,3 +85,108 @@ def build_inputs(root: Path, *, documents: int = 120, max_chars: int = 3000, voc
                 "expected_epochs": float(count), "zero_reason": None if count else "budget"}) + b"\n")
     return PretrainInputs(_artifact(doc_dir, "scored_documents"), _artifact(tok_dir, "tokenizer"),
                           _artifact(mix_dir, "mixture"))
+
+
+# --- two-process expert parallelism (tests/test_pretrain.py) ----------------------------------------------------
+# The worker runs in processes started by torch.multiprocessing.spawn, so it and what it shares with the test
+# (the seeded model, the inputs) live here, importable by both.
+
+EP_WORLD = 2
+EP_SKEW_TOKENS = 64  # tokens per rank in the token-drop case
+EP_SKEW_PADDING = 4  # padding tokens at the end of rank 1's tokens there
+
+
+def ep_model() -> Any:
+    """The seeded float64 tiny model every rank (and the single-process reference) starts from."""
+    import torch
+
+    from model import HybridForCausalLM, config_for
+
+    torch.manual_seed(0)
+    return HybridForCausalLM(config_for("tiny", num_hidden_layers=2, capacity_factor=1.0)).double()
+
+
+def ep_dropless_inputs(rank: int) -> tuple[Any, Any, Any]:
+    """(x [1, T, d], token mask, upstream gradient) of one rank: different tokens and lengths per rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 40 + 9 * rank
+    x = torch.randn(1, n, 64, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    mask[0, 5 + rank] = False  # one padding token inside each rank's tokens
+    return x, mask, torch.randn(1, n, 64, generator=g, dtype=torch.float64)
+
+
+def ep_skewed_router(layer: Any) -> None:
+    """Router logits = x[:, :E] (the first E hidden features), so inputs decide the routing."""
+    import torch
+
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, : layer.router.weight.shape[0]] = torch.eye(layer.router.weight.shape[0])
+
+
+def ep_skewed_inputs(rank: int) -> tuple[Any, Any]:
+    """Rank r's tokens put their first choice on expert r (feature r raised by 4), the second choice on
+    whichever other expert their noise favours; rank 1 ends with padding."""
+    import torch
+
+    g = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(1, EP_SKEW_TOKENS, 64, generator=g, dtype=torch.float64)
+    x[0, :, rank] += 4.0
+    mask = torch.ones(1, EP_SKEW_TOKENS, dtype=torch.bool)
+    if rank == 1:
+        mask[0, EP_SKEW_TOKENS - EP_SKEW_PADDING:] = False
+    return x, mask
+
+
+def expert_parallel_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """One rank: DeepSpeedMoEFeedForward with ep_size=2 over gloo; writes what it measured to out_dir."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    from pretrain.moe import install_deepspeed_moe
+    from pretrain.train import init_distributed  # gloo, DeepSpeed's shm comm op off
+
+    torch.set_num_threads(1)
+    init_distributed()
+    results: dict[str, Any] = {}
+
+    # (a) dropless: all-to-all to the experts' owners and back, gradients through both trips
+    layer = install_deepspeed_moe(ep_model(), ep_size=world_size, ep_rank=rank)[1]
+    layer.set_deepspeed_parallelism()  # creates DeepSpeed's expert-parallel group "ep_size_2"
+    layer.train()
+    layer.token_drop = False
+    x, mask, upstream = ep_dropless_inputs(rank)
+    x.requires_grad_(True)
+    out = layer(x, mask)
+    ((out.hidden * upstream).sum() + 0.37 * out.aux_loss).backward()
+    experts = list(layer.local_experts())
+    results["dropless"] = {
+        "hidden": out.hidden.detach(), "routed": out.routed, "dropped": out.dropped, "x_grad": x.grad,
+        "router_grad": layer.router.weight.grad,
+        "gate_up_grad": torch.stack([torch.cat([e.w1.grad, e.w3.grad]) for e in experts]),
+        "down_grad": torch.stack([e.w2.grad for e in experts]),
+        "ep_group_ranks": dist.get_world_size(layer.ep_group),
+    }
+
+    # (b) token drop with skewed routing, with and without the §2.1 global router
+    for name, global_router in (("global", True), ("local", False)):
+        layer = install_deepspeed_moe(ep_model(), ep_size=world_size, ep_rank=rank,
+                                      global_router=global_router)[1]
+        layer.set_deepspeed_parallelism()
+        ep_skewed_router(layer)
+        layer.train()
+        x, mask = ep_skewed_inputs(rank)
+        with torch.no_grad():
+            out = layer(x, mask)
+        results[name] = {"hidden": out.hidden, "routed": out.routed, "dropped": out.dropped}
+
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
