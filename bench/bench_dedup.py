@@ -1,18 +1,26 @@
-"""Dedup throughput and quality: the ``dedup`` stage vs a plain datatrove MinHash pipeline.
+"""Dedup throughput, quality and memory: the ``dedup`` stage vs plain datatrove and datasketch.
 
 1. Throughput on the shipped sample corpus (docs/s, MB/s, wall time of the whole dedup):
-   - hylight ``dedup`` with its defaults (fast words, 11x11 bands x rows, exact dedup, verification),
-     with ``word_tokenizer: spacy``, and with decontamination against a set of eval passages;
+   - hylight ``dedup`` with its defaults (fast words, 20x6 bands x rows, exact dedup, ``verify: exact``),
+     with ``verify: estimate`` at 11x11 (the previous default), with ``word_tokenizer: spacy``, and with
+     decontamination against a set of eval passages;
+   - datasketch: ``MinHashLSH(threshold=0.7, num_perm=128)`` over the same shingles, then the same
+     longest-first exact-Jaccard resolution as ``verify: exact`` (near dedup only: no exact-dedup pass,
+     no output written) -- the alternative to datatrove's LSH for the candidates;
    - plain datatrove: default ``MinhashConfig`` (14x8, 5-grams), default spaCy word tokenizer, the 4
      stages (signature, buckets, cluster, filter) through ``LocalPipelineExecutor`` with default
      executor settings (buckets: one task per bucket).
    And the signature step alone (the cost the word tokenizer drives): stock spaCy step, stock step
-   with :class:`data.dedup.FastWordTokenizer` plugged in, and :class:`data.dedup.FastMinhashSignature`.
+   with :class:`data.minhash.FastWordTokenizer` plugged in, and :class:`data.minhash.FastMinhashSignature`.
 2. Quality on a planted set: real corpus documents + edited copies at a spread of Jaccard levels.
    Ground truth = every pair whose exact Jaccard (5-gram word shingles of datatrove's
    ``simplify_text``) is >= the threshold (0.8), over all pairs of the set. Reported: pair precision
-   and recall of "in the same cluster", and the share of planted copies clustered with their
-   original per Jaccard bin (the empirical S-curve).
+   and recall of "in the same cluster"; "removed below threshold": removed documents whose reference
+   Jaccard with their kept representative is under 0.8; and the share of planted copies clustered with
+   their original per Jaccard bin (the empirical S-curve).
+3. Memory on one long single-line document (``--long-words``): the stage in a fresh process per size,
+   peak RSS of the process, and CPU seconds; ``--compare-module FILE`` runs an
+   older ``data/dedup.py`` (``git show REV:data/dedup.py > FILE``) side by side.
 
 Timings are the best of --repeats runs after a warm-up (the 2-core machine is shared, so wall time is
 noisy; CPU seconds, including finished child processes, are the steadier measure). Run:
@@ -56,6 +64,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--copies", type=int, default=240, help="edited copies planted")
     p.add_argument("--eval-items", type=int, default=500, help="eval passages for the decontamination row")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    p.add_argument("--sections", default="throughput,signature,quality,memory",
+                   help="comma-separated subset of throughput, signature, quality, memory")
+    p.add_argument("--no-spacy", action="store_true", help="skip the spaCy rows (the slowest, ~3 CPU-minutes)")
+    p.add_argument("--long-words", type=int, nargs="*", default=[1_000_000, 4_000_000],
+                   help="word counts of the long single-line document (memory section)")
+    p.add_argument("--compare-module", default=None,
+                   help="an older dedup module file to measure in the memory section too")
     return p.parse_args()
 
 
@@ -208,13 +223,47 @@ def run_datatrove(docs_dir: Path, work: Path) -> tuple[float, dict[int, list[int
     return wall, dict(clusters)
 
 
+def run_datasketch(docs_dir: Path, threshold: float = 0.8, lsh_threshold: float = 0.7,
+                   num_perm: int = 128) -> tuple[float, dict[str, list[str]]]:
+    """datasketch MinHashLSH candidates + the stage's longest-first exact resolution (in memory)."""
+    from datasketch import MinHash, MinHashLSH
+
+    from data.documents import iter_documents
+    from data.minhash import Shingler, jaccard
+
+    start = time.perf_counter()
+    shingler, lsh = Shingler(), MinHashLSH(threshold=lsh_threshold, num_perm=num_perm)
+    ids, lengths, sets, hashes = [], [], [], []
+    for rec in iter_documents(docs_dir):
+        sh = np.unique(shingler.shingles(rec["text"], 5))
+        ids.append(rec["id"])
+        lengths.append(len(" ".join(rec["text"].split())))
+        sets.append(sh)
+        m = MinHash(num_perm=num_perm, seed=1, scheme="affine64", hashfunc=int)
+        if len(sh):
+            m.update_batch(sh.tolist())
+            lsh.insert(len(ids) - 1, m, check_duplication=False)
+        hashes.append(m)
+    placed: set[int] = set()
+    clusters: dict[str, list[str]] = {}
+    for r in sorted(range(len(ids)), key=lambda i: (-lengths[i], ids[i])):
+        if r in placed or not len(sets[r]):
+            continue
+        placed.add(r)
+        members = [c for c in sorted(set(lsh.query(hashes[r])) - placed) if jaccard(sets[r], sets[c]) >= threshold]
+        placed.update(members)
+        if members:
+            clusters[ids[r]] = [ids[r], *(ids[c] for c in members)]
+    return time.perf_counter() - start, clusters
+
+
 def signature_only(texts: list[str], kind: str, work: Path) -> float:
     """Seconds to shingle + sign ``texts`` with one signature-step variant."""
     from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
 
-    from data.dedup import FastMinhashSignature, FastWordTokenizer
+    from data.minhash import FastMinhashSignature, FastWordTokenizer
 
-    config = MinhashConfig(num_buckets=11, hashes_per_bucket=11)
+    config = MinhashConfig(num_buckets=20, hashes_per_bucket=6)
     if kind == "fast":
         step = FastMinhashSignature(str(work), config)
     else:
@@ -237,6 +286,66 @@ def pair_scores(pred_clusters: list[list[int]], truth: set[tuple[int, int]]) -> 
     return (tp / len(pred) if pred else float("nan")), (tp / len(truth) if truth else float("nan")), len(pred)
 
 
+def kept_duplicate_pairs(clusters: list[list[int]], truth: set[tuple[int, int]]) -> int:
+    """Pairs at or above THRESHOLD whose two documents are both kept (what dedup should leave none of).
+    Clusters list the kept document first."""
+    removed = {m for c in clusters for m in c[1:]}
+    return sum(a not in removed and b not in removed for a, b in truth)
+
+
+def removed_below(clusters: list[list[int]], docs: list[dict]) -> tuple[int, int]:
+    """(removed documents whose reference Jaccard with the cluster's kept first member is < THRESHOLD,
+    removed documents). Clusters list the kept document first (hylight, datasketch rows)."""
+    below = removed = 0
+    for c in clusters:
+        kept = ref_shingles(ref_words(docs[c[0]]["text"]))
+        for m in c[1:]:
+            removed += 1
+            below += ref_jaccard(kept, ref_shingles(ref_words(docs[m]["text"]))) < THRESHOLD
+    return below, removed
+
+
+_RSS_PROBE = """
+import importlib.util, json, resource, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+spec = importlib.util.spec_from_file_location("dedup_under_test", sys.argv[3])
+mod = sys.modules["dedup_under_test"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+spec.loader.exec_module(mod)
+from pipeline.stage import Artifact, StageContext
+ctx = StageContext(Path(sys.argv[2]), inputs={"documents": Artifact(path=Path(sys.argv[1]),
+                   manifest={"type": "documents"})}, stage_name="dedup")
+cpu = time.process_time()
+mod.run(mod.DedupParams(), ctx)
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "cpu_s": time.process_time() - cpu}))
+"""
+
+
+def long_document_rss(module: Path, words: int, tmp: Path) -> dict[str, float]:
+    """Peak RSS of a fresh process running the stage (imports included) and the stage's CPU seconds, on
+    one ``words``-word single-line document (none for words=0) + 20 short documents."""
+    import subprocess
+
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = ["".join(rng.choice(letters, size=k)) for k in rng.integers(2, 10, size=5000)]
+    pick = rng.integers(0, len(vocab), size=words + 20 * 300)
+    docs = [{"id": "long", "text": " ".join(vocab[i] for i in pick[:words]), "source": "bench",
+             "domain": "prose", "metadata": {}}] if words else []
+    docs += [{"id": f"short-{k}", "text": " ".join(vocab[i] for i in pick[words + 300 * k:words + 300 * (k + 1)]),
+              "source": "bench", "domain": "prose", "metadata": {}} for k in range(20)]
+    docs_dir = write_documents(tmp / f"long-{words}", docs)
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(docs_dir), str(tmp / f"long-out-{words}"),
+                          str(module), str(repo)], capture_output=True, text=True, cwd=repo)
+    if out.returncode:
+        raise RuntimeError(f"the memory probe failed on {module} ({words} words):\n{out.stderr[-3000:]}")
+    shutil.rmtree(docs_dir, ignore_errors=True)
+    shutil.rmtree(tmp / f"long-out-{words}", ignore_errors=True)
+    return {"chars": len(docs[0]["text"]) if words else 0} | orjson.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -253,6 +362,7 @@ def _main(args: argparse.Namespace, tmp: Path) -> None:
     import datatrove
     import spacy
 
+    sections = set(args.sections.split(","))
     records = sample_records()
     corpus = write_documents(tmp / "corpus", records)
     n_docs = len(records)
@@ -271,9 +381,6 @@ def _main(args: argparse.Namespace, tmp: Path) -> None:
     with gzip.open(eval_path, "wb") as f:
         f.writelines(orjson.dumps(i) + b"\n" for i in items)
 
-    # 1. throughput; warm-up first (imports, datatrove's dependency checks, page cache)
-    run_hylight(write_documents(tmp / "warmup", records[:200]), tmp / "out")
-
     def best(fn, repeats: int) -> tuple[float, float]:
         """Best wall seconds and best CPU seconds (this process + finished child processes)."""
         walls, cpus = [], []
@@ -283,42 +390,71 @@ def _main(args: argparse.Namespace, tmp: Path) -> None:
             cpus.append(_cpu_seconds() - cpu0)
         return min(walls), min(cpus)
 
-    rows = []
-    configs = [
-        ("hylight dedup, fast words, 11x11 (default)", {}, args.repeats),
-        ("hylight dedup, spaCy words, 11x11", {"word_tokenizer": "spacy"}, args.spacy_repeats),
-        (f"hylight dedup, default + decontamination ({len(items)} items)",
-         {"decontaminate_paths": [str(eval_path)]}, args.repeats),
-    ]
-    for name, params, repeats in configs:
-        wall, cpu = best(lambda p=params: run_hylight(corpus, tmp / "out", **p), repeats)
-        rows.append((name, wall, cpu))
-        print(f"{name}: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
-    wall, cpu = best(lambda: run_datatrove(corpus, tmp / "dt"), args.spacy_repeats)
-    rows.append(("plain datatrove: MinhashConfig() 14x8, spaCy, 4 stages, LocalPipelineExecutor", wall, cpu))
-    print(f"datatrove: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
+    rows, sig_rows, quality, memory = [], [], [], []
+    if "throughput" in sections:
+        # warm-up first (imports, datatrove's dependency checks, page cache)
+        run_hylight(write_documents(tmp / "warmup", records[:200]), tmp / "out")
+        configs = [
+            ("hylight dedup, defaults (fast words, 20x6, verify: exact)", {}, args.repeats),
+            ("hylight dedup, verify: estimate, 11x11 (the previous default)",
+             {"verify": "estimate", "bands": 11, "rows": 11}, args.repeats),
+            (f"hylight dedup, defaults + decontamination ({len(items)} items)",
+             {"decontaminate_paths": [str(eval_path)]}, args.repeats),
+        ]
+        if not args.no_spacy:
+            configs.insert(2, ("hylight dedup, spaCy words, 20x6", {"word_tokenizer": "spacy"}, args.spacy_repeats))
+        for name, params, repeats in configs:
+            wall, cpu = best(lambda p=params: run_hylight(corpus, tmp / "out", **p), repeats)
+            rows.append((name, wall, cpu))
+            print(f"{name}: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
+        wall, cpu = best(lambda: run_datasketch(corpus), args.repeats)
+        rows.append(("datasketch MinHashLSH(0.7, 128 perms) + exact Jaccard (near dedup only, no output)",
+                     wall, cpu))
+        print(f"datasketch: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
+        if not args.no_spacy:
+            wall, cpu = best(lambda: run_datatrove(corpus, tmp / "dt"), args.spacy_repeats)
+            rows.append(("plain datatrove: MinhashConfig() 14x8, spaCy, 4 stages, LocalPipelineExecutor", wall, cpu))
+            print(f"datatrove: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
 
-    texts = [r["text"] for r in records]
-    sig_rows = []
-    for kind, label, repeats in (("spacy", "datatrove MinhashDedupSignature (spaCy)", args.spacy_repeats),
-                                 ("plugged", "same step, FastWordTokenizer plugged in", args.repeats),
-                                 ("fast", "FastMinhashSignature (hylight default)", args.repeats)):
-        secs = min(signature_only(texts, kind, tmp / f"sig-{kind}") for _ in range(repeats))
-        sig_rows.append((label, secs))
-        print(f"signature {kind}: {secs:.1f}s", file=sys.stderr)
+    if "signature" in sections:
+        texts = [r["text"] for r in records]
+        kinds = [("plugged", "same step, FastWordTokenizer plugged in", args.repeats),
+                 ("fast", "FastMinhashSignature (hylight default)", args.repeats)]
+        if not args.no_spacy:
+            kinds.insert(0, ("spacy", "datatrove MinhashDedupSignature (spaCy)", args.spacy_repeats))
+        for kind, label, repeats in kinds:
+            secs = min(signature_only(texts, kind, tmp / f"sig-{kind}") for _ in range(repeats))
+            sig_rows.append((label, secs))
+            print(f"signature {kind}: {secs:.1f}s", file=sys.stderr)
 
-    # 2. quality on the planted set
-    docs, planted = planted_set(records, args.base_docs, args.copies)
-    planted_dir = write_documents(tmp / "planted", docs)
-    truth = true_pairs(docs)
-    index_of = {d["id"]: i for i, d in enumerate(docs)}
-    quality = []
-    for name, params in (("hylight default (11x11, verify: estimate)", {}),
-                         ("hylight, verify: drop_false_positives", {"verify": "drop_false_positives"})):
-        _, clusters = run_hylight(planted_dir, tmp / "pout", **params)
-        quality.append((name, [[index_of[i] for i in c] for c in clusters.values()]))
-    _, dt_clusters = run_datatrove(planted_dir, tmp / "pdt")
-    quality.append(("plain datatrove (14x8, spaCy)", list(dt_clusters.values())))
+    if "quality" in sections:
+        docs, planted = planted_set(records, args.base_docs, args.copies)
+        planted_dir = write_documents(tmp / "planted", docs)
+        truth = true_pairs(docs)
+        index_of = {d["id"]: i for i, d in enumerate(docs)}
+        for name, params in (("hylight default (20x6, verify: exact)", {}),
+                             ("hylight verify: estimate, 11x11 (the previous default)",
+                              {"verify": "estimate", "bands": 11, "rows": 11})):
+            _, clusters = run_hylight(planted_dir, tmp / "pout", **params)
+            quality.append((name, [[index_of[i] for i in c] for c in clusters.values()], True))
+        _, ds_clusters = run_datasketch(planted_dir)
+        quality.append(("datasketch MinHashLSH(0.7) + exact Jaccard",
+                        [[index_of[i] for i in c] for c in ds_clusters.values()], True))
+        if not args.no_spacy:
+            _, dt_clusters = run_datatrove(planted_dir, tmp / "pdt")
+            quality.append(("plain datatrove (14x8, spaCy)", list(dt_clusters.values()), False))
+
+    if "memory" in sections:
+        from data import dedup
+
+        modules = [("hylight dedup (this tree)", Path(dedup.__file__))]
+        if args.compare_module:
+            modules.append((f"{args.compare_module}", Path(args.compare_module)))
+        for label, module in modules:
+            for words in [0, *args.long_words]:
+                m = long_document_rss(module, words, tmp)
+                memory.append((label, words, m))
+                print(f"memory {label} {words} words: {m}", file=sys.stderr)
 
     # -- print ------------------------------------------------------------------------------------
     cmd = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
@@ -327,39 +463,46 @@ def _main(args: argparse.Namespace, tmp: Path) -> None:
           f"datasketch {_v('datasketch')}, spacy {spacy.__version__}, numpy {np.__version__}; "
           f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); best of "
           f"{args.repeats} (spaCy rows: {args.spacy_repeats}) runs on a shared machine.\n")
-    print(f"**Throughput**, sample corpus ({n_docs} documents, {mb:.1f} MB):\n")
-    print("| pipeline | wall s | CPU s | docs/s (wall) | MB/s (wall) |\n| --- | ---: | ---: | ---: | ---: |")
-    for name, wall, cpu in rows:
-        print(f"| {name} | {wall:.1f} | {cpu:.1f} | {n_docs / wall:,.0f} | {mb / wall:.2f} |")
-    print("\n**Signature step alone** (shingling + MinHash signature, 11x11, same corpus):\n")
-    print("| signature step | s | docs/s | MB/s |\n| --- | ---: | ---: | ---: |")
-    for name, secs in sig_rows:
-        print(f"| {name} | {secs:.1f} | {n_docs / secs:,.0f} | {mb / secs:.2f} |")
-    print(f"\n**Quality** on a planted set: {args.base_docs} corpus documents + {len(planted)} edited copies "
-          f"(targets {', '.join(map(str, TARGETS))}); ground truth: {len(truth)} pairs with exact "
-          f"Jaccard >= {THRESHOLD} over all pairs of the {len(docs)} documents.\n")
-    print("| config | predicted pairs | pair precision | pair recall |\n| --- | ---: | ---: | ---: |")
-    for name, clusters in quality:
-        p, r, n = pair_scores(clusters, truth)
-        print(f"| {name} | {n} | {p:.3f} | {r:.3f} |")
-    print("\nShare of planted copies put in the same cluster as their original, by exact Jaccard:\n")
-    header = [f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}" for lo, hi in zip(BINS, BINS[1:], strict=False)]
-    print("| config | " + " | ".join(header) + " |\n| --- |" + " ---: |" * len(header))
-    counts = [sum(lo <= j < hi for _, _, j in planted) for lo, hi in zip(BINS, BINS[1:], strict=False)]
-    print("| copies in bin | " + " | ".join(map(str, counts)) + " |")
-    for name, clusters in quality:
-        cluster_of = {i: k for k, c in enumerate(clusters) for i in c}
-        cells = []
-        for lo, hi in zip(BINS, BINS[1:], strict=False):
-            inbin = [(c, o) for c, o, j in planted if lo <= j < hi]
-            hit = sum(c in cluster_of and cluster_of.get(o) == cluster_of[c] for c, o in inbin)
-            cells.append(f"{hit / len(inbin):.2f}" if inbin else "-")
-        print(f"| {name} | " + " | ".join(cells) + " |")
-    from data.dedup import DedupParams
-
-    p = DedupParams()
-    print(f"\nS-curve threshold (1/b)^(1/r): hylight 11x11 = {p.s_curve_threshold:.3f}, "
-          f"datatrove 14x8 = {(1 / 14) ** (1 / 8):.3f}.")
+    if rows:
+        print(f"**Throughput**, sample corpus ({n_docs} documents, {mb:.1f} MB):\n")
+        print("| pipeline | wall s | CPU s | docs/s (wall) | MB/s (wall) |\n| --- | ---: | ---: | ---: | ---: |")
+        for name, wall, cpu in rows:
+            print(f"| {name} | {wall:.1f} | {cpu:.1f} | {n_docs / wall:,.0f} | {mb / wall:.2f} |")
+    if sig_rows:
+        print("\n**Signature step alone** (shingling + MinHash signature, 20x6, same corpus):\n")
+        print("| signature step | s | docs/s | MB/s |\n| --- | ---: | ---: | ---: |")
+        for name, secs in sig_rows:
+            print(f"| {name} | {secs:.1f} | {n_docs / secs:,.0f} | {mb / secs:.2f} |")
+    if quality:
+        print(f"\n**Quality** on a planted set: {args.base_docs} corpus documents + {len(planted)} edited copies "
+              f"(targets {', '.join(map(str, TARGETS))}); ground truth: {len(truth)} pairs with exact "
+              f"Jaccard >= {THRESHOLD} over all pairs of the {len(docs)} documents.\n")
+        print("| config | predicted pairs | pair precision | pair recall | removed below threshold | "
+              "kept pairs >= threshold |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+        for name, clusters, rep_first in quality:
+            p, r, n = pair_scores(clusters, truth)
+            below = "{} of {}".format(*removed_below(clusters, docs)) if rep_first else "-"
+            kept = kept_duplicate_pairs(clusters, truth) if rep_first else "-"
+            print(f"| {name} | {n} | {p:.3f} | {r:.3f} | {below} | {kept} |")
+        print("\nShare of planted copies put in the same cluster as their original, by exact Jaccard:\n")
+        header = [f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}" for lo, hi in zip(BINS, BINS[1:], strict=False)]
+        print("| config | " + " | ".join(header) + " |\n| --- |" + " ---: |" * len(header))
+        counts = [sum(lo <= j < hi for _, _, j in planted) for lo, hi in zip(BINS, BINS[1:], strict=False)]
+        print("| copies in bin | " + " | ".join(map(str, counts)) + " |")
+        for name, clusters, _ in quality:
+            cluster_of = {i: k for k, c in enumerate(clusters) for i in c}
+            cells = []
+            for lo, hi in zip(BINS, BINS[1:], strict=False):
+                inbin = [(c, o) for c, o, j in planted if lo <= j < hi]
+                hit = sum(c in cluster_of and cluster_of.get(o) == cluster_of[c] for c, o in inbin)
+                cells.append(f"{hit / len(inbin):.2f}" if inbin else "-")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    if memory:
+        print("\n**Memory**: one single-line document of N words + 20 short ones (N = 0: the short ones only), "
+              "the stage with its defaults in a fresh process; peak RSS of the process, imports included:\n")
+        print("| module | words | MB of text | peak RSS MB | stage CPU s |\n| --- | ---: | ---: | ---: | ---: |")
+        for label, words, m in memory:
+            print(f"| {label} | {words:,} | {m['chars'] / 1e6:.1f} | {m['peak_rss_mb']:,.0f} | {m['cpu_s']:.1f} |")
 
 
 def _cpu_seconds() -> float:

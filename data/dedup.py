@@ -7,48 +7,40 @@ document is kept or dropped with a reason from :data:`DROP_REASONS`; ``in == kep
 
 Order of work, and what a reader of the output should know:
 
-1. **Decontamination** (when eval sets are given) is decided once per exact-duplicate group, before
-   dedup: in ``drop`` mode contaminated documents leave before clustering, so a representative is
-   never contaminated; in ``flag`` mode they stay and get ``metadata[CONTAMINATION]``. Two checks:
-
-   - *n-gram containment* (embedded items): the share of an item's word n-grams
-     (``contamination_ngram``, 13 by default, like GPT-3's 13-gram overlap; an item shorter than that
-     is one n-gram of its full length) found in the document. Eval items are short and training
-     documents long, so a Jaccard (or a MinHash estimate of it) between the two is near 0 even when
-     the item is copied verbatim: containment, looked up exactly in an inverted index, is the test
-     that sees it. Items under ``contamination_min_words`` words are not checked (counted).
-   - *MinHash-LSH Jaccard* (near-copies of an item as a document): datasketch ``MinHashLSH`` over the
-     items' ``n_grams`` shingles, queried by each document short enough to reach the threshold (J <=
-     min/max set size); candidates are confirmed with the exact Jaccard. This catches an item
-     re-posted with small edits, which break most of its 13-grams.
-
-   Eval item text: the first of ``decontaminate_text_keys`` that is a non-empty string (by default
-   ``text``, ``prompt``, ``question``, ``problem``, ``input``; answers are not matched: a document
-   that holds the question is contaminated with or without the answer). Text is normalized like the
-   MinHash shingles (datatrove's ``simplify_text``: lowercase, punctuation and diacritics removed,
-   digit runs -> 0), so items that differ only in their numbers count as the same text.
+1. **Decontamination** (when eval sets are given; :mod:`data.decontamination`) is decided once per
+   exact-duplicate group, before dedup: in ``drop`` mode contaminated documents leave before
+   clustering, so a representative is never contaminated; in ``flag`` mode they stay and get
+   ``metadata[CONTAMINATION]``.
 2. **Exact dedup**: groups of documents whose text is equal after collapsing whitespace (and case,
    with ``exact_casefold``). In each group the *leader* is the longest text (characters of the
    whitespace-collapsed text, so members tie unless case differs), ties broken by the smaller id;
    the others are dropped as ``exact_duplicate``.
-3. **Near dedup** of the leaders with datatrove's MinHash stages (``MinhashDedupSignature`` ->
-   ``MinhashDedupBuckets`` -> ``MinhashDedupCluster``; ``bands`` x ``rows`` hashes, S-curve
-   threshold (1/bands)^(1/rows), 11 x 11 -> 0.804). datatrove's ``MinhashDedupFilter`` is not used:
-   it keeps the union-find root (not a chosen representative) and annotates only survivors; we read
-   the cluster ids it would read (``*.clusters``) and apply them ourselves. In a cluster the
-   representative is again the longest leader (ties: smaller id); the other leaders are dropped as
-   ``near_duplicate``. Leaders with fewer than ``n_grams`` words have no shingles: exact dedup only.
-4. **Verification**: the exact Jaccard of the shingle sets of (representative, member) for up to
-   ``verify_pairs`` near pairs (a deterministic hash sample) gives ``precision_estimate`` = share of
-   pairs at or above ``jaccard_threshold`` (``edge_precision_estimate``: the same for LSH's own
-   candidate pairs; the gap between the two is chaining, A~B and B~C but A !~ C). ``verify: drop_false_positives`` checks every pair and
-   keeps members below the threshold as their own representatives (they are not compared with each
-   other again).
+3. **Candidates** for near dedup come from datatrove's MinHash stages run on the leaders
+   (``MinhashDedupSignature`` -> ``MinhashDedupBuckets``; :mod:`data.minhash` says what is datatrove's and
+   what is ours): two leaders are candidates when they agree on every hash of at least one of
+   ``bands`` bands of ``rows`` hashes, with probability 1 - (1 - J^rows)^bands at Jaccard J. Leaders
+   with fewer than ``n_grams`` words have no shingles: exact dedup only.
+4. **Near dedup** (``verify: exact``, the default) honours ``jaccard_threshold``: no document is
+   dropped as a near duplicate unless the exact Jaccard of its ``n_grams``-word shingle set with its
+   kept representative is at least the threshold. Leaders are taken longest first (ties: smaller id);
+   each one not yet placed becomes a representative and takes every unplaced LSH candidate whose exact
+   Jaccard with it reaches the threshold. The default banding, 20 x 6, puts the LSH S-curve at 0.61 so
+   that pairs at the threshold are found (P = 0.998 at J = 0.8, 0.9999 at 0.85) and the exact check
+   removes the rest. Candidates whose MinHash estimate of J is more than :func:`estimate_margin`
+   (5 standard errors) below the threshold are not checked exactly: that bounds the work on large
+   candidate groups (shared boilerplate) and loses a true pair with probability < 1e-6.
+   ``verify: estimate`` is datatrove's behaviour: every LSH cluster (connected component of candidate
+   pairs, with chaining: A~B and B~C put A and C together) loses all but its longest leader, and the
+   exact Jaccard of up to ``verify_pairs`` (representative, member) pairs estimates the precision.
+   Faster on huge corpora, but it drops documents below the threshold (with the 11 x 11 banding it was
+   written for, 22% of removed pairs on the planted benchmark set, BENCHMARKS.md).
 
 Word tokenizer: datatrove picks spaCy for English, which dominates the signature cost.
-``word_tokenizer: fast`` (default) uses :class:`FastMinhashSignature`: the same ``simplify_text``
-output (a faster equivalent, checked by the tests), words split on whitespace (each CJK character a
-word) and n-gram hashes combined with numpy. ``spacy`` runs datatrove's stock signature step.
+``word_tokenizer: fast`` (default) uses :class:`data.minhash.FastMinhashSignature`: the same
+``simplify_text`` output (a faster equivalent, checked by the tests), words split on whitespace (each
+CJK character a word) and n-gram hashes combined with numpy. ``spacy`` runs datatrove's stock shingling.
+Either way signatures are computed in bounded blocks (memory does not grow with document length beyond
+a few bytes per word).
 
 Input documents that already carry ``DUP_COUNT`` (from an earlier dedup) count with that weight, and
 their ``DUP_MEMBERS`` are carried to the representative, so deduping twice keeps the full count.
@@ -56,25 +48,19 @@ their ``DUP_MEMBERS`` are carried to the representative, so deduping twice keeps
 
 from __future__ import annotations
 
-import glob
-import gzip
 import hashlib
 import json
-import os
+import math
 import re
 import shutil
 import time
-import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import orjson
-import regex
 from datatrove.data import Document
 from datatrove.pipeline.dedup.minhash import (
     MinhashConfig,
@@ -83,11 +69,9 @@ from datatrove.pipeline.dedup.minhash import (
     MinhashDedupSignature,
 )
 from datatrove.utils.binaryio import read_tuples_from_file
-from datatrove.utils.hashes.xxhash import xxhash64
-from datatrove.utils.text import NUMBERS_PATTERN, PUNCTUATION
-from datatrove.utils.word_tokenizers import WordTokenizer
 from pydantic import Field, field_validator
 
+from data.decontamination import ContaminationIndex, build_contamination_index, resolve_decontaminate_paths
 from data.documents import (
     ANY_DOCUMENTS,
     DOCUMENTS_TYPE,
@@ -97,16 +81,10 @@ from data.documents import (
     EVALSET_TYPE,
     DocumentWriter,
     iter_documents,
+    write_jsonl_gz,
 )
-from pipeline.stage import (
-    Artifact,
-    InputSpec,
-    StageContext,
-    StageKind,
-    StageParams,
-    file_fingerprint,
-    metric_key,
-)
+from data.minhash import BoundedMinhashSignature, FastMinhashSignature, Shingler, jaccard, quiet_datatrove
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 
 REPORT_NAME = "dedup_report.json"
 CLUSTERS_NAME = "clusters.jsonl.gz"
@@ -116,7 +94,8 @@ CONTAMINATION = EVAL_CONTAMINATION
 
 DROP_REASONS: dict[str, str] = {
     "exact_duplicate": "same text (whitespace-collapsed) as a kept document or one of its near duplicates",
-    "near_duplicate": "in a MinHash-LSH cluster whose representative was kept",
+    "near_duplicate": "exact shingle Jaccard >= jaccard_threshold with the kept representative "
+                      "(verify: estimate: in its MinHash-LSH cluster)",
     "eval_contamination": "contains or nearly copies an evaluation item (decontamination: drop)",
 }
 _KEPT, _EXACT, _NEAR, _CONTAMINATED = 0, 1, 2, 3
@@ -128,21 +107,25 @@ class DedupParams(StageParams):
     exact_casefold: bool = Field(False, description=(
         "Exact dedup also ignores case (text is always compared with whitespace runs collapsed)."))
     n_grams: int = Field(5, ge=1, description="Shingle size in words for MinHash (datatrove n_grams).")
-    bands: int = Field(11, ge=1, description=(
-        "LSH bands (datatrove MinhashConfig.num_buckets). S-curve threshold = (1/bands)^(1/rows)."))
-    rows: int = Field(11, ge=1, description="Hashes per band (datatrove MinhashConfig.hashes_per_bucket).")
+    bands: int = Field(20, ge=1, description=(
+        "LSH bands (datatrove MinhashConfig.num_buckets). Candidate probability at Jaccard J: "
+        "1 - (1 - J^rows)^bands; the default 20 x 6 finds pairs at J = 0.8 with P = 0.998 and leaves "
+        "the threshold to the exact check (with verify: estimate use a steeper banding, e.g. 11 x 11)."))
+    rows: int = Field(6, ge=1, description="Hashes per band (datatrove MinhashConfig.hashes_per_bucket).")
     seed: int = Field(1, description="Seed of the MinHash permutations and of the verification sample.")
     word_tokenizer: Literal["fast", "spacy"] = Field("fast", description=(
         "fast: whitespace words of datatrove-simplified text, numpy n-gram hashing; spacy: datatrove's "
-        "stock signature step (spaCy blank tokenizer for `language`, ~5-10x slower)."))
+        "stock shingling (spaCy blank tokenizer for `language`, ~5-10x slower)."))
     language: str = Field("en", description="Language of datatrove's word tokenizer (word_tokenizer: spacy).")
     jaccard_threshold: float = Field(0.8, gt=0, le=1, description=(
-        "Exact shingle Jaccard at or above which a (representative, member) pair counts as a true "
-        "duplicate in verification."))
-    verify: Literal["estimate", "drop_false_positives"] = Field("estimate", description=(
-        "estimate: exact Jaccard on a sample of verify_pairs near pairs -> precision_estimate. "
-        "drop_false_positives: check every pair and keep members below jaccard_threshold."))
-    verify_pairs: int = Field(200, ge=0, description="Near pairs checked for precision_estimate (estimate mode).")
+        "Exact shingle Jaccard with its kept representative at or above which a document is a near "
+        "duplicate (verify: exact drops nothing below it; verify: estimate measures against it)."))
+    verify: Literal["exact", "estimate"] = Field("exact", description=(
+        "exact: a near duplicate is dropped only when its exact Jaccard with the kept representative "
+        "reaches jaccard_threshold (LSH gives the candidates). estimate: datatrove's behaviour, every "
+        "LSH cluster keeps one document; the exact Jaccard of verify_pairs sampled pairs estimates the "
+        "precision."))
+    verify_pairs: int = Field(200, ge=0, description="Near pairs checked for precision_estimate (verify: estimate).")
     max_members_listed: int = Field(100, ge=0, description=(
         "Cap on metadata.dup_members per kept document (dup_count always holds the full size)."))
     dropped_samples: int = Field(20, ge=0, description="Dropped documents per reason kept in dropped_samples.jsonl.gz.")
@@ -193,119 +176,11 @@ class DedupParams(StageParams):
                              seed=self.seed)
 
 
-# --- fast shingling ---------------------------------------------------------------------------------
-_PUNCT_OR_SPACE = re.compile("[" + re.escape(PUNCTUATION) + r"\s]+")
-_MARKS = regex.compile(r"\p{Mn}+")
-
-
-def simplify(text: str) -> str:
-    """Same output as datatrove's ``simplify_text(text, TextNormConfig())``, several times faster.
-
-    datatrove maps punctuation to spaces with ``str.translate``, collapses whitespace with a second
-    regex pass and drops combining marks character by character; here one regex does the first two
-    and ASCII text skips the third (it has no marks).
-    """
-    text = NUMBERS_PATTERN.sub("0", text.lower())
-    text = _PUNCT_OR_SPACE.sub(" ", text).strip()
-    if not text.isascii():
-        text = _MARKS.sub("", unicodedata.normalize("NFD", text)).strip()
-    return text
-
-
-_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
-_WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?。！？])\s+|\n+")
-
-
-class FastWordTokenizer(WordTokenizer):
-    """Whitespace words; each kana/CJK/hangul character is a word (those scripts have no spaces).
-
-    A datatrove ``WordTokenizer``: meant for text already simplified (no punctuation), as in MinHash.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(language=None)
-
-    def word_tokenize(self, text: str) -> list[str]:
-        return text.split() if text.isascii() else _WORD.findall(text)
-
-    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
-        """Sentence spans: breaks after . ! ? (and CJK full stops) followed by space, and at newlines."""
-        spans, start = [], 0
-        for m in _SENTENCE_BREAK.finditer(text):
-            spans.append((start, m.start()))
-            start = m.end()
-        spans.append((start, len(text)))
-        return [(s, e) for s, e in spans if text[s:e].strip()]
-
-    def sent_tokenize(self, text: str) -> list[str]:
-        return [text[s:e].strip() for s, e in self.span_tokenize(text)]
-
-
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit constant of the polynomial n-gram hash
-_MIX1, _MIX2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
-
-
-def ngram_hashes(word_hashes: np.ndarray, n: int) -> np.ndarray:
-    """64-bit hashes of every word n-gram (in order, with repeats): a polynomial over the word hashes,
-    then murmur3's fmix64 so the bits are well spread for the MinHash permutations."""
-    count = len(word_hashes) - n + 1
-    if count <= 0:
-        return np.empty(0, dtype=np.uint64)
-    h = word_hashes[:count].copy()
-    for j in range(1, n):
-        h = h * _MULT + word_hashes[j:j + count]  # wraps mod 2^64
-    h ^= h >> np.uint64(33)
-    h *= _MIX1
-    h ^= h >> np.uint64(33)
-    h *= _MIX2
-    h ^= h >> np.uint64(33)
-    return h
-
-
-class Shingler:
-    """simplify -> words -> word hashes, with a one-text memo so the decontamination check and the
-    signature step (which see the same ``str`` object) tokenize a document once."""
-
-    def __init__(self, tokenizer: WordTokenizer | None = None, cache_words: int = 1 << 20) -> None:
-        self.tokenizer = tokenizer or FastWordTokenizer()
-        self._cache: dict[str, int] = {}
-        self._cache_words = cache_words
-        self._memo_text: str | None = None
-        self._memo: np.ndarray = np.empty(0, dtype=np.uint64)
-
-    def word_hashes(self, text: str) -> np.ndarray:
-        if text is not self._memo_text:
-            if len(self._cache) > self._cache_words:
-                self._cache.clear()
-            cache = self._cache
-            words = self.tokenizer.word_tokenize(simplify(text))
-            hashes = [cache.get(w) for w in words]
-            for i, h in enumerate(hashes):
-                if h is None:
-                    hashes[i] = cache[words[i]] = xxhash64(words[i])
-            self._memo_text = text
-            self._memo = np.array(hashes, dtype=np.uint64)
-        return self._memo
-
-    def shingles(self, text: str, n: int) -> np.ndarray:
-        return ngram_hashes(self.word_hashes(text), n)
-
-
-class FastMinhashSignature(MinhashDedupSignature):
-    """datatrove's signature step with the :class:`Shingler` in place of spaCy + per-n-gram hashing.
-
-    Shingles are the same word n-grams of the same simplified text; only their 64-bit hash function
-    differs, so signatures are not interchangeable with the stock step's (nothing here mixes them).
-    """
-
-    def __init__(self, output_folder: str, config: MinhashConfig, shingler: Shingler | None = None) -> None:
-        super().__init__(output_folder, config=config)
-        self.shingler = shingler or Shingler()
-        self.word_tokenizer = self.shingler.tokenizer  # what a caller inspecting the step sees
-
-    def get_shingles(self, text: str) -> np.ndarray:
-        return self.shingler.shingles(text, self.config.n_grams).reshape((-1, 1))
+def estimate_margin(params: DedupParams) -> float:
+    """How far below the threshold a candidate's MinHash estimate may be and still be checked exactly:
+    5 standard errors of the estimate at the threshold, sqrt(t (1 - t) / hashes) (at least 0.05)."""
+    t, hashes = params.jaccard_threshold, params.bands * params.rows
+    return max(0.05, 5 * math.sqrt(t * (1 - t) / hashes))
 
 
 def signature_step(params: DedupParams, output_folder: str | Path, shingler: Shingler | None = None,
@@ -313,213 +188,23 @@ def signature_step(params: DedupParams, output_folder: str | Path, shingler: Shi
     """The signature step ``params.word_tokenizer`` asks for (also used by the benchmark)."""
     if params.word_tokenizer == "fast":
         return FastMinhashSignature(str(output_folder), params.minhash_config(), shingler)
-    return MinhashDedupSignature(str(output_folder), config=params.minhash_config(), language=params.language)
+    return BoundedMinhashSignature(str(output_folder), config=params.minhash_config(), language=params.language)
 
 
-@contextmanager
-def _quiet_datatrove() -> Iterator[None]:
-    """datatrove logs every step at INFO through loguru; this stage reports its own progress."""
-    from datatrove.utils.logging import logger
-
-    logger.disable("datatrove")
-    try:
-        yield
-    finally:
-        logger.enable("datatrove")
+_WHITESPACE = re.compile(r"\s+")  # str patterns: \s is str.isspace(), what str.split() splits on
 
 
 def exact_key(text: str, casefold: bool) -> tuple[bytes, int]:
-    """Hash of the whitespace-collapsed (optionally casefolded) text, and that text's length."""
-    norm = " ".join(text.split())
+    """Hash of the whitespace-collapsed (optionally casefolded) text, and that text's length.
+
+    ``" ".join(text.split())`` without the word list (one copy of the text, not an object per word)."""
+    norm = _WHITESPACE.sub(" ", text).strip()
     if casefold:
         norm = norm.casefold()
     return hashlib.blake2b(norm.encode("utf-8"), digest_size=16).digest(), len(norm)
 
 
-def jaccard(a: np.ndarray, b: np.ndarray) -> float:
-    """Exact Jaccard of two sets given as unique sorted arrays (0 when both are empty)."""
-    if len(a) == 0 and len(b) == 0:
-        return 0.0
-    inter = len(np.intersect1d(a, b, assume_unique=True))
-    return inter / (len(a) + len(b) - inter)
-
-
-# --- decontamination ------------------------------------------------------------------------------
-@dataclass
-class EvalSetTally:
-    source: str
-    items: int = 0
-    checked: int = 0
-    too_short: int = 0
-    no_text: int = 0
-    contaminated_docs: int = 0
-    matched_items: set[str] = field(default_factory=set)
-    matches: Counter[str] = field(default_factory=Counter)  # by method
-
-    def as_report(self) -> dict[str, Any]:
-        return {"source": self.source, "items": self.items, "checked_items": self.checked,
-                "too_short_items": self.too_short, "items_without_text": self.no_text,
-                "contaminated_docs": self.contaminated_docs, "matched_items": len(self.matched_items),
-                "doc_matches_by_method": dict(sorted(self.matches.items()))}
-
-
-@dataclass(frozen=True)
-class EvalItem:
-    eval_set: str
-    item_id: str
-    n: int  # word length of the containment n-grams (shorter items: their own length)
-    grams: np.ndarray  # unique containment n-grams
-    shingles: np.ndarray  # unique n_grams-shingles (for the Jaccard check)
-
-
-def _eval_files_of_artifact(art: Artifact) -> list[tuple[str, Path]]:
-    base = art.manifest.get("stage") or art.path.name
-    files = sorted(p for p in art.path.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
-    if not files:
-        raise FileNotFoundError(f"dedup: evalset artifact {art.path} holds no .jsonl or .jsonl.gz file")
-    return [(f"{base}/{_stem(p.relative_to(art.path).as_posix())}", p) for p in files]
-
-
-def _stem(name: str) -> str:
-    return re.sub(r"\.jsonl(\.gz)?$", "", name)
-
-
-def resolve_decontaminate_paths(paths: list[str]) -> list[Path]:
-    """Files named by ``decontaminate_paths`` (globs expanded, sorted), each once."""
-    out: list[Path] = []
-    for pattern in paths:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.escape(expanded) != expanded else [expanded]
-        matches = [m for m in matches if os.path.isfile(m)]
-        if not matches:
-            raise FileNotFoundError(f"dedup: decontaminate_paths entry {pattern!r} names no file "
-                                    f"(resolved against {os.getcwd()})")
-        out += [Path(m).resolve() for m in matches if Path(m).resolve() not in out]
-    return out
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield line_no, orjson.loads(line)
-                except orjson.JSONDecodeError as e:
-                    raise ValueError(f"dedup: eval set {path} line {line_no} is not valid JSON: {e}") from e
-
-
-class ContaminationIndex:
-    """Eval items indexed two ways: exact n-gram -> items (containment) and a datasketch MinHashLSH."""
-
-    def __init__(self, params: DedupParams, shingler: Shingler,
-                 eval_files: list[tuple[str, Path]]) -> None:
-        from datasketch import MinHash, MinHashLSH
-
-        self.p = params
-        self.shingler = shingler
-        self.items: list[EvalItem] = []
-        self.tallies: dict[str, EvalSetTally] = {}
-        for name, path in eval_files:
-            if name in self.tallies:
-                name = f"{name}#{len(self.tallies)}"
-            tally = self.tallies[name] = EvalSetTally(source=str(path))
-            for line_no, rec in _read_jsonl(path):
-                tally.items += 1
-                text = self._item_text(rec)
-                if text is None:
-                    tally.no_text += 1
-                    continue
-                words = shingler.word_hashes(text)
-                if len(words) < params.contamination_min_words:
-                    tally.too_short += 1
-                    continue
-                item_id = str(rec["id"]) if isinstance(rec, dict) and rec.get("id") is not None else str(line_no)
-                n = min(params.contamination_ngram, len(words))
-                self.items.append(EvalItem(name, item_id, n, np.unique(ngram_hashes(words, n)),
-                                           np.unique(ngram_hashes(words, params.n_grams))))
-                tally.checked += 1
-            if tally.items and tally.no_text == tally.items:
-                raise ValueError(f"dedup: no record of eval set {path} has a non-empty string in any of "
-                                 f"{params.decontaminate_text_keys}; set decontaminate_text_keys")
-
-        # containment: per n-gram length, the (gram, item) pairs sorted by gram
-        by_len: dict[int, list[tuple[np.ndarray, int]]] = defaultdict(list)
-        for k, item in enumerate(self.items):
-            by_len[item.n].append((item.grams, k))
-        self.grams: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for n, entries in by_len.items():
-            g = np.concatenate([grams for grams, _ in entries])
-            owner = np.concatenate([np.full(len(grams), k, dtype=np.int64) for grams, k in entries])
-            order = np.argsort(g, kind="stable")
-            self.grams[n] = (g[order], owner[order])
-        self.gram_count = np.array([len(i.grams) for i in self.items], dtype=np.int64)
-
-        # near-copies: MinHashLSH over the items' shingles; documents longer than this cannot reach J
-        self._minhash_cls = MinHash
-        self.lsh = MinHashLSH(threshold=params.contamination_jaccard, num_perm=params.contamination_num_perm)
-        max_shingles = 0
-        for k, item in enumerate(self.items):
-            if len(item.shingles):
-                self.lsh.insert(k, self._minhash(item.shingles))
-                max_shingles = max(max_shingles, len(item.shingles))
-        self.max_doc_shingles = int(max_shingles / params.contamination_jaccard)
-
-    def _item_text(self, rec: Any) -> str | None:
-        if isinstance(rec, dict):
-            for key in self.p.decontaminate_text_keys:
-                value = rec.get(key)
-                if isinstance(value, str) and value.strip():
-                    return value
-        return None
-
-    def _minhash(self, values: np.ndarray) -> Any:
-        # our shingles are already 64-bit hashes: identity hashfunc, datasketch's 64-bit scheme
-        m = self._minhash_cls(num_perm=self.p.contamination_num_perm, seed=self.p.seed, scheme="affine64",
-                              hashfunc=int)
-        m.update_batch(values.tolist())
-        return m
-
-    def check(self, text: str) -> list[dict[str, Any]]:
-        """Matches of one document: [{eval_set, item, method, score}], best first."""
-        words = self.shingler.word_hashes(text)
-        found: dict[int, tuple[str, float]] = {}
-        for n, (grams, owner) in self.grams.items():
-            doc = np.unique(ngram_hashes(words, n))
-            if not len(doc):
-                continue
-            lo = np.searchsorted(grams, doc, "left")
-            hi = np.searchsorted(grams, doc, "right")
-            hit = hi > lo
-            if not hit.any():
-                continue
-            owners = np.concatenate([owner[a:b] for a, b in zip(lo[hit], hi[hit], strict=True)])
-            items, counts = np.unique(owners, return_counts=True)
-            share = counts / self.gram_count[items]
-            for k, c in zip(items.tolist(), share.tolist(), strict=True):
-                if c >= self.p.contamination_containment:
-                    found[k] = ("ngram_containment", c)
-        shingles = np.unique(ngram_hashes(words, self.p.n_grams))
-        if 0 < len(shingles) <= self.max_doc_shingles:
-            for k in self.lsh.query(self._minhash(shingles)):
-                j = jaccard(self.items[k].shingles, shingles)
-                if j >= self.p.contamination_jaccard and k not in found:
-                    found[k] = ("minhash_jaccard", j)
-        return [{"eval_set": self.items[k].eval_set, "item": self.items[k].item_id, "method": m,
-                 "score": round(s, 4)} for k, (m, s) in sorted(found.items(), key=lambda kv: (-kv[1][1], kv[0]))]
-
-
-def build_contamination_index(params: DedupParams, ctx: StageContext, shingler: Shingler,
-                              ) -> ContaminationIndex | None:
-    """Index of every eval set: evalset artifacts on ``eval_sets``, then ``decontaminate_paths``."""
-    files: list[tuple[str, Path]] = []
-    for art in ctx.input_list("eval_sets"):
-        files += _eval_files_of_artifact(art)
-    files += [(_stem(p.name), p) for p in resolve_decontaminate_paths(params.decontaminate_paths)]
-    return ContaminationIndex(params, shingler, files) if files else None
-
-
-# --- the stage ----------------------------------------------------------------------------------------
+# --- reading the documents ------------------------------------------------------------------------
 @dataclass
 class _Corpus:
     """What the first pass keeps per document and per exact-duplicate group (no text)."""
@@ -539,6 +224,9 @@ class _Corpus:
     def rank(self, i: int) -> tuple[int, str, int]:
         """Sort key of representative choice: longest (whitespace-collapsed) text, smaller id, input order."""
         return (-self.chars[i], self.ids[i], i)
+
+    def leader_of_signature(self, sig_doc: int) -> int:
+        return self.leader[self.minhash_groups[sig_doc]]
 
 
 def _incoming(meta: dict[str, Any]) -> tuple[int, list[str]]:
@@ -584,44 +272,92 @@ def _first_pass(params: DedupParams, ctx: StageContext, docs_path: Path, corpus:
         yield Document(text=text, id=str(gid))
 
 
+def _shingle_sets(docs_path: Path, corpus: _Corpus, leaders: set[int], sig_step: MinhashDedupSignature,
+                  ) -> dict[int, np.ndarray]:
+    """Unique shingles (sorted uint64) of the given leaders, by a second pass over the documents."""
+    out: dict[int, np.ndarray] = {}
+    if leaders:
+        for i, rec in enumerate(iter_documents(docs_path)):
+            if i in leaders:
+                out[i] = np.unique(sig_step.get_shingles(rec["text"]).ravel())
+    return out
+
+
+# --- MinHash-LSH (datatrove) ----------------------------------------------------------------------
 @dataclass
 class _MinhashResult:
-    cluster_of: dict[int, int]  # signature doc index -> datatrove cluster id
-    edges: set[tuple[int, int]]  # candidate pairs LSH found (signature doc indices), before clustering
+    edges: set[tuple[int, int]]  # candidate pairs LSH wrote (signature doc indices), all bands
+    band_groups: list[list[int]]  # per band, the signature docs that share that band's hashes (size >= 2)
     signed: int  # leaders that had a signature (the others have fewer than n_grams words)
+    cluster_of: dict[int, int] = field(default_factory=dict)  # verify: estimate: datatrove's clusters
 
 
 def _run_minhash(params: DedupParams, sig_step: MinhashDedupSignature, leaders: Iterator[Document],
                  work: Path) -> _MinhashResult:
-    """datatrove's MinHash stages 1-3 on the leaders, run in-process one task at a time."""
+    """datatrove's MinHash stages on the leaders, run in-process one task at a time."""
     config = params.minhash_config()
     buckets, clusters = work / "buckets", work / "clusters"
-    with _quiet_datatrove():
+    with quiet_datatrove():
         sig_step.run(leaders, rank=0, world_size=1)
         for band in range(params.bands):  # one task per band, as datatrove's executor would run them
             MinhashDedupBuckets(str(work / "signatures"), str(buckets), config=config).run(
                 rank=band, world_size=params.bands)
-        MinhashDedupCluster(str(buckets), str(clusters), config=config, save_cluster_id=True).run(world_size=1)
+        if params.verify == "estimate":
+            MinhashDedupCluster(str(buckets), str(clusters), config=config, save_cluster_id=True).run(world_size=1)
     record = (params.rows * config.hash_config.precision // 8) + 4
     signed = (work / "signatures" / "bucket_000" / "00000.minhash.sig").stat().st_size // record
     edges: set[tuple[int, int]] = set()
-    for dups in sorted(buckets.glob("*.dups")):
+    band_groups: list[list[int]] = []
+    for dups in sorted(buckets.glob("*.dups")):  # one file per band
         with open(dups, "rb") as f:
-            edges.update((min(a, b), max(a, b)) for _, a, _, b in read_tuples_from_file(f, "4I", lines_to_buffer=-1))
-    cluster_of: dict[int, int] = {}
+            pairs = [(a, b) for _, a, _, b in read_tuples_from_file(f, "4I", lines_to_buffer=-1)]
+        edges.update((min(a, b), max(a, b)) for a, b in pairs)
+        band_groups += _components(pairs)
+    result = _MinhashResult(edges, band_groups, signed)
     if (cluster_file := clusters / "000000.clusters").exists():  # absent when there is no pair at all
         with open(cluster_file, "rb") as f:
-            cluster_of = {doc: cid for doc, cid in read_tuples_from_file(f, "2I", lines_to_buffer=-1)}
-    return _MinhashResult(cluster_of, edges, signed)
+            result.cluster_of = {doc: cid for doc, cid in read_tuples_from_file(f, "2I", lines_to_buffer=-1)}
+    return result
 
 
+def _components(pairs: list[tuple[int, int]]) -> list[list[int]]:
+    """Connected components of one band's pairs. datatrove writes a band's equal-hash group d1..dk as the
+    chain (d1, d2), (d2, d3), ...: its components are the groups."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    for a, b in pairs:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for x in parent:
+        groups[find(x)].append(x)
+    return [sorted(g) for _, g in sorted(groups.items())]
+
+
+def _read_signatures(work: Path, params: DedupParams, n_docs: int) -> np.ndarray:
+    """Every signature doc's hashes, [n_docs, bands * rows] uint64, from datatrove's signature files
+    (zeros for leaders without shingles; they are in no band group)."""
+    rec = np.dtype([("hashes", "<u8", (params.rows,)), ("doc", "<u4")])
+    sigs = np.zeros((n_docs, params.bands, params.rows), dtype=np.uint64)
+    for band in range(params.bands):
+        data = np.fromfile(work / "signatures" / f"bucket_{band:03d}" / "00000.minhash.sig", dtype=rec)
+        sigs[data["doc"], band] = data["hashes"]
+    return sigs.reshape(n_docs, -1)
+
+
+# --- decisions ------------------------------------------------------------------------------------
 @dataclass
 class _Decisions:
     reason: np.ndarray  # int8 per document: _KEPT / _EXACT / _NEAR / _CONTAMINATED
     duplicate_of: np.ndarray  # document it duplicates (exact: group leader; near: representative)
-    jaccard: dict[int, float] = field(default_factory=dict)  # verified member leader -> exact J
-    rekept: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # rep -> members
-    clusters: int = 0
+    jaccard: dict[int, float] = field(default_factory=dict)  # near member leader -> exact J with its rep
+    clusters: int = 0  # representatives with at least one near duplicate
 
     def representative(self, i: int) -> int:
         while self.reason[i] in (_EXACT, _NEAR):
@@ -629,8 +365,8 @@ class _Decisions:
         return i
 
 
-def _decide(params: DedupParams, corpus: _Corpus, cluster_of: dict[int, int],
-            ) -> tuple[_Decisions, list[tuple[int, int]]]:
+def _base_decisions(params: DedupParams, corpus: _Corpus) -> _Decisions:
+    """Exact duplicates and contamination; every leader kept for now."""
     n = len(corpus.ids)
     d = _Decisions(reason=np.zeros(n, dtype=np.int8), duplicate_of=np.full(n, -1, dtype=np.int64))
     contaminated = set(corpus.matches) if params.decontamination == "drop" else set()
@@ -639,9 +375,72 @@ def _decide(params: DedupParams, corpus: _Corpus, cluster_of: dict[int, int],
             d.reason[i] = _CONTAMINATED
         elif i != corpus.leader[gid]:
             d.reason[i], d.duplicate_of[i] = _EXACT, corpus.leader[gid]
+    return d
+
+
+def _near_exact(params: DedupParams, ctx: StageContext, docs_path: Path, corpus: _Corpus, d: _Decisions,
+                mh: _MinhashResult, sig_step: MinhashDedupSignature, work: Path) -> dict[str, Any]:
+    """verify: exact. Longest leader first; each unplaced one is a representative and takes the unplaced
+    LSH candidates (same hashes in some band) whose exact Jaccard with it reaches the threshold."""
+    t = params.jaccard_threshold
+    margin = estimate_margin(params)
+    groups_of: dict[int, list[int]] = defaultdict(list)
+    for g, members in enumerate(mh.band_groups):
+        for s in members:
+            groups_of[s].append(g)
+    sigs = _read_signatures(work, params, len(corpus.minhash_groups)) if groups_of else None
+    ctx.progress(f"checking LSH candidates of {len(groups_of)} leaders with the exact Jaccard (>= {t})")
+    shingles = _shingle_sets(docs_path, corpus, {corpus.leader_of_signature(s) for s in groups_of}, sig_step)
+    placed: set[int] = set()
+    tally: Counter[str] = Counter()
+    values: list[float] = []
+    for r in sorted(groups_of, key=lambda s: corpus.rank(corpus.leader_of_signature(s))):
+        if r in placed:
+            continue
+        placed.add(r)
+        candidates = sorted({c for g in groups_of[r] for c in mh.band_groups[g]} - placed)
+        if not candidates:
+            continue
+        assert sigs is not None
+        estimates = (sigs[candidates] == sigs[r]).mean(axis=1)
+        rep = corpus.leader_of_signature(r)
+        for c, est in zip(candidates, estimates.tolist(), strict=True):
+            tally["candidate_pairs"] += 1
+            if est < t - margin:
+                tally["skipped_by_estimate"] += 1
+                continue
+            member = corpus.leader_of_signature(c)
+            j = jaccard(shingles[rep], shingles[member])
+            tally["pairs_checked"] += 1
+            if j >= t:
+                placed.add(c)
+                d.reason[member], d.duplicate_of[member] = _NEAR, rep
+                d.jaccard[member] = j
+                values.append(j)
+            else:
+                tally["below_threshold"] += 1
+    d.clusters = len({int(d.duplicate_of[m]) for m in d.jaccard})
+    arr = np.array(values)
+    return {
+        "mode": "exact", "jaccard_threshold": t, "estimate_margin": round(margin, 4),
+        "near_pairs": len(values), "candidate_pairs": tally["candidate_pairs"],
+        "pairs_checked": tally["pairs_checked"], "skipped_by_estimate": tally["skipped_by_estimate"],
+        "checked_below_threshold": tally["below_threshold"],
+        # every dropped member was measured: this is the precision, not an estimate of it
+        "precision": float((arr >= t).mean()) if len(arr) else None,
+        "min_member_jaccard": round(float(arr.min()), 4) if len(arr) else None,
+        "jaccard_quantiles": _quantiles(arr), "lsh_pairs": len(mh.edges),
+    }
+
+
+def _near_estimate(params: DedupParams, ctx: StageContext, docs_path: Path, corpus: _Corpus, d: _Decisions,
+                   mh: _MinhashResult, sig_step: MinhashDedupSignature) -> dict[str, Any]:
+    """verify: estimate. datatrove's clusters as they are; exact Jaccard of a hash sample of
+    (representative, member) pairs -> precision_estimate, and of LSH's own candidate pairs ->
+    edge_precision_estimate (high edge and low member precision: chaining, A~B, B~C, A !~ C)."""
     members: dict[int, list[int]] = defaultdict(list)
-    for sig_doc, cid in cluster_of.items():
-        members[cid].append(corpus.leader[corpus.minhash_groups[sig_doc]])
+    for sig_doc, cid in mh.cluster_of.items():
+        members[cid].append(corpus.leader_of_signature(sig_doc))
     pairs = []  # (representative, member) leaders
     for cid in sorted(members):
         leaders = sorted(members[cid], key=corpus.rank)
@@ -649,18 +448,7 @@ def _decide(params: DedupParams, corpus: _Corpus, cluster_of: dict[int, int],
         for m in leaders[1:]:
             d.reason[m], d.duplicate_of[m] = _NEAR, leaders[0]
             pairs.append((leaders[0], m))
-    return d, pairs
-
-
-def _verify(params: DedupParams, ctx: StageContext, docs_path: Path, corpus: _Corpus, d: _Decisions,
-            pairs: list[tuple[int, int]], edges: list[tuple[int, int]], sig_step: MinhashDedupSignature,
-            ) -> dict[str, Any]:
-    """Exact shingle Jaccard of (representative, member) pairs -> precision estimate (and re-keeping).
-
-    Also of a sample of LSH's own candidate pairs (``edge_precision_estimate``): where that is high and
-    the representative's precision low, the loss comes from chaining (A~B, B~C, A !~ C), not banding.
-    """
-    drop_fp = params.verify == "drop_false_positives"
+    edges = sorted((corpus.leader_of_signature(a), corpus.leader_of_signature(b)) for a, b in mh.edges)
 
     def sampled(candidates: list[tuple[int, int]]) -> list[tuple[int, int]]:
         def order(pair: tuple[int, int]) -> bytes:
@@ -668,49 +456,30 @@ def _verify(params: DedupParams, ctx: StageContext, docs_path: Path, corpus: _Co
             return hashlib.blake2b(key.encode(), digest_size=8).digest()
         return sorted(candidates, key=order)[:params.verify_pairs]
 
-    sample = pairs if drop_fp else sampled(pairs)
-    edge_sample = sampled(edges)
-    need = {i for pair in sample + edge_sample for i in pair}
-    shingles: dict[int, np.ndarray] = {}
-    if need:
+    sample, edge_sample = sampled(pairs), sampled(edges)
+    if sample or edge_sample:
         ctx.progress(f"verifying {len(sample)} of {len(pairs)} near-duplicate pairs with exact Jaccard")
-        for i, rec in enumerate(iter_documents(docs_path)):
-            if i in need:
-                shingles[i] = np.unique(sig_step.get_shingles(rec["text"]).ravel())
-    values = []
-    for rep, m in sample:
-        j = d.jaccard[m] = jaccard(shingles[rep], shingles[m])
-        values.append(j)
-        if drop_fp and j < params.jaccard_threshold:
-            d.reason[m], d.duplicate_of[m] = _KEPT, -1
-            d.rekept[rep].append(m)
-    arr = np.array(values)
+    shingles = _shingle_sets(docs_path, corpus, {i for pair in sample + edge_sample for i in pair}, sig_step)
+    arr = np.array([jaccard(shingles[rep], shingles[m]) for rep, m in sample])
+    for (_, m), j in zip(sample, arr.tolist(), strict=True):
+        d.jaccard[m] = j
     edge_j = np.array([jaccard(shingles[a], shingles[b]) for a, b in edge_sample])
+    t = params.jaccard_threshold
     return {
-        "mode": params.verify,
-        "near_pairs": len(pairs),
-        "pairs_checked": len(sample),
-        "jaccard_threshold": params.jaccard_threshold,
-        "precision_estimate": float((arr >= params.jaccard_threshold).mean()) if len(arr) else None,
-        "jaccard_quantiles": ({q: round(float(np.quantile(arr, float(q))), 4)
-                               for q in ("0.0", "0.1", "0.5", "0.9", "1.0")} if len(arr) else {}),
-        "false_positives_rekept": sum(len(v) for v in d.rekept.values()),
-        "lsh_pairs": len(edges),
-        "lsh_pairs_checked": len(edge_sample),
-        "edge_precision_estimate": (float((edge_j >= params.jaccard_threshold).mean())
-                                    if len(edge_j) else None),
+        "mode": "estimate", "jaccard_threshold": t, "near_pairs": len(pairs), "pairs_checked": len(sample),
+        "precision_estimate": float((arr >= t).mean()) if len(arr) else None,
+        "jaccard_quantiles": _quantiles(arr),
+        "lsh_pairs": len(edges), "lsh_pairs_checked": len(edge_sample),
+        "edge_precision_estimate": float((edge_j >= t).mean()) if len(edge_j) else None,
     }
 
 
-def _write_gz_jsonl(path: Path, rows: Iterator[dict[str, Any]] | list[dict[str, Any]]) -> int:
-    n = 0
-    with gzip.GzipFile(path, "wb", compresslevel=6, mtime=0) as f:  # mtime=0: deterministic bytes
-        for row in rows:
-            f.write(orjson.dumps(row) + b"\n")
-            n += 1
-    return n
+def _quantiles(arr: np.ndarray) -> dict[str, float]:
+    return ({q: round(float(np.quantile(arr, float(q))), 4) for q in ("0.0", "0.1", "0.5", "0.9", "1.0")}
+            if len(arr) else {})
 
 
+# --- the stage ------------------------------------------------------------------------------------
 def run(params: DedupParams, ctx: StageContext) -> None:
     start = time.perf_counter()
     docs_path = ctx.input("documents").path
@@ -723,21 +492,23 @@ def run(params: DedupParams, ctx: StageContext) -> None:
     shutil.rmtree(work, ignore_errors=True)
     sig_step = signature_step(params, work / "signatures", shingler)
 
-    # pass 1: exact groups + contamination + signatures of the leaders; then buckets and clusters
+    # pass 1: exact groups + contamination + signatures of the leaders; then LSH buckets
     corpus = _Corpus()
     ctx.progress(f"reading {docs_path} (MinHash {params.bands}x{params.rows}, {params.n_grams}-grams, "
-                 f"{params.word_tokenizer} words, S-curve threshold {params.s_curve_threshold:.3f})")
+                 f"{params.word_tokenizer} words, S-curve {params.s_curve_threshold:.3f}, verify: {params.verify} "
+                 f"at Jaccard {params.jaccard_threshold})")
     mh = _run_minhash(params, sig_step, _first_pass(params, ctx, docs_path, corpus, index), work)
     n_in = len(corpus.ids)
     if n_in == 0:
         raise ValueError(f"dedup: documents artifact {docs_path} holds no documents")
     t_minhash = time.perf_counter()
 
-    # decisions, then verification (pass 2 over the verified pairs' documents)
-    d, pairs = _decide(params, corpus, mh.cluster_of)
-    leader_of_sig = [corpus.leader[g] for g in corpus.minhash_groups]
-    edges = sorted((leader_of_sig[a], leader_of_sig[b]) for a, b in mh.edges)
-    verification = _verify(params, ctx, docs_path, corpus, d, pairs, edges, sig_step)
+    # near duplicates (pass 2 over the candidates' documents for their exact shingle sets)
+    d = _base_decisions(params, corpus)
+    if params.verify == "exact":
+        verification = _near_exact(params, ctx, docs_path, corpus, d, mh, sig_step, work)
+    else:
+        verification = _near_estimate(params, ctx, docs_path, corpus, d, mh, sig_step)
     t_verify = time.perf_counter()
     members: dict[int, list[int]] = defaultdict(list)
     for i in np.flatnonzero((d.reason == _EXACT) | (d.reason == _NEAR)).tolist():
@@ -787,21 +558,17 @@ def run(params: DedupParams, ctx: StageContext) -> None:
                            f"dropped {counts} (a bug in data/dedup.py)")
 
     def cluster_rows() -> Iterator[dict[str, Any]]:
-        for rep in sorted(set(members) | set(d.rekept)):
-            row: dict[str, Any] = {
+        for rep in sorted(members):
+            yield {
                 "representative": corpus.ids[rep],
-                "dup_count": corpus.weights[rep] + sum(corpus.weights[m] for m in members.get(rep, [])),
+                "dup_count": corpus.weights[rep] + sum(corpus.weights[m] for m in members[rep]),
                 "members": [{"id": corpus.ids[m], "reason": _REASON_OF[int(d.reason[m])],
                              "duplicate_of": corpus.ids[int(d.duplicate_of[m])],
                              **({"jaccard": round(d.jaccard[m], 4)} if m in d.jaccard else {})}
-                            for m in members.get(rep, [])]}
-            if rep in d.rekept:
-                row["rekept_below_threshold"] = [{"id": corpus.ids[m], "jaccard": round(d.jaccard[m], 4)}
-                                                 for m in d.rekept[rep]]
-            yield row
+                            for m in members[rep]]}
 
-    n_cluster_rows = _write_gz_jsonl(ctx.out_dir / CLUSTERS_NAME, cluster_rows())
-    _write_gz_jsonl(ctx.out_dir / DROPPED_SAMPLES_NAME, [s for r in DROP_REASONS for s in samples[r]])
+    n_cluster_rows = write_jsonl_gz(ctx.out_dir / CLUSTERS_NAME, cluster_rows())
+    write_jsonl_gz(ctx.out_dir / DROPPED_SAMPLES_NAME, [s for r in DROP_REASONS for s in samples[r]])
 
     # per-domain and per-eval-set tallies
     domains: dict[str, Counter[str]] = defaultdict(Counter)
@@ -818,7 +585,7 @@ def run(params: DedupParams, ctx: StageContext) -> None:
                 index.tallies[m["eval_set"]].matches[m["method"]] += 1
 
     total_s = time.perf_counter() - start
-    precision = verification["precision_estimate"]
+    precision = verification["precision"] if params.verify == "exact" else verification["precision_estimate"]
     report = {
         "documents": {"in": n_in, "kept": kept, "dropped": counts, "bytes_in": corpus.bytes},
         "exact": {"groups": len(corpus.leader),
@@ -856,16 +623,19 @@ def run(params: DedupParams, ctx: StageContext) -> None:
         ctx.set_rows(r, c)
     ctx.log_summary({"in": n_in, "kept": kept, "exact_duplicates": counts["exact_duplicate"],
                      "near_duplicates": counts["near_duplicate"], "contaminated": contaminated_docs,
-                     "precision_estimate": float("nan") if precision is None else precision})
+                     "near_precision": float("nan") if precision is None else precision})
     metrics: dict[str, float] = {
         "s_curve_threshold": params.s_curve_threshold, "clusters": d.clusters,
-        "near_pairs": len(pairs), "pairs_verified": verification["pairs_checked"],
-        "lsh_pairs": len(edges), **({"edge_precision_estimate": verification["edge_precision_estimate"]}
-                                    if verification["edge_precision_estimate"] is not None else {}),
+        "near_pairs": verification["near_pairs"], "pairs_verified": verification["pairs_checked"],
+        "lsh_pairs": verification["lsh_pairs"],
         "seconds.read_minhash": t_minhash - start, "seconds.verify": t_verify - t_minhash,
         "seconds.write": t_write - t_verify, "seconds.total": total_s,
         "docs_per_s": n_in / total_s, "mb_per_s": corpus.bytes / 1e6 / total_s,
     }
+    for key in ("candidate_pairs", "skipped_by_estimate", "checked_below_threshold", "min_member_jaccard",
+                "edge_precision_estimate"):
+        if verification.get(key) is not None:
+            metrics[key] = verification[key]
     for dom, c in sorted(domains.items()):
         key = metric_key(dom)
         metrics[f"dup_rate.{key}"] = (c["exact_duplicate"] + c["near_duplicate"]) / c["in"]
@@ -880,12 +650,13 @@ def run(params: DedupParams, ctx: StageContext) -> None:
 
     if precision is not None and precision < 0.5 and params.verify == "estimate":
         ctx.logger.warning("dedup: only %.0f%% of %d verified near pairs reach Jaccard %.2f with their "
-                           "representative; consider verify: drop_false_positives", 100 * precision,
+                           "representative; use verify: exact", 100 * precision,
                            verification["pairs_checked"], params.jaccard_threshold)
     ctx.progress(f"{n_in} documents ({corpus.bytes / 1e6:.1f} MB) in {total_s:.1f}s: kept {kept}, exact "
                  f"{counts['exact_duplicate']}, near {counts['near_duplicate']}, contaminated "
-                 f"{contaminated_docs} ({params.decontamination}); precision estimate "
-                 f"{'n/a' if precision is None else f'{precision:.3f}'}")
+                 f"{contaminated_docs} ({params.decontamination}); near-duplicate precision "
+                 f"{'n/a' if precision is None else f'{precision:.3f}'}"
+                 f"{' (estimate)' if params.verify == 'estimate' else ''}")
 
 
 def _cluster_size_figure(dup_counts: Counter[int]) -> Any:
@@ -940,8 +711,8 @@ STAGE = StageKind(
                                doc="evaluation sets (*.jsonl[.gz] inside) to decontaminate against"),
     },
     fingerprint=fingerprint,
-    doc=("Exact (normalized-text hash) and MinHash-LSH near-duplicate removal with datatrove's MinHash "
-         "stages and a fast word tokenizer; one representative per cluster keeps dup_count and "
-         "dup_members; exact-Jaccard precision estimate; n-gram-containment and MinHash-LSH "
-         "decontamination against eval sets; in = kept + dropped per reason is checked and logged."),
+    doc=("Exact (normalized-text hash) and near-duplicate removal: datatrove MinHash-LSH candidates with a "
+         "fast word tokenizer, then the exact shingle Jaccard decides (nothing below jaccard_threshold is "
+         "dropped); one representative per cluster keeps dup_count and dup_members; n-gram-containment "
+         "and MinHash-LSH decontamination against eval sets; in = kept + dropped per reason is checked."),
 )
