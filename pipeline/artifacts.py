@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pipeline.launch import pid_alive
 from pipeline.stage import MANIFEST_NAME, Artifact, sha256_file
 
 MANIFEST_SCHEMA = "hylight.artifact/1"
@@ -59,35 +60,6 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When process ``pid`` of this host started (clock ticks since boot, /proc), or None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime
-
-
-def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
-    """Whether process ``pid`` of this host still runs. With ``start_ticks`` (from
-    :func:`process_start_ticks`), a newer process that reused the pid does not count."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        if stat[stat.rindex(b")") + 2:].split()[0] == b"Z":  # exited, not yet reaped
-            return False
-    except OSError:
-        pass
-    return start_ticks is None or process_start_ticks(pid) in (None, start_ticks)
 
 
 class ArtifactStore:

@@ -1,21 +1,23 @@
 """Run a multi-process job (the DeepSpeed launcher, torchrun, ...) from inside a stage, leaving nothing behind.
 
-Launchers start their workers in new sessions (torchrun's elastic agent gives every rank its own
-``setsid``), so killing the launcher's process group misses them, and a Ray worker that is force-
-cancelled dies by SIGKILL without running any cleanup. Both holes are closed by one small
-*supervisor* process between the caller and the job (Linux)::
+Three things defeat the obvious ``Popen`` + ``killpg``: launchers start their ranks in new sessions
+(torchrun's elastic agent ``setsid``s every rank), a force-cancelled Ray worker dies by SIGKILL without
+running any cleanup, and on a worker's exit Ray SIGKILLs the worker's direct children (its
+``kill_child_processes_on_worker_exit``). So two small processes stand between the caller and the job
+(Linux)::
 
-    caller (stage worker) ── supervisor (child subreaper) ── launcher ── ranks (any session) ── ...
+    caller (stage worker) ── relay ── supervisor (child subreaper) ── launcher ── ranks (any session)
 
-- The supervisor is a child subreaper (``PR_SET_CHILD_SUBREAPER``): every process of the job that
+- The *relay* is the caller's only child. It dies with the caller (``PR_SET_PDEATHSIG``), forwards the
+  caller's SIGTERM, and passes the job's exit status back. Whoever kills it cannot reach the supervisor.
+- The *supervisor* is a child subreaper (``PR_SET_CHILD_SUBREAPER``): every process of the job that
   loses its parent is re-parented to it, whatever session it moved to, so ``/proc`` always shows the
-  whole job as the supervisor's descendants.
-- It asks the kernel for SIGTERM when the caller dies (``PR_SET_PDEATHSIG``) and also polls its parent
-  id, so a SIGKILLed caller still gets its job killed (SIGTERM, a grace period, then SIGKILL).
+  whole job as its descendants. It gets SIGTERM when the relay dies and also polls the caller's pid;
+  either way it stops the job: SIGTERM to every descendant, a grace period, then SIGKILL.
 - When the launcher exits, stragglers it left running are killed as well, so the output pipe closes
   and nothing outlives the call.
 
-This module imports only the standard library: the supervisor runs it as a script (``python -I``).
+This module imports only the standard library: it runs itself as a script (``python -I``).
 """
 
 from __future__ import annotations
@@ -122,6 +124,37 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(err, f"prctl({option}, {value}) failed: {os.strerror(err)}")
 
 
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, ...), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` of this host started (clock ticks since boot), or None if unknown."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None  # field 22 of stat, starttime
+
+
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether process ``pid`` of this host still runs (an exited, unreaped one does not). With
+    ``start_ticks`` (from :func:`process_start_ticks`), a newer process that reused the pid does not count."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == b"Z":
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
 def _say(message: str) -> None:
     """Best effort: once the caller is dead nobody reads the pipe, and a write must not kill us."""
     try:
@@ -134,16 +167,8 @@ def _children_map() -> dict[int, list[int]]:
     """ppid -> pids of every process visible in /proc."""
     kids: dict[int, list[int]] = collections.defaultdict(list)
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # exited meanwhile
-            continue
-        # fields after the ")" that closes the command name: state ppid ...
-        fields = stat[stat.rindex(b")") + 2:].split()
-        kids[int(fields[1])].append(int(entry))
+        if entry.isdigit() and (fields := _stat_fields(int(entry))) is not None:
+            kids[int(fields[1])].append(int(entry))
     return kids
 
 
@@ -201,13 +226,13 @@ def _kill_all(grace_s: float) -> None:
         _reap()
 
 
-def _supervise(caller: int, grace_s: float, cmd: list[str]) -> int:
+def _supervise(relay: int, caller: int, caller_start: int | None, grace_s: float, cmd: list[str]) -> int:
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: stop.append(s))
-    if os.getppid() != caller:  # the caller died before the death signal was armed
+    if os.getppid() != relay:  # the relay died before the death signal was armed
         return 128 + signal.SIGTERM
     try:
         # inherits stdout/stderr (the caller's pipe), env and cwd; if the supervisor itself is killed,
@@ -217,8 +242,13 @@ def _supervise(caller: int, grace_s: float, cmd: list[str]) -> int:
         _say(f"cannot start {cmd[0]!r}: {e}")
         return 127
     status = None
+    last_check = 0.0
     while status is None:
-        if stop or os.getppid() != caller:
+        now = time.monotonic()
+        gone = False
+        if now - last_check >= 0.25:  # the caller itself, in case the relay was stopped, not killed
+            last_check, gone = now, not pid_alive(caller, caller_start)
+        if stop or gone or os.getppid() != relay:
             why = f"signal {signal.Signals(stop[0]).name}" if stop else "its caller exited"
             _say(f"stopping the job ({why})")
             _kill_all(grace_s)
@@ -235,10 +265,9 @@ def _supervise(caller: int, grace_s: float, cmd: list[str]) -> int:
     return root.returncode
 
 
-def _main(argv: list[str]) -> None:
-    caller, grace_s = int(argv[0]), float(argv[1])
-    code = _supervise(caller, grace_s, argv[3:])
-    if code < 0:  # the job died of a signal: die of the same one so the caller sees it
+def _exit_like(code: int) -> None:
+    """Exit with ``code``; a negative one (died of that signal) by dying of the same signal."""
+    if code < 0:
         try:
             signal.signal(-code, signal.SIG_DFL)
         except (OSError, ValueError):  # SIGKILL/SIGSTOP cannot be handled; they need no reset
@@ -246,7 +275,34 @@ def _main(argv: list[str]) -> None:
         os.kill(os.getpid(), -code)
         time.sleep(1)
         code = 128 - code
-    sys.exit(code)
+    os._exit(code)
+
+
+def _main(argv: list[str]) -> None:
+    caller, grace_s = int(argv[0]), float(argv[1])
+    caller_start = process_start_ticks(caller)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the relay dies with the caller
+    if os.getppid() != caller:
+        _exit_like(128 + signal.SIGTERM)
+    relay = os.getpid()
+    child = os.fork()
+    if child == 0:  # the supervisor
+        sys.stdout.flush()
+        _exit_like(_supervise(relay, caller, caller_start, grace_s, argv[3:]))
+    # the relay: hold no end of the output pipe, pass signals on, report the supervisor's status
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda s, _f: os.kill(child, s))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except ChildProcessError:
+            status = 0
+            break
+    _exit_like(os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == _SUPERVISE_FLAG:

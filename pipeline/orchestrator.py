@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline import tracking
-from pipeline.artifacts import ArtifactStore, cache_key, pid_alive, process_start_ticks, write_json_atomic
+from pipeline.artifacts import ArtifactStore, cache_key, write_json_atomic
+from pipeline.launch import pid_alive, process_start_ticks
 from pipeline.registry import code_digest
 from pipeline.runner import StageOutcome, StageTask, execute_stage, forwarded_env
 from pipeline.spec import ClusterCapacity, NodeCapacity, PipelineSpec, ResolvedStage

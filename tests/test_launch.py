@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import pid_alive
-from pipeline.launch import ProcessTreeError, run_process_tree
+from pipeline.launch import ProcessTreeError, pid_alive, run_process_tree
 
 TREE = Path(__file__).with_name("process_tree.py")
 
@@ -120,9 +119,10 @@ def test_processes_left_behind_by_a_finished_launcher_are_killed(tmp_path):
     assert len(pids(pid_file)) == 3 and alive(pids(pid_file)) == []
 
 
-@pytest.mark.parametrize("caller_sig", [signal.SIGKILL, signal.SIGTERM])
-def test_when_the_caller_dies_the_tree_dies_too(tmp_path, caller_sig):
-    """The caller stands in for a Ray worker that is force-cancelled (SIGKILL: no cleanup runs)."""
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGKILL with its children"])
+def test_when_the_caller_dies_the_tree_dies_too(tmp_path, how):
+    """The caller stands in for a Ray worker that is force-cancelled: SIGKILL, no cleanup runs, and Ray
+    also SIGKILLs the worker's direct children (kill_child_processes_on_worker_exit)."""
     pid_file = tmp_path / "pids"
     caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""\
         import sys
@@ -133,17 +133,41 @@ def test_when_the_caller_dies_the_tree_dies_too(tmp_path, caller_sig):
     try:
         assert wait_for(lambda: len(pids(pid_file)) == 3), "the tree did not start"
         ps = pids(pid_file)
-        supervisor = _children(caller.pid)
-        assert len(supervisor) == 1 and alive(ps) == ps
-        caller.send_signal(caller_sig)
+        relay = _children(caller.pid)
+        helpers = relay + _children(relay[0])  # the relay and the supervisor
+        assert len(helpers) == 2 and alive(ps) == ps
+        caller.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
+        if how == "SIGKILL with its children":
+            os.kill(relay[0], signal.SIGKILL)
         caller.wait(timeout=10)
-        assert wait_for(lambda: not alive(ps + supervisor), timeout_s=10), \
-            f"still running after the caller died: {alive(ps + supervisor)}"
+        assert wait_for(lambda: not alive(ps + helpers), timeout_s=10), \
+            f"still running after the caller died: {alive(ps + helpers)}"
     finally:
         caller.kill()
         caller.wait()
         for p in alive(pids(pid_file)):  # never leave sleepers behind on a failed assertion
             os.kill(p, signal.SIGKILL)
+
+
+def test_a_killed_relay_stops_the_job_and_fails_the_call(tmp_path):
+    pid_file = tmp_path / "pids"
+    seen: list[str] = []
+
+    def log(line: str) -> None:
+        seen.append(line)
+        if len(seen) == 3:
+            relay = [p for p in _children(os.getpid()) if b"--hylight-supervise" in _cmdline(p)]
+            os.kill(relay[0], signal.SIGKILL)
+
+    with pytest.raises(ProcessTreeError, match="was killed by SIGKILL"):
+        run_process_tree(tree_cmd(pid_file), log=log, name="tree")
+    assert len(pids(pid_file)) == 3
+    assert wait_for(lambda: not alive(pids(pid_file)), timeout_s=10)
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
 
 
 def _children(pid: int) -> list[int]:

@@ -7,7 +7,13 @@ plugin kinds in tests/stage_fixtures.py.
 from __future__ import annotations
 
 import io
+import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -216,3 +222,140 @@ def test_editing_an_external_input_file_reruns_the_stage(env, tmp_path):
     src.unlink()
     report = run()
     assert report.stages["f"].state == "failed" and "No such file" in report.stages["f"].error
+
+
+def _run_spec(tmp_path, text, **opts):
+    spec_path = tmp_path / "extra.yaml"
+    spec_path.write_text(textwrap.dedent(text))
+    return run_pipeline(load_spec(spec_path), RunOptions(**opts), out=io.StringIO())
+
+
+def test_stage_workers_get_the_launch_environment_but_not_per_task_variables(env, tmp_path, monkeypatch):
+    # set after the workers started: only forwarding can bring these to them
+    sent = {"NCCL_DEBUG": "INFO", "CUDA_LAUNCH_BLOCKING": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "TRITON_CACHE_DIR": str(tmp_path / "triton"), "DS_SKIP_CUDA_CHECK": "1", "OMP_PROC_BIND": "close",
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NVSHMEM_DEBUG": "WARN", "HF_HOME": "/x/hf",
+            "CUDA_VISIBLE_DEVICES": "7", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29999",
+            "OMP_NUM_THREADS": "9", "UNRELATED_VAR": "no"}
+    for k, v in sent.items():
+        monkeypatch.setenv(k, v)
+    report = _run_spec(tmp_path, f"""\
+        name: envtest
+        artifact_root: {env.root}
+        stages:
+          probe:
+            uses: tests.stage_fixtures:ENV_PROBE
+            params: {{names: {sorted(sent)}}}
+    """)
+    assert report.ok, report.stages["probe"].error
+    seen = json.loads(Path(report.stages["probe"].artifact, "env.json").read_text())
+    forwarded = {k for k in sent if seen[k] == sent[k]}
+    assert forwarded == {"NCCL_DEBUG", "CUDA_LAUNCH_BLOCKING", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                         "TRITON_CACHE_DIR", "DS_SKIP_CUDA_CHECK", "OMP_PROC_BIND", "PYTORCH_CUDA_ALLOC_CONF",
+                         "NVSHMEM_DEBUG", "HF_HOME"}
+    assert seen["OMP_NUM_THREADS"] == "1"  # from the stage's resources.cpus, not the driver's 9
+    assert seen["CUDA_VISIBLE_DEVICES"] == ""  # a GPU-less task sees no GPU, and never the driver's choice
+    assert seen["MASTER_ADDR"] is None and seen["MASTER_PORT"] is None and seen["UNRELATED_VAR"] is None
+
+
+def test_a_multi_node_stage_leaves_its_resources_to_the_workers_it_launches(env, tmp_path):
+    # 2 "nodes" x 1 CPU on a 2-CPU Ray: had the stage's own task kept a CPU, its workers could never start
+    report = _run_spec(tmp_path, f"""\
+        name: workers
+        artifact_root: {env.root}
+        stages:
+          w:
+            uses: tests.stage_fixtures:WORKERS
+            params: {{timeout_s: 60}}
+            resources: {{cpus: 1, nodes: 2}}
+    """)
+    assert report.ok, report.stages["w"].error
+    out = json.loads(Path(report.stages["w"].artifact, "workers.json").read_text())
+    assert out["done"] == [0, 1]
+    assert out["resources"] == {"cpus": 1, "gpus": 0, "memory_gb": None, "nodes": 2, "reserved_for_task": False}
+    assert out["cuda_visible_devices"] == ""
+
+
+def test_cancelling_a_stage_kills_the_process_tree_it_launched(env, tmp_path):
+    """The orchestrator's cancel path (ray.cancel(force=True), as on Ctrl-C) SIGKILLs the stage's worker;
+    the job it started with run_process_tree, ranks in their own session included, must die with it."""
+    import ray
+
+    from pipeline.launch import pid_alive
+    from pipeline.runner import StageTask, execute_stage
+
+    pid_file = tmp_path / "pids"
+    task = StageTask(stage="tree", uses="tests.stage_fixtures:TREE", params={"pid_file": str(pid_file)},
+                     resources={"cpus": 1, "gpus": 0}, inputs={}, root=str(env.root), key="k" * 64,
+                     key_material={}, cwd=str(Path(__file__).parent.parent))
+    ref = ray.remote(execute_stage).options(num_cpus=1, max_retries=0).remote(task)
+    deadline = time.monotonic() + 60
+    while len(pid_file.read_text().split() if pid_file.exists() else []) < 3:
+        assert time.monotonic() < deadline, "the process tree did not start"
+        time.sleep(0.1)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    ray.cancel(ref, force=True)
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(ref, timeout=60)
+    deadline = time.monotonic() + 20
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if pid_alive(p)]
+    for p in left:  # never leave sleepers behind on a failed assertion
+        os.kill(p, signal.SIGKILL)
+    assert left == []
+
+
+def test_runs_left_running_by_a_killed_driver_are_marked_killed_on_the_next_run(env, tmp_path):
+    """kill -9 of a real `hylight run` while a stage runs; the next run resumes and closes the orphans."""
+    marker, pid_file = tmp_path / "HOLD", tmp_path / "worker.pid"
+    marker.write_text("x")
+    spec_path = tmp_path / "killed.yaml"
+    spec_path.write_text(textwrap.dedent(f"""\
+        name: killtest
+        artifact_root: {env.root}
+        stages:
+          hold:
+            uses: tests.stage_fixtures:WAIT
+            params: {{marker: {marker}, pid_file: {pid_file}}}
+    """))
+    repo = Path(__file__).parent.parent
+    driver = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(spec_path)], cwd=repo,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists():
+            assert driver.poll() is None and time.monotonic() < deadline, "the stage never started"
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    worker = int(pid_file.read_text())
+    from pipeline.launch import pid_alive
+
+    deadline = time.monotonic() + 60  # the driver's local Ray shares its fate: the worker goes too
+    while pid_alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(worker)
+
+    c = tracking.client(tracking.default_tracking_uri(env.root))
+    exp = c.get_experiment_by_name("killtest").experiment_id
+    before = {r.info.run_id: r for r in c.search_runs([exp])}
+    assert {r.info.status for r in before.values()} == {"RUNNING"}  # the parent and `hold`, left open
+    assert sorted(str(r.data.tags.get(tracking.TAG_STAGE)) for r in before.values()) == ["None", "hold"]
+
+    marker.unlink()
+    report = run_pipeline(load_spec(spec_path), RunOptions(), out=io.StringIO())
+    assert report.ok and report.stages["hold"].state == "done"
+    after = {r.info.run_id: r for r in c.search_runs([exp])}
+    for rid, old in before.items():
+        run = after[rid]
+        assert run.info.status == "KILLED", (old.data.tags.get(tracking.TAG_STAGE), run.info.status)
+        assert run.data.tags[tracking.TAG_STATE] == "orphaned"
+    new = [r for rid, r in after.items() if rid not in before]
+    assert {r.info.status for r in new} == {"FINISHED"} and len(new) == 2  # the new parent and `hold`
+    # no run is left RUNNING
+    assert not c.search_runs([exp], filter_string="attributes.status = 'RUNNING'")
