@@ -57,6 +57,10 @@ def test_tiny_dag_runs_every_stage_then_is_all_cache_hits(tiny):
     assert quality["documents"] == dedup["kept"]
     mix = first["stages"]["mix"]["summary"]
     assert 0 < mix["tokens"] <= 6_000_000 and mix["documents"] == dedup["kept"]
+    pretrain = first["stages"]["pretrain"]["summary"]
+    assert pretrain["tokens"] >= 400_000 and pretrain["skipped_steps"] == 0
+    # the model learned more than token frequencies: clearly below the unigram baseline on held-out rows
+    assert pretrain["eval_loss"] < pretrain["unigram_loss"] - 0.5, pretrain
     assert "✓ tokenizer done" in tiny["stderr"] and "stage" in tiny["stderr"]  # progress + summary table
 
 
