@@ -125,12 +125,17 @@ def _restore_env(saved: dict[str, str]) -> None:
 
 
 def execute_stage(task: StageTask) -> StageOutcome:
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_env, saved_cwd, saved_defaulted = dict(os.environ), os.getcwd(), set(_DEFAULTED)
+    torch = sys.modules.get("torch")
+    saved_threads = torch.get_num_threads() if torch is not None else None
     try:
         return _execute(task)
     finally:
         _restore_env(saved_env)
+        _DEFAULTED.intersection_update(saved_defaulted)
         os.chdir(saved_cwd)
+        if saved_threads is not None:
+            torch.set_num_threads(saved_threads)
 
 
 def _execute(task: StageTask) -> StageOutcome:

@@ -1,0 +1,90 @@
+"""The stage worker's environment: what is forwarded from `hylight run`, what each task decides itself,
+which tasks hold their resources, and that a reused worker process gets its environment back."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeline import runner
+from pipeline.orchestrator import task_reserves_resources
+from pipeline.runner import StageTask, apply_env_defaults, execute_stage, forwarded_env
+from pipeline.spec import ResourcesSpec
+from tests import stage_fixtures
+
+REPO = Path(__file__).parent.parent
+
+
+def test_forwarded_variables_by_prefix_less_the_per_task_ones():
+    environ = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "CUDA_HOME": "/cuda", "TORCH_LOGS": "+dynamo",
+               "TRITON_CACHE_DIR": "/t", "DS_ACCELERATOR": "cuda", "OMP_PROC_BIND": "close",
+               "PYTORCH_CUDA_ALLOC_CONF": "x", "NVSHMEM_DEBUG": "1", "HF_HOME": "/hf", "TRANSFORMERS_VERBOSITY": "i",
+               "HYLIGHT_STATE_DIR": "/s",
+               "CUDA_VISIBLE_DEVICES": "0,1", "MASTER_ADDR": "a", "MASTER_PORT": "1", "OMP_NUM_THREADS": "8",
+               "PATH": "/bin", "RAY_ADDRESS": "x", "LD_LIBRARY_PATH": "/l", "NCCLX": "no"}
+    assert sorted(forwarded_env(environ)) == [
+        "CUDA_HOME", "DS_ACCELERATOR", "HF_HOME", "HYLIGHT_STATE_DIR", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
+        "NVSHMEM_DEBUG", "OMP_PROC_BIND", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_LOGS", "TRANSFORMERS_VERBOSITY",
+        "TRITON_CACHE_DIR"]
+
+
+def test_defaults_the_driver_filled_in_stay_on_the_driver(monkeypatch):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(runner, "_DEFAULTED", set())
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    apply_env_defaults()
+    assert os.environ["DS_ACCELERATOR"] in ("cpu", "cuda")
+    sent = forwarded_env()
+    assert "DS_ACCELERATOR" not in sent and sent["NCCL_DEBUG"] == "WARN"  # each node picks its own
+
+
+@pytest.mark.parametrize(("launches", "nodes", "gpus", "on_cluster", "reserves"), [
+    (False, 1, 8, True, True),    # an ordinary kind always holds what it asked for
+    (True, 1, 0, False, True),    # a launcher on one node, no GPUs
+    (True, 1, 8, False, True),    # local Ray, one node: the task holds the GPUs and launches on them
+    (True, 1, 8, True, False),    # a Ray cluster: Ray Train workers get the GPUs
+    (True, 2, 0, False, False),   # several nodes: always the workers
+])
+def test_which_tasks_hold_their_resources(launches, nodes, gpus, on_cluster, reserves):
+    kind = stage_fixtures.WORKERS if launches else stage_fixtures.SOURCE
+    st = type("St", (), {"kind": kind, "resources": ResourcesSpec(cpus=1, gpus=gpus, nodes=nodes)})()
+    assert task_reserves_resources(st, on_cluster=on_cluster) is reserves
+
+
+def probe(tmp_path: Path, resources: dict, env: dict[str, str]) -> dict[str, str | None]:
+    names = ["CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR", "NCCL_DEBUG", "OMP_NUM_THREADS"]
+    task = StageTask(stage="probe", uses="tests.stage_fixtures:ENV_PROBE", params={"names": names},
+                     resources=resources, inputs={}, root=str(tmp_path / "runs"), key=os.urandom(32).hex(),
+                     key_material={}, cwd=str(REPO), env=env)
+    out = execute_stage(task)
+    return json.loads(Path(out.path, "env.json").read_text())
+
+
+def test_each_task_sees_its_own_gpus_and_accelerator_and_the_worker_gets_its_environment_back(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # as Ray sets it for a task granted GPU 3
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")  # inherited by the worker from a GPU driver
+    before, cwd = dict(os.environ), os.getcwd()
+
+    seen = probe(tmp_path, {"cpus": 2, "gpus": 0}, {"NCCL_DEBUG": "INFO"})
+    assert seen == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "NCCL_DEBUG": "INFO",
+                    "OMP_NUM_THREADS": "2"}
+    seen = probe(tmp_path, {"cpus": 1, "gpus": 1}, {})
+    assert seen["CUDA_VISIBLE_DEVICES"] == "3" and seen["DS_ACCELERATOR"] == "cuda"
+    seen = probe(tmp_path, {"cpus": 1, "gpus": 4, "nodes": 2, "reserved_for_task": False}, {})
+    assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["DS_ACCELERATOR"] == "cpu"
+    seen = probe(tmp_path, {"cpus": 1, "gpus": 0}, {"DS_ACCELERATOR": "cuda"})  # the user's choice wins
+    assert seen["DS_ACCELERATOR"] == "cuda"
+
+    assert dict(os.environ) == before and os.getcwd() == cwd  # Ray reuses the worker for other tasks
+
+
+def test_a_launch_directory_missing_on_the_node_is_explained(tmp_path):
+    task = StageTask(stage="s", uses="tests.stage_fixtures:SOURCE", params={}, resources={"cpus": 1},
+                     inputs={}, root=str(tmp_path), key="k" * 64, key_material={}, cwd=str(tmp_path / "gone"))
+    with pytest.raises(RuntimeError, match=r"stage 's': cannot enter .*gone.* \(the directory `hylight run` "
+                                           r"was started from\) on node .*same checkout at the same path"):
+        execute_stage(task)
