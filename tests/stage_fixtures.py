@@ -139,21 +139,35 @@ WAIT = StageKind(name="test_wait", params=WaitParams, run=run_wait, produces="te
 
 class WorkersParams(StageParams):
     timeout_s: float = 60.0
+    strategy: str = "SPREAD"  # STRICT_SPREAD: one worker per node, as a multi-node trainer needs
 
 
-def _worker(i: int) -> int:
-    return i
+def _worker(i: int) -> dict:
+    import ray
+
+    return {"i": i, "node": ray.get_runtime_context().get_node_id(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def run_workers(params: WorkersParams, ctx: StageContext) -> None:
-    """Starts one nested Ray task per node asking for the stage's per-node cpus, like a Ray Train job
-    would; hangs (until timeout_s) if the stage's own task held those CPUs."""
+    """Reserves one bundle of the stage's per-node cpus/gpus per node at once, as Ray Train does, and
+    runs a worker in each; never placed (timeout_s) if the stage's own task held part of them."""
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     _record(ctx.stage_name)
     r = ctx.resources
-    worker = ray.remote(_worker).options(num_cpus=r.cpus, num_gpus=r.gpus)
-    done = ray.get([worker.remote(i) for i in range(r.nodes)], timeout=params.timeout_s)
+    pg = placement_group([{"CPU": r.cpus, "GPU": r.gpus} if r.gpus else {"CPU": r.cpus}] * r.nodes,
+                         strategy=params.strategy)
+    try:
+        ray.get(pg.ready(), timeout=params.timeout_s)
+        done = ray.get([ray.remote(_worker).options(
+            num_cpus=r.cpus, num_gpus=r.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(i) for i in range(r.nodes)], timeout=params.timeout_s)
+    finally:
+        remove_placement_group(pg)
     (ctx.out_dir / "workers.json").write_text(json.dumps(
         {"done": done, "resources": dataclasses.asdict(r),
          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}, sort_keys=True))
