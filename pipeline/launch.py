@@ -71,11 +71,11 @@ def run_process_tree(cmd: Sequence[str], *, env: dict[str, str] | None = None, c
         raise ValueError(f"{name}: empty command")
     if not sys.platform.startswith("linux"):
         raise OSError(f"{name}: run_process_tree needs Linux (prctl child-subreaper and parent-death signal)")
-    supervisor = [sys.executable, "-I", os.path.abspath(__file__), _SUPERVISE_FLAG, str(os.getpid()),
-                  f"{grace_s:g}", "--", *map(str, cmd)]
-    # The supervisor gets a session of its own: the terminal's Ctrl-C goes to the orchestrator, which
-    # cancels the stage; the job is then stopped through the supervisor, in order.
-    proc = subprocess.Popen(supervisor, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    relay = [sys.executable, "-I", os.path.abspath(__file__), _SUPERVISE_FLAG, str(os.getpid()),
+             f"{grace_s:g}", "--", *map(str, cmd)]
+    # A session of its own: the terminal's Ctrl-C goes to the orchestrator, which cancels the stage;
+    # the job is then stopped through the relay and the supervisor, in order.
+    proc = subprocess.Popen(relay, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     try:
@@ -87,7 +87,7 @@ def run_process_tree(cmd: Sequence[str], *, env: dict[str, str] | None = None, c
             log(line)
         returncode = proc.wait()
     except BaseException:
-        _stop_supervisor(proc, grace_s)
+        _stop_job(proc, grace_s)
         raise
     finally:
         if proc.stdout is not None:
@@ -96,8 +96,9 @@ def run_process_tree(cmd: Sequence[str], *, env: dict[str, str] | None = None, c
         raise ProcessTreeError(name, cmd, returncode, list(tail))
 
 
-def _stop_supervisor(proc: subprocess.Popen, grace_s: float) -> None:
-    """Ask the supervisor to stop the job; if it does not exit in time, kill its whole group."""
+def _stop_job(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the relay (passed on to the supervisor, which stops the job and exits); if that takes
+    too long, SIGKILL the relay's whole process group."""
     if proc.poll() is None:
         try:
             proc.send_signal(signal.SIGTERM)
@@ -114,7 +115,7 @@ def _stop_supervisor(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the supervisor (runs as `python -I launch.py --hylight-supervise CALLER_PID GRACE -- CMD...`)
+# the relay and the supervisor (`python -I launch.py --hylight-supervise CALLER_PID GRACE -- CMD...`)
 
 
 def _prctl(option: int, value: int) -> None:
