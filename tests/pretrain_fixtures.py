@@ -166,12 +166,11 @@ def expert_parallel_worker(rank: int, world_size: int, port: int, out_dir: str) 
     x.requires_grad_(True)
     out = layer(x, mask)
     ((out.hidden * upstream).sum() + 0.37 * out.aux_loss).backward()
-    experts = list(layer.local_experts())
+    experts = layer.experts  # this rank's experts, stacked: w1, w3 [E_l, F, d], w2 [E_l, d, F]
     results["dropless"] = {
         "hidden": out.hidden.detach(), "routed": out.routed, "dropped": out.dropped, "x_grad": x.grad,
         "router_grad": layer.router.weight.grad,
-        "gate_up_grad": torch.stack([torch.cat([e.w1.grad, e.w3.grad]) for e in experts]),
-        "down_grad": torch.stack([e.w2.grad for e in experts]),
+        "gate_up_grad": torch.cat([experts.w1.grad, experts.w3.grad], dim=1), "down_grad": experts.w2.grad,
         "ep_group_ranks": dist.get_world_size(layer.ep_group),
     }
 
