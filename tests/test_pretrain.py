@@ -25,11 +25,10 @@ import pytest
 import torch
 
 from model import HybridForCausalLM, config_for
-from model.moe import MoEFeedForward
+from model.moe import MoEFeedForward, MoEOutput
+from pipeline.stage import StageContext
 from pretrain.moe import DeepSpeedMoEFeedForward, capacity_for, export_model_state, install_deepspeed_moe
-
-REPO = Path(__file__).resolve().parents[1]
-
+from tests.pretrain_fixtures import PretrainInputs
 
 # --- 1. the layer: DeepSpeedMoEFeedForward == model.moe.MoEFeedForward (float64, one process) -----------------
 
@@ -55,7 +54,7 @@ def _expert_grads(layer: DeepSpeedMoEFeedForward) -> tuple[torch.Tensor, torch.T
 
 
 def _forward_backward(layer: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
-                      upstream: torch.Tensor) -> tuple[object, torch.Tensor]:
+                      upstream: torch.Tensor) -> tuple[MoEOutput, torch.Tensor]:
     """Output and input gradient of ``sum(upstream * out) + 0.37 * aux_loss`` (the aux term reaches the router)."""
     x = x.detach().clone().requires_grad_(True)
     out = layer(x, mask)
@@ -276,8 +275,8 @@ ISSUE_METRICS = ("loss", "aux_loss", "lr", "batch_size", "grad_norm", "tokens_pe
                  "memory_gb")
 
 
-def _context(root: Path, inputs: object, **resources: float) -> object:
-    from pipeline.stage import Resources, StageContext
+def _context(root: Path, inputs: PretrainInputs, **resources: float) -> StageContext:
+    from pipeline.stage import Resources
 
     ctx = StageContext(root / "out", inputs.as_inputs(), stage_name="pretrain", resources=Resources(**resources),
                        resume_dir=root / "resume")
@@ -290,7 +289,7 @@ def _history(out: Path) -> list[dict]:
 
 @dataclass
 class TrainedRun:
-    ctx: object
+    ctx: StageContext
     out: Path
     resume: Path
     history: list[dict]
@@ -298,14 +297,14 @@ class TrainedRun:
 
 
 @pytest.fixture(scope="module")
-def stage_inputs(tmp_path_factory: pytest.TempPathFactory) -> object:
+def stage_inputs(tmp_path_factory: pytest.TempPathFactory) -> PretrainInputs:
     from tests.pretrain_fixtures import build_inputs
 
     return build_inputs(tmp_path_factory.mktemp("pretrain_inputs"))
 
 
 @pytest.fixture(scope="module")
-def trained(stage_inputs: object, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+def trained(stage_inputs: PretrainInputs, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     from pretrain.stage import PretrainParams, run
 
     root = tmp_path_factory.mktemp("trained")
@@ -315,12 +314,12 @@ def trained(stage_inputs: object, tmp_path_factory: pytest.TempPathFactory) -> T
                       json.loads((ctx.out_dir / "summary.json").read_text()))
 
 
-def test_stage_packs_into_a_work_dir_that_does_not_exist_yet(stage_inputs: object, tmp_path: Path,
+def test_stage_packs_into_a_work_dir_that_does_not_exist_yet(stage_inputs: PretrainInputs, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner hands the stage a work_dir path it has not created (pipeline/runner.py); packing must not
     depend on it existing. Stops at the launch (run_process_tree replaced), so no training runs."""
     import pipeline.launch
-    from pipeline.stage import Resources, StageContext
+    from pipeline.stage import Resources
     from pretrain.stage import PretrainParams, run
 
     class Launched(Exception):
@@ -550,17 +549,16 @@ def _job_processes() -> list[int]:
 @dataclass
 class ResumedRun:
     killed_at: int  # the checkpoint step the rerun resumed from
-    ctx: object
+    ctx: StageContext
     history: list[dict]
     summary: dict
 
 
 @pytest.fixture(scope="module")
-def resumed(stage_inputs: object, tmp_path_factory: pytest.TempPathFactory) -> ResumedRun:
+def resumed(stage_inputs: PretrainInputs, tmp_path_factory: pytest.TempPathFactory) -> ResumedRun:
     """The shared run's params, SIGKILLed (whole process tree) once its step-10 checkpoint exists, then rerun
     with the same resume_dir into a fresh output directory, as `hylight run` does after a kill."""
     from pipeline.launch import ProcessTreeError
-    from pipeline.stage import StageContext
     from pretrain.stage import PretrainParams, run
 
     root = tmp_path_factory.mktemp("resume")
@@ -641,7 +639,7 @@ SMALL_RUN: dict = dict(STAGE_PARAMS, train_tokens=8192, double_batch_at_tokens=[
 
 @pytest.mark.slow
 def test_divergence_guard_skips_an_injected_nan_step_counts_it_and_training_continues(
-        stage_inputs: object, tmp_path: Path) -> None:
+        stage_inputs: PretrainInputs, tmp_path: Path) -> None:
     from pretrain.stage import PretrainParams, run
 
     ctx = _context(tmp_path, stage_inputs, cpus=1)
@@ -659,7 +657,7 @@ def test_divergence_guard_skips_an_injected_nan_step_counts_it_and_training_cont
 
 
 @pytest.mark.slow
-def test_divergence_guard_stops_after_repeated_skips_naming_a_valid_checkpoint(stage_inputs: object,
+def test_divergence_guard_stops_after_repeated_skips_naming_a_valid_checkpoint(stage_inputs: PretrainInputs,
                                                                                  tmp_path: Path) -> None:
     from pipeline.launch import ProcessTreeError
     from pretrain.stage import PretrainParams, run
@@ -693,7 +691,7 @@ def test_divergence_guard_stops_after_repeated_skips_naming_a_valid_checkpoint(s
     "pretrain/train.py: DivergenceError says 'the last valid checkpoint is in <dir>' but no checkpoint exists when "
     "the guard stops before the first checkpoint_every step (nothing is saved before the loop or on the error)"))
 def test_divergence_guard_leaves_a_checkpoint_even_when_it_stops_before_the_first_periodic_one(
-        stage_inputs: object, tmp_path: Path) -> None:
+        stage_inputs: PretrainInputs, tmp_path: Path) -> None:
     from pipeline.launch import ProcessTreeError
     from pretrain.stage import PretrainParams, run
 
@@ -711,7 +709,7 @@ def test_divergence_guard_leaves_a_checkpoint_even_when_it_stops_before_the_firs
 
 
 @pytest.mark.slow
-def test_two_process_stage_trains_with_expert_parallelism_and_exports_every_expert(stage_inputs: object,
+def test_two_process_stage_trains_with_expert_parallelism_and_exports_every_expert(stage_inputs: PretrainInputs,
                                                                                    tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
