@@ -198,7 +198,11 @@ def _step_pair(T: int, B: int, steps: int, warmup: int, size: str, compile_: boo
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
               "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
         engine, *_ = deepspeed.initialize(model=ours, optimizer=opt, config=ds)
-        fwd = torch.compile(engine.module) if compile_ else engine
+        if compile_:
+            from pretrain.train import compile_layers
+
+            compile_layers(engine.module)
+        fwd = engine
         batch = _packed_batch(B, T, cfg.vocab_size, dev)
 
         def ours_step():
@@ -241,7 +245,7 @@ def _step_pair(T: int, B: int, steps: int, warmup: int, size: str, compile_: boo
     return results
 
 
-def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m") -> str:
+def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m", compile_: bool = False) -> str:
     import deepspeed
     from torch.profiler import ProfilerActivity, profile
 
@@ -261,6 +265,10 @@ def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m
           "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
           "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
     engine, *_ = deepspeed.initialize(model=m, optimizer=opt, config=ds)
+    if compile_:
+        from pretrain.train import compile_layers
+
+        compile_layers(engine.module)
     batch = _packed_batch(B, T, cfg.vocab_size, dev)
 
     def step():
@@ -279,7 +287,7 @@ def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m
         wall = (time.perf_counter() - t) / 3
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.device_time for e in events) / 3  # kernel time per step (overlaps not merged)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
     (out_dir / "profile_T2048.txt").write_text(table)
     summary = (f"step wall {wall * 1e3:.1f} ms; GPU kernel time {gpu_us / 1e3:.1f} ms per step "
                f"({gpu_us / 1e3 / (wall * 1e3):.0%} of the wall time)")
@@ -330,7 +338,7 @@ def main() -> int:
             lines.append(f"| {r['T']} x {r['B']} | {r['model']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
                          f"{r['mfu']:.1%} | {ratio:.2f}x |")
     if "profile" in sections:
-        text = profile_step(out)
+        text = profile_step(out, compile_=args.compile)
         report["profile_summary"] = text.splitlines()[0]
         lines += ["", text]
     (out / "bench_pretrain_gpu.json").write_text(json.dumps(report, indent=2, default=str))

@@ -10,7 +10,7 @@ What is DeepSpeed's and what is ours:
 * DeepSpeed's: the layer is a ``deepspeed.moe.layer.MoE`` (so the engine creates the expert-parallel and
   expert-data-parallel process groups, gives expert parameters their own ZeRO groups, reduces their gradients
   over the expert-data-parallel group only, and saves one checkpoint file per expert); the experts are held in
-  ``deepspeed.moe.experts.Experts`` under DeepSpeed's names (``deepspeed_moe.experts.deepspeed_experts.<i>``);
+  ``deepspeed.moe.experts.Experts`` under DeepSpeed's names (``deepspeed_moe.experts.deepspeed_experts.0``, one stacked module per rank);
   the expert FFNs run through ``deepspeed.moe.ep_experts`` (a grouped GEMM, ``torch._grouped_mm``, on CUDA; its
   per-expert loop elsewhere).
 * Ours: routing, capacity and dispatch. DeepSpeed's classic ``TopKGate``/``MOELayer`` builds dense
@@ -46,15 +46,17 @@ from torch import nn
 from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss
 
 
-class SwiGLUExpert(nn.Module):
-    """One expert FFN as DeepSpeed's Experts container holds it: w1 (gate) [F, d], w3 (up) [F, d], w2 (down) [d, F]
-    — the layout of ``deepspeed.moe.ep_experts.GroupedExperts`` for a single expert."""
+class GroupedSwiGLUExperts(nn.Module):
+    """This rank's experts as stacked tensors, the layout of ``deepspeed.moe.ep_experts.GroupedExperts``:
+    w1 (gate) [E_l, F, d], w3 (up) [E_l, F, d], w2 (down) [E_l, d, F]. Three parameters per layer instead of three
+    per expert: DeepSpeed's per-parameter work (gradient copies, clipping, optimizer groups) does not grow with
+    the number of experts, and the grouped GEMM reads the weights in place (no stacking per step)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(hidden_size, intermediate_size))
-        self.w3 = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
 
 
 class _MoEInner(nn.Module):
@@ -97,7 +99,10 @@ class DeepSpeedMoEFeedForward(MoE):
         self.ep_size = ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // ep_size
+        self.local_expert_count = num_experts // ep_size
+        # DeepSpeed's expert checkpointing writes one file per (layer, rank-local expert module) and reads as many
+        # back; here one module holds all of this rank's experts, stacked, so DeepSpeed sees one local "expert"
+        self.num_local_experts = 1
         self.enable_expert_tensor_parallelism = False
         self.use_residual = False
         # ours
@@ -109,8 +114,8 @@ class DeepSpeedMoEFeedForward(MoE):
         self.min_capacity = min_capacity
         self.ep_group: dist.ProcessGroup | None = None
         self.router = TopKRouter(hidden_size, num_experts, top_k)
-        self.deepspeed_moe = _MoEInner(Experts(SwiGLUExpert(hidden_size, intermediate_size),
-                                               self.num_local_experts, self.expert_group_name))
+        self.deepspeed_moe = _MoEInner(Experts(
+            GroupedSwiGLUExperts(self.local_expert_count, hidden_size, intermediate_size), 1, self.expert_group_name))
 
     # --- DeepSpeed hooks ----------------------------------------------------------------------------
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
@@ -125,14 +130,14 @@ class DeepSpeedMoEFeedForward(MoE):
     def ep_rank(self) -> int:
         return dist.get_rank(self.ep_group) if self.ep_group is not None and self.ep_size > 1 else 0
 
-    def local_experts(self) -> Iterator[SwiGLUExpert]:
-        return iter(self.deepspeed_moe.experts.deepspeed_experts)
+    @property
+    def experts(self) -> GroupedSwiGLUExperts:
+        return self.deepspeed_moe.experts.deepspeed_experts[0]
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """w1, w2, w3 stacked over the local experts ([E_l, F, d], [E_l, d, F], [E_l, F, d]); differentiable."""
-        experts = list(self.local_experts())
-        return (torch.stack([e.w1 for e in experts]), torch.stack([e.w2 for e in experts]),
-                torch.stack([e.w3 for e in experts]))
+        """w1, w2, w3 of the local experts ([E_l, F, d], [E_l, d, F], [E_l, F, d])."""
+        e = self.experts
+        return e.w1, e.w2, e.w3
 
     # --- forward ------------------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> MoEOutput:  # type: ignore[override]
@@ -199,7 +204,7 @@ class DeepSpeedMoEFeedForward(MoE):
         w1, w2, w3 = self.stacked_weights()
         if self.ep_size == 1:
             return _grouped_experts(w1, w2, w3, x_sorted, kept)
-        return _expert_parallel_ffn(x_sorted, kept, (w1, w2, w3), self.ep_size, self.num_local_experts,
+        return _expert_parallel_ffn(x_sorted, kept, (w1, w2, w3), self.ep_size, self.local_expert_count,
                                     self.ep_group)
 
 
@@ -272,11 +277,10 @@ def install_deepspeed_moe(model: nn.Module, *, ep_size: int = 1, ep_rank: int = 
             new.to(device=gate_up.device, dtype=gate_up.dtype)
             with torch.no_grad():
                 new.router.weight.copy_(child.router.weight)
-                for i, expert in enumerate(new.local_experts()):
-                    e = ep_rank * new.num_local_experts + i
-                    expert.w1.copy_(gate_up[e, :f])
-                    expert.w3.copy_(gate_up[e, f:])
-                    expert.w2.copy_(down[e])
+                mine = slice(ep_rank * new.local_expert_count, (ep_rank + 1) * new.local_expert_count)
+                new.experts.w1.copy_(gate_up[mine, :f])
+                new.experts.w3.copy_(gate_up[mine, f:])
+                new.experts.w2.copy_(down[mine])
             new.train(child.training)
             setattr(parent, name, new)
             layers.append(new)
@@ -317,8 +321,7 @@ def _all_gather_cat(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> tor
 def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     for module in model.modules():
         if isinstance(module, DeepSpeedMoEFeedForward):
-            for expert in module.local_experts():
-                yield from expert.parameters()
+            yield from module.experts.parameters()
 
 
 def capacity_for(tokens: int, capacity_factor: float, top_k: int, num_experts: int, min_capacity: int = 0) -> int:

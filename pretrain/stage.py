@@ -87,6 +87,9 @@ class PretrainParams(StageParams):
     def _batches(self) -> PretrainParams:
         if self.max_batch_rows < self.batch_rows:
             raise ValueError(f"max_batch_rows={self.max_batch_rows} < batch_rows={self.batch_rows}")
+        if self.checkpoint_every % self.log_every:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be a multiple of log_every={self.log_every} "
+                             "(a resumed run then logs the same loss windows as an uninterrupted one)")
         if self.batch_rows % self.micro_batch_rows:
             raise ValueError(f"batch_rows={self.batch_rows} must be a multiple of micro_batch_rows={self.micro_batch_rows}")
         return self

@@ -232,6 +232,18 @@ def deepspeed_config(cfg: TrainConfig, world: int, device: torch.device) -> dict
     }
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile the RMSNorms and the MoE feed-forwards in place: it fuses the fp32 norm arithmetic and the
+    routing/dispatch elementwise work. The attention layers stay eager (their Triton and FlexAttention kernels
+    are compiled already, and the packed-document bookkeeping around them does not lower in inductor)."""
+    from model.modeling import RMSNorm
+    from pretrain.moe import DeepSpeedMoEFeedForward
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm | DeepSpeedMoEFeedForward):
+            module.compile(dynamic=False)
+
+
 def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
     """Make DeepSpeed's ZeRO optimizer treat a gradient-norm spike like an overflow (skip + clear grads)."""
     original = optimizer.scaled_global_norm
@@ -328,7 +340,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                                                    config=deepspeed_config(cfg, world, device))
     guard = GradGuard(cfg.spike_factor, cfg.max_consecutive_skips)
     _install_spike_guard(optimizer, guard)
-    forward = torch.compile(engine.module) if cfg.compile else engine
+    if cfg.compile:
+        compile_layers(engine.module)
+    forward = engine
 
     initial_batch_tokens = cfg.batch_rows * tokens_per_row
     lr_schedule = WSDSchedule.from_total(
@@ -339,23 +353,27 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     loader = RowLoader(rows, seed=cfg.seed, rank=rank, world_size=world)
 
     step, tokens_seen, history = 0, 0, []
+    num_layers = model_config.num_hidden_layers
+    routed_sum = torch.zeros(num_layers, model_config.num_experts, dtype=torch.float64, device=device)
+    dropped_sum = torch.zeros_like(routed_sum)
     ckpt_dir = Path(cfg.resume_dir) / CHECKPOINT_DIR
-    if (ckpt_dir / "latest").exists():
+    resumed = (ckpt_dir / "latest").exists()
+    if resumed:
         _, client = engine.load_checkpoint(str(ckpt_dir), load_lr_scheduler_states=False)
         step, tokens_seen, history = client["step"], client["tokens_seen"], client["history"]
         loader.load_state_dict(client["loader"])
         batch_schedule.load_state_dict(client["batch_schedule"])
         guard.load_state_dict(client["guard"])
         _set_rng_state(client["rng"])
+        if rank == 0:  # whole-run expert load: the checkpoint holds the sums over all ranks
+            routed_sum += client["expert_routed"].to(device)
+            dropped_sum += client["expert_dropped"].to(device)
         emit("progress", {"message": f"resumed from step {step} ({tokens_seen:,} tokens) in {ckpt_dir}"}, rank)
 
     peak = measured_peak_flops(device)
     from model.accounting import flops_per_token
 
     flops_tok = flops_per_token(model_config, cfg.seq_len).total
-    num_layers = model_config.num_hidden_layers
-    routed_sum = torch.zeros(num_layers, model_config.num_experts, dtype=torch.float64, device=device)
-    dropped_sum = torch.zeros_like(routed_sum)
     log_path = Path(cfg.export_dir) / TRAIN_LOG
     Path(cfg.export_dir).mkdir(parents=True, exist_ok=True)
     if rank == 0:  # the log restarts from the checkpoint's history (lines after it are from the killed attempt)
@@ -364,7 +382,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     def save_checkpoint() -> None:
         client = {"step": step, "tokens_seen": tokens_seen, "history": history, "loader": loader.state_dict(),
                   "batch_schedule": batch_schedule.state_dict(), "guard": guard.state_dict(),
-                  "rng": _rng_state()}
+                  "rng": _rng_state(), "expert_routed": _sum_over_data_parallel(routed_sum).cpu(),
+                  "expert_dropped": _sum_over_data_parallel(dropped_sum).cpu()}  # collectives: every rank
         engine.save_checkpoint(str(ckpt_dir), tag=f"step{step:08d}", client_state=client)
         if rank == 0:  # keep the newest few
             tags = sorted(p for p in ckpt_dir.glob("step*") if p.is_dir())
@@ -374,7 +393,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 shutil.rmtree(old, ignore_errors=True)
 
     window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
-    window_start = torch.zeros(2, dtype=torch.float64, device=device)  # routed, dropped at the last log
+    window_start = torch.stack([routed_sum.sum(), dropped_sum.sum()])  # routed, dropped at the last log
+    if not resumed:  # a valid checkpoint exists from the start: the guard's error can always point at one
+        save_checkpoint()
     train_start = time.perf_counter()
     engine.train()
     while tokens_seen < cfg.train_tokens:

@@ -622,10 +622,6 @@ def test_killed_stage_resumes_from_its_last_checkpoint_with_the_uninterrupted_lo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "pretrain/train.py: routed_sum/dropped_sum (expert_routed.npy, expert_dropped.npy, summary drop_rate, the "
-    "expert-load heat map) are not in the checkpoint's client state, so after a resume they count only the "
-    "steps trained since the checkpoint"))
 def test_killed_stage_resume_keeps_the_whole_run_expert_load(resumed: ResumedRun, trained: TrainedRun) -> None:
     routed = np.load(resumed.ctx.out_dir / "expert_routed.npy")
     assert np.array_equal(routed, np.load(trained.out / "expert_routed.npy"))
@@ -687,9 +683,6 @@ def test_divergence_guard_stops_after_repeated_skips_naming_a_valid_checkpoint(s
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "pretrain/train.py: DivergenceError says 'the last valid checkpoint is in <dir>' but no checkpoint exists when "
-    "the guard stops before the first checkpoint_every step (nothing is saved before the loop or on the error)"))
 def test_divergence_guard_leaves_a_checkpoint_even_when_it_stops_before_the_first_periodic_one(
         stage_inputs: PretrainInputs, tmp_path: Path) -> None:
     from pipeline.launch import ProcessTreeError
