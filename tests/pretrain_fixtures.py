@@ -50,16 +50,20 @@ def _save_like_the_tokenizer_stage(tok_dir: Path) -> None:
 
 
 def build_inputs(root: Path, *, documents: int = 120, max_chars: int = 3000, vocab_size: int = 512,
-                 sample_count: int = 1) -> PretrainInputs:
-    """``documents`` prose documents (truncated to ``max_chars``); every 10th gets sample_count 0 (held out)."""
+                 sample_count: int = 1, domains: tuple[str, ...] = ("prose",)) -> PretrainInputs:
+    """Up to ``documents`` documents of each of ``domains`` (shipped sample corpus files, truncated to
+    ``max_chars``); every 10th gets sample_count 0 (held out)."""
     records = []
-    with gzip.open(SAMPLE_CORPUS / "prose.jsonl.gz", "rb") as f:
-        for line in f:
-            r = orjson.loads(line)
-            records.append({"id": r["id"], "text": r["text"][:max_chars], "source": "sample", "domain": "prose",
-                            "metadata": {}})
-            if len(records) == documents:
-                break
+    for domain in domains:
+        taken = 0
+        with gzip.open(SAMPLE_CORPUS / f"{domain}.jsonl.gz", "rb") as f:
+            for line in f:
+                r = orjson.loads(line)
+                records.append({"id": r["id"], "text": r["text"][:max_chars], "source": "sample", "domain": domain,
+                                "metadata": {}})
+                taken += 1
+                if taken == documents:
+                    break
     doc_dir = root / "documents"
     with DocumentWriter(doc_dir) as w:
         for r in records:

@@ -1,0 +1,103 @@
+"""The pretrain stage on real GPUs, one and two ranks: loss curves, tokens/s scaling, global-router drop rates.
+
+Run on a machine with 2 GPUs (the device tool's `nvidia-h200-x2`) from the repo root:
+
+    python bench/run_pretrain_gpus.py --runs 1gpu,2gpu,2gpu-local --out $OUT
+
+Inputs are built from the shipped sample corpus (prose, manual, misc; a BPE tokenizer trained on them, every
+document sampled twice, every 10th held out), then ``pretrain.stage.run`` trains `gpu-300m` (vocabulary from the
+tokenizer) exactly as `hylight run` would, with the same global batch in every run:
+
+    1gpu        one rank, micro-batch 4 rows x 2 gradient-accumulation steps
+    2gpu        two ranks, expert parallelism over both (ZeRO-2, expert_parallel_size 2), global router
+    2gpu-local  the same without the global router (each rank caps its own slots)
+
+Prints a table (final loss, eval_loss, tokens/s, drop rate per run) and writes each run's train_log.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RUNS = {
+    "1gpu": dict(processes=1, expert_parallel_size=1, global_router=True, gpus=1),
+    "2gpu": dict(processes=2, expert_parallel_size=2, global_router=True, gpus=2),
+    "2gpu-local": dict(processes=2, expert_parallel_size=2, global_router=False, gpus=2),
+}
+
+
+def main() -> int:
+    from pipeline.stage import Resources, StageContext
+    from pretrain.stage import PretrainParams, run
+    from tests.pretrain_fixtures import build_inputs
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="1gpu,2gpu,2gpu-local")
+    ap.add_argument("--tokens", type=int, default=1_200_000)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--work", default="/tmp/hylight-gpus")
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpus_out"))
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--size", default="gpu-300m")
+    args = ap.parse_args()
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (work / "in" / "mixture").exists():
+        t = time.time()
+        shutil.rmtree(work / "in", ignore_errors=True)
+        build_inputs(work / "in", documents=10_000, max_chars=200_000, vocab_size=8192, sample_count=2,
+                     domains=("prose", "manual", "misc"))
+        print(f"inputs built in {time.time() - t:.0f}s", flush=True)
+    from pipeline.stage import Artifact
+
+    inputs = {k: Artifact.load(work / "in" / d) for k, d in
+              (("documents", "documents"), ("tokenizer", "tokenizer"), ("mixture", "mixture"))}
+    rows = []
+    for name in args.runs.split(","):
+        spec = dict(RUNS[name])
+        gpus = spec.pop("gpus")
+        shutil.rmtree(work / name, ignore_errors=True)
+        ctx = StageContext(work / name / "out", inputs, stage_name=name, resume_dir=work / name / "resume",
+                           resources=Resources(cpus=8 * gpus, gpus=gpus))
+        params = PretrainParams(size=args.size, seq_len=args.seq_len, micro_batch_rows=4, batch_rows=8,
+                                max_batch_rows=8, train_tokens=args.tokens, peak_lr=1e-3, log_every=5,
+                                checkpoint_every=1000, eval_documents=32, eval_max_rows=16, zero_stage=2,
+                                compile=args.compile, **spec)
+        t = time.time()
+        run(params, ctx)
+        wall = time.time() - t
+        log = [json.loads(line) for line in (ctx.out_dir / "train_log.jsonl").read_text().splitlines()]
+        shutil.copy2(ctx.out_dir / "train_log.jsonl", out / f"train_log_{name}.jsonl")
+        steady = [h["tokens_per_second"] for h in log[2:]] or [log[-1]["tokens_per_second"]]
+        rows.append({"run": name, **{k: ctx.summary[k] for k in ("eval_loss", "unigram_loss", "loss", "drop_rate",
+                                                                "steps", "tokens")},
+                     "tokens_per_second_median": sorted(steady)[len(steady) // 2], "wall_s": wall,
+                     "losses": [h["loss"] for h in log]})
+        print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(work / name, ignore_errors=True)  # gpu-300m exports are GBs
+    (out / "runs.json").write_text(json.dumps(rows, indent=2))
+    print("\n| run | final train loss | eval_loss | unigram | drop rate | tokens/s (median) | wall s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['loss']:.4f} | {r['eval_loss']:.4f} | {r['unigram_loss']:.4f} | "
+              f"{r['drop_rate']:.4%} | {r['tokens_per_second_median']:,.0f} | {r['wall_s']:.0f} |")
+    if len(rows) > 1:
+        a = rows[0]["losses"]
+        for r in rows[1:]:
+            b = r["losses"]
+            n = min(len(a), len(b))
+            diff = max(abs(x - y) for x, y in zip(a[:n], b[:n], strict=True))
+            print(f"max |loss {rows[0]['run']} - loss {r['run']}| over {n} logged steps: {diff:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
