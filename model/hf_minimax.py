@@ -14,8 +14,21 @@ What needs more than renaming:
   dim ``rope_permutation(D, R)[i]``. With R == D this is the identity and plain "default" RoPE.
 * transformers' lightning decay buffers (slope_rate, query/key/diagonal_decay) are recomputed by its own
   module from the config; we never store ours (kernels.lightning.lightning_decay_rates is the source).
+  transformers counts the rotated pairs as ``int(partial_rotary_factor * D // 2)`` through a float, so the
+  exported factor is the smallest float >= R / D that gives exactly R / 2 pairs (30 / 44 would give 14).
 * Things transformers' MiniMax has no notion of: expert capacity and token drop (it is dropless; parity holds
   in eval), DeepNorm's init gain, our kernel choice. Their values are kept at defaults on import.
+* ``output_router_logits`` is exported off: on, transformers computes its load-balancing loss inside
+  ``forward`` with the attention mask, and ``generate`` on a left-padded batch fails there with a shape
+  mismatch. An import takes our default (on, for training) unless overridden.
+
+Known transformers issue (5.x) and its workaround: its ``MiniMaxCache`` does not tell the mask builder which
+layers are lightning ones, so with a lightning layer first (ours: 7 lightning : 1 softmax, layer 0 lightning)
+the softmax layers' decode masks are sized from layer 0's empty key cache and attend to the left padding of
+a batch: left-padded batched ``generate`` gives other tokens than the same prompts one at a time.
+Unpadded prompts and a softmax layer first are unaffected. Pass ``past_key_values=MiniMaxGenerationCache(
+model.config)`` to ``generate`` (it reports the lightning layers as linear-attention layers), or generate
+with our model (``import_from_minimax``), whose masks are right.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import re
 
 import torch
 from transformers import MiniMaxConfig, MiniMaxForCausalLM
+from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 from model.configuration import LIGHTNING, SOFTMAX, HybridConfig
 from model.modeling import HybridForCausalLM
@@ -78,6 +92,22 @@ def _permute_heads(w: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.
 # --- configs ------------------------------------------------------------------------------------------------
 
 
+def rotated_pairs(partial_rotary_factor: float, head_dim: int) -> int:
+    """How many dim pairs transformers' "proportional" RoPE rotates (its own float arithmetic)."""
+    return int(partial_rotary_factor * head_dim // 2)
+
+
+def partial_rotary_factor(head_dim: int, rotary_dim: int) -> float:
+    """The smallest float >= rotary_dim / head_dim with which transformers rotates exactly rotary_dim / 2 pairs
+    (30 / 44 * 44 is 29.999999999999996 in floats: 14 pairs, not 15)."""
+    factor = rotary_dim / head_dim
+    while rotated_pairs(factor, head_dim) < rotary_dim // 2:
+        factor = math.nextafter(factor, math.inf)
+    if rotated_pairs(factor, head_dim) != rotary_dim // 2:
+        raise ValueError(f"no partial_rotary_factor gives {rotary_dim // 2} rotated pairs of head_dim {head_dim}")
+    return factor
+
+
 def to_minimax_config(config: HybridConfig) -> MiniMaxConfig:
     """The transformers ``MiniMaxConfig`` that computes what ``config`` computes (in eval)."""
     d, r = config.head_dim, config.rotary_dim
@@ -87,7 +117,7 @@ def to_minimax_config(config: HybridConfig) -> MiniMaxConfig:
         rope = {
             "rope_type": "proportional",
             "rope_theta": config.rope_theta ** (d / r),
-            "partial_rotary_factor": r / d,
+            "partial_rotary_factor": partial_rotary_factor(d, r),
         }
     return MiniMaxConfig(
         vocab_size=config.vocab_size,
@@ -107,7 +137,7 @@ def to_minimax_config(config: HybridConfig) -> MiniMaxConfig:
         tie_word_embeddings=config.tie_word_embeddings,
         num_experts_per_tok=config.num_experts_per_tok,
         num_local_experts=config.num_experts,
-        output_router_logits=config.output_router_logits,
+        output_router_logits=False,  # on, generate crashes on left-padded batches (module docstring)
         router_aux_loss_coef=config.router_aux_loss_coef,
         rope_parameters=rope,
         layer_types=[_HF_KIND[kind] for kind in config.attention_pattern],
@@ -138,7 +168,7 @@ def from_minimax_config(hf: MiniMaxConfig, **overrides) -> HybridConfig:
     if rope_type == "default" and factor == 1.0:
         rotary_dim, rope_theta = head_dim, rope["rope_theta"]
     elif rope_type == "proportional" and rope.get("factor", 1.0) == 1.0:
-        rotary_dim = int(factor * head_dim // 2) * 2
+        rotary_dim = rotated_pairs(factor, head_dim) * 2  # what transformers rotates
         rope_theta = rope["rope_theta"] ** (rotary_dim / head_dim)
     else:
         problems.append(f"rope_parameters={rope} (only 'default' and unscaled 'proportional' map to ours)")
@@ -161,8 +191,7 @@ def from_minimax_config(hf: MiniMaxConfig, **overrides) -> HybridConfig:
         num_experts=hf.num_local_experts,
         num_experts_per_tok=hf.num_experts_per_tok,
         moe_intermediate_size=hf.intermediate_size,
-        router_aux_loss_coef=hf.router_aux_loss_coef,
-        output_router_logits=hf.output_router_logits,
+        router_aux_loss_coef=hf.router_aux_loss_coef,  # output_router_logits: ours (exports carry it off)
         lightning_attn_alpha=hf.linear_attn_alpha_factor,
         lightning_attn_beta=hf.linear_attn_beta_factor,
         softmax_attn_alpha=hf.full_attn_alpha_factor,
@@ -239,8 +268,25 @@ def export_to_minimax(model: HybridForCausalLM) -> MiniMaxForCausalLM:
 
 
 def save_as_minimax(model: HybridForCausalLM, path: str | os.PathLike) -> None:
-    """Write a checkpoint that ``AutoModelForCausalLM.from_pretrained(path)`` loads as transformers' MiniMax."""
+    """Write a checkpoint that ``AutoModelForCausalLM.from_pretrained(path)`` loads as transformers' MiniMax.
+
+    For left-padded batched ``generate`` with transformers, pass ``past_key_values=MiniMaxGenerationCache(
+    model.config)`` (module docstring: its own cache mis-masks when layer 0 is a lightning layer)."""
     export_to_minimax(model).save_pretrained(path)
+
+
+class MiniMaxGenerationCache(MiniMaxCache):
+    """transformers' ``MiniMaxCache`` that reports which layers are lightning (linear-attention) layers, so
+    its mask builder sizes the softmax layers' decode masks from a softmax layer's key cache. The workaround
+    for left-padded batched ``generate`` when layer 0 is a lightning layer (see the module docstring)."""
+
+    def __init__(self, config: MiniMaxConfig) -> None:
+        super().__init__()
+        self._lightning = [kind == _HF_KIND[LIGHTNING] for kind in config.layer_types]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [i < len(self._lightning) and self._lightning[i] for i in range(len(self.layers))]
 
 
 def import_from_minimax(

@@ -11,11 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM, MiniMaxConfig, MiniMaxForCausalLM
 
 from model.hf_minimax import (
+    MiniMaxGenerationCache,
     from_minimax_config,
     from_minimax_state_dict,
     import_from_minimax,
     max_relative_error,
+    partial_rotary_factor,
     rope_permutation,
+    rotated_pairs,
     save_as_minimax,
     to_minimax_config,
     to_minimax_state_dict,
@@ -131,3 +134,69 @@ def test_import_refuses_what_it_cannot_reproduce():
     )
     with pytest.raises(ValueError, match="sliding_window"):
         from_minimax_config(cfg)
+
+
+# --- export details (issue 10) ----------------------------------------------------------------------------
+def test_partial_rotary_factor_gives_transformers_exactly_the_rotated_pairs():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for d in range(2, 258, 2):
+        for r in range(2, d, 2):
+            assert rotated_pairs(partial_rotary_factor(d, r), d) == r // 2, (d, r)
+    assert rotated_pairs(30 / 44, 44) == 14  # the float trap the exported factor avoids
+    # transformers' own RoPE init on the exported config: 15 rotated (non-zero) frequencies, 7 pass-through
+    cfg = to_minimax_config(config_for("tiny", hidden_size=88, num_attention_heads=2, head_dim=44, rotary_dim=30))
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["proportional"](cfg, "cpu")
+    assert inv_freq.shape == (22,) and int((inv_freq != 0).sum()) == 15
+
+
+def test_export_with_an_odd_rotated_pair_count_keeps_parity_and_reimports_the_same_rotary_dim(tmp_path):
+    # head_dim 44, rotary_dim 30: 15 pairs; a small rope_theta makes the last pair's rotation visible
+    model = _ours(seed=4, hidden_size=88, num_attention_heads=2, head_dim=44, rotary_dim=30, rope_theta=100.0,
+                  num_hidden_layers=2, attention_pattern=["softmax", "lightning"])
+    save_as_minimax(model, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 512, (2, 64))
+    with torch.no_grad():
+        assert max_relative_error(model(ids).logits, hf(ids).logits) < PARITY  # 5.5e-3 with 14 pairs
+    assert import_from_minimax(tmp_path).config.rotary_dim == 30
+
+
+def _left_padded(hf: MiniMaxForCausalLM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(1, 512, (1, 12), generator=g), torch.randint(1, 512, (1, 8), generator=g)
+    ids = torch.cat([a, torch.cat([torch.zeros(1, 4, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    return ids, mask, a, b
+
+
+def test_export_turns_router_logits_off_so_generate_runs_on_a_left_padded_batch(tmp_path):
+    model = _ours(seed=3)
+    assert model.config.output_router_logits  # ours: on, for training
+    save_as_minimax(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["output_router_logits"] is False
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids, mask, _, _ = _left_padded(hf)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 16)
+    assert import_from_minimax(tmp_path).config.output_router_logits  # an import takes our default
+
+
+def test_left_padded_batched_generation_with_lightning_layer_0_needs_the_generation_cache(tmp_path):
+    """transformers' MiniMaxCache mis-masks the softmax layers' decode steps when layer 0 is a lightning
+    layer; MiniMaxGenerationCache (documented in model/hf_minimax.py) gives each row what it gives alone."""
+    model = _ours(seed=3)
+    assert model.config.attention_pattern[0] == "lightning"
+    save_as_minimax(model, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids, mask, a, b = _left_padded(hf)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    alone_a, alone_b = hf.generate(a, **kw)[0, 12:], hf.generate(b, **kw)[0, 8:]
+    fixed = hf.generate(ids, attention_mask=mask, past_key_values=MiniMaxGenerationCache(hf.config), **kw)
+    assert torch.equal(fixed[0, 12:], alone_a) and torch.equal(fixed[1, 12:], alone_b)
+    ours = model.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(ours[1, 12:], alone_b)
+    stock = hf.generate(ids, attention_mask=mask, **kw)
+    assert not torch.equal(stock[1, 12:], alone_b), (
+        "transformers now masks this case right: drop MiniMaxGenerationCache and its note in model/hf_minimax.py")
