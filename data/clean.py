@@ -695,6 +695,18 @@ def fingerprint(params: CleanParams) -> list[dict[str, Any]]:
     return [file_fingerprint(lid_model_path(params.language))] if params.language.enabled else []
 
 
+def validate_external(params: CleanParams) -> list[tuple[str, str]]:
+    """At spec validation: the offline language ID model is there (when the language step is on)."""
+    if not params.language.enabled:
+        return []
+    try:
+        lid_model_path(params.language)
+    except FileNotFoundError as e:
+        field = "language.model_path" if params.language.model_path is not None else "language"
+        return [(field, str(e).removeprefix("clean: "))]
+    return []
+
+
 STAGE = StageKind(
     name="clean",
     params=CleanParams,
@@ -702,6 +714,7 @@ STAGE = StageKind(
     produces=DOCUMENTS_TYPE,
     inputs={"documents": InputSpec(ANY_DOCUMENTS, doc="documents to clean (text, domain, metadata kept)")},
     fingerprint=fingerprint,
+    validate_external=validate_external,
     doc=("Rule-based cleaning with datatrove blocks: ftfy mojibake repair, length bounds, offline fastText "
          "language ID, Gopher repetition/quality, C4 and FineWeb quality filters, each with its thresholds "
          "as params, and per-domain skips and overrides: domain web gets datatrove's web settings, domains "

@@ -700,6 +700,17 @@ def fingerprint(params: DedupParams) -> list[dict[str, Any]]:
     return [file_fingerprint(p) for p in resolve_decontaminate_paths(params.decontaminate_paths)]
 
 
+def validate_external(params: DedupParams) -> list[tuple[str, str]]:
+    """At spec validation: every ``decontaminate_paths`` entry names a file."""
+    problems: list[tuple[str, str]] = []
+    for i, pattern in enumerate(params.decontaminate_paths):
+        try:
+            resolve_decontaminate_paths([pattern])
+        except FileNotFoundError as e:
+            problems.append((f"decontaminate_paths.{i}", str(e).removeprefix("dedup: ")))
+    return problems
+
+
 STAGE = StageKind(
     name="dedup",
     params=DedupParams,
@@ -711,6 +722,7 @@ STAGE = StageKind(
                                doc="evaluation sets (*.jsonl[.gz] inside) to decontaminate against"),
     },
     fingerprint=fingerprint,
+    validate_external=validate_external,
     doc=("Exact (normalized-text hash) and near-duplicate removal: datatrove MinHash-LSH candidates with a "
          "fast word tokenizer, then the exact shingle Jaccard decides (nothing below jaccard_threshold is "
          "dropped); one representative per cluster keeps dup_count and dup_members; n-gram-containment "

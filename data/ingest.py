@@ -574,6 +574,21 @@ def fingerprint(params: IngestParams) -> list[dict[str, Any]]:
     return [file_fingerprint(f.path) for f in resolve_inputs(params)]
 
 
+def validate_external(params: IngestParams) -> list[tuple[str, str]]:
+    """At spec validation (nothing created yet): every ``paths`` entry names readable files, and the
+    sample corpus is there when asked for. (field, problem) pairs; the field points at the entry."""
+    problems: list[tuple[str, str]] = []
+    if params.sample_corpus and not any(SAMPLE_CORPUS_DIR.glob(SAMPLE_CORPUS_GLOB)):
+        problems.append(("sample_corpus", f"the shipped sample corpus is missing ({SAMPLE_CORPUS_DIR}/"
+                                          f"{SAMPLE_CORPUS_GLOB}); reinstall hylight or set sample_corpus: false"))
+    for i, pattern in enumerate(params.paths):
+        try:
+            _expand(pattern, params.format)
+        except (FileNotFoundError, ValueError) as e:
+            problems.append((f"paths.{i}", str(e).removeprefix("ingest: ")))
+    return problems
+
+
 STAGE = StageKind(
     name="ingest",
     params=IngestParams,
@@ -581,6 +596,7 @@ STAGE = StageKind(
     produces=DOCUMENTS_TYPE,
     inputs={},
     fingerprint=fingerprint,
+    validate_external=validate_external,
     doc=("Read JSONL/Parquet files or globs and the shipped sample corpus (through datatrove readers) "
          "into one documents dataset; malformed records go to quarantine.jsonl.gz with a reason, and "
          "read = ingested + quarantined is checked and logged."),

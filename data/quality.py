@@ -77,6 +77,7 @@ from data.quality_labeler import (
     ReferenceLabelerParams,
     labeler_fingerprint,
     make_labeler,
+    reference_files,
 )
 from data.quality_scorer import (
     ENCODER_MAX_TOKENS,
@@ -540,6 +541,23 @@ def _fingerprint(params: QualityParams) -> dict[str, Any]:
     return {"labeler": labeler_fingerprint(params.labeler), "encoder": [ENCODER_PACKAGE, encoder_version()]}
 
 
+def validate_external(params: QualityParams) -> list[tuple[str, str]]:
+    """At spec validation: the labeler's files (reference passages, or the causal LM's directory) exist."""
+    lab = params.labeler
+    if isinstance(lab, ReferenceLabelerParams):
+        missing = [str(p) for p in reference_files(lab).values() if not p.is_file()]
+        return [("labeler.refs_dir", f"reference file(s) {missing} do not exist (format: "
+                                     "data/quality_refs/README.md)")] if missing else []
+    model = Path(lab.model_path).expanduser()
+    problems = []
+    if not (model / "config.json").is_file():
+        problems.append(("labeler.model_path", f"{lab.model_path!r} is not a Hugging Face model directory "
+                                               "(no config.json); give a saved model directory or a model artifact"))
+    if lab.tokenizer_path is not None and not Path(lab.tokenizer_path).expanduser().is_dir():
+        problems.append(("labeler.tokenizer_path", f"{lab.tokenizer_path!r} is not a directory"))
+    return problems
+
+
 STAGE = StageKind(
     name="quality",
     params=QualityParams,
@@ -549,6 +567,7 @@ STAGE = StageKind(
         ANY_DOCUMENTS,
         doc="documents to score; a deterministic sample (by id hash) is labeled to train the scorer")},
     fingerprint=_fingerprint,
+    validate_external=validate_external,
     doc="Quality scores (§4.1.1): a labeler rates a sample on knowledge depth, helpfulness and category "
         "-- the paper's reward labeler is kind causal_lm (a local LM with a rubric); the offline default, "
         "kind reference, is a reference-similarity heuristic, not a reward model -- then a frozen MiniLM "

