@@ -10,6 +10,7 @@ import ast
 import difflib
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import sys
@@ -59,11 +60,23 @@ def resolve(uses: str) -> StageKind:
 PROJECT_PACKAGES = ("pipeline", "data", "model", "kernels", "pretrain", "posttrain")
 
 
+def _module_source(name: str) -> str:
+    """A module's source, read from its file without importing it (a cached rerun must not pay for importing
+    torch and DeepSpeed just to hash the pretrain stage's code)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return inspect.getsource(module)
+    spec = _find_spec(name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise OSError(f"no Python source for module {name!r}")
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
+
+
 def _project_imports(module_name: str) -> list[str]:
     """Project modules that ``module_name`` imports (statically, anywhere in its source)."""
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
     try:
-        tree = ast.parse(inspect.getsource(module))
+        tree = ast.parse(_module_source(module_name))
     except (OSError, TypeError, SyntaxError):
         return []
     found = []
@@ -74,13 +87,28 @@ def _project_imports(module_name: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         for name in names:
-            if name.split(".")[0] in PROJECT_PACKAGES and importlib.util.find_spec(name.split(".")[0]):
-                try:
-                    if importlib.util.find_spec(name) is not None:
-                        found.append(name)
-                except (ImportError, ValueError):
-                    pass
+            if name.split(".")[0] in PROJECT_PACKAGES and _find_spec(name) is not None:
+                found.append(name)
     return found
+
+
+def _find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of module ``name``, found without importing it or its packages (``importlib.util.find_spec``
+    imports the parents; ``from pretrain.moe import X`` names ``pretrain.moe.X``, which must not import
+    ``pretrain.moe`` to find out it is no module). None if there is no such module."""
+    parts = name.split(".")
+    path, spec = None, None
+    for i, part in enumerate(parts):
+        if i and path is None:
+            return None  # the parent is a plain module, not a package
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(part, path)
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+    return spec
 
 
 def code_modules(kind: StageKind) -> list[str]:
@@ -104,7 +132,7 @@ def code_digest(kind: StageKind) -> str:
     h.update(f"{kind.name}\0{kind.version}\0{kind.schema_version}\0".encode())
     for name in code_modules(kind):
         try:
-            source = inspect.getsource(importlib.import_module(name))
+            source = _module_source(name)
         except (OSError, TypeError, ImportError):
             source = ""
         h.update(name.encode() + b"\0" + source.encode() + b"\0")
