@@ -160,6 +160,38 @@ def _packed_batch(rows: int, T: int, vocab: int, dev, mean_doc: int = 700):
     return {k: v.to(dev) for k, v in dict(input_ids=ids, labels=labels, cu_seqlens=cu, position_ids=pos[None]).items()}
 
 
+def hylight_step(size: str, T: int, B: int, compile_: bool):
+    """(config, step function) of exactly the stage's step on one GPU: DeepSpeed ZeRO-1 bf16, fused AdamW,
+    clip 1.0, DeepSpeed-MoE layers, a packed batch of random documents."""
+    import deepspeed
+
+    from model import HybridForCausalLM, config_for
+    from pretrain.moe import install_deepspeed_moe
+    from pretrain.train import compile_layers, optimizer_groups
+
+    dev = torch.device("cuda")
+    cfg = config_for(size, max_position_embeddings=max(8192, T), use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(dev):  # initialise on the GPU (seconds, not a minute of CPU init)
+        model = HybridForCausalLM(cfg)
+    install_deepspeed_moe(model)
+    opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "train_batch_size": B,
+          "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+          "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    if compile_:
+        compile_layers(engine.module)
+    batch = _packed_batch(B, T, cfg.vocab_size, dev)
+
+    def step():
+        out = engine(**batch, output_router_logits=True)
+        engine.backward(out.loss)
+        engine.step()
+
+    return cfg, step
+
+
 def bench_step(shapes: list[tuple[int, int]], steps: int, warmup: int, size: str, compile_: bool) -> list:
     from pretrain.train import init_distributed
 
@@ -176,105 +208,58 @@ def bench_step(shapes: list[tuple[int, int]], steps: int, warmup: int, size: str
 
 
 def _step_pair(T: int, B: int, steps: int, warmup: int, size: str, compile_: bool, peak: float) -> list:
-    import deepspeed
     from transformers import MiniMaxForCausalLM
 
-    from model import HybridForCausalLM, config_for
     from model.accounting import flops_per_token
     from model.hf_minimax import to_minimax_config
-    from pretrain.moe import install_deepspeed_moe
-    from pretrain.train import optimizer_groups
 
     dev = torch.device("cuda")
     results = []
-    if True:
-        cfg = config_for(size, max_position_embeddings=max(8192, T), use_cache=False)
-        torch.manual_seed(0)
-        with torch.device(dev):  # initialise on the GPU (seconds, not a minute of CPU init)
-            ours = HybridForCausalLM(cfg)
-        install_deepspeed_moe(ours)
-        opt = torch.optim.AdamW(optimizer_groups(ours, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
-        ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "train_batch_size": B,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
-        engine, *_ = deepspeed.initialize(model=ours, optimizer=opt, config=ds)
-        if compile_:
-            from pretrain.train import compile_layers
+    cfg, ours_step = hylight_step(size, T, B, compile_)
 
-            compile_layers(engine.module)
-        fwd = engine
-        batch = _packed_batch(B, T, cfg.vocab_size, dev)
+    hf_cfg = to_minimax_config(cfg)
+    hf_cfg.output_router_logits = False  # the anchor trains without computing the balance loss: its fastest
+    with torch.device(dev):
+        hf = MiniMaxForCausalLM(hf_cfg).to(torch.bfloat16)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    g = torch.Generator().manual_seed(1)
+    hf_ids = torch.randint(8, cfg.vocab_size, (B, T), generator=g).to(dev)
 
-        def ours_step():
-            out = fwd(**batch, output_router_logits=True)
-            engine.backward(out.loss)
-            engine.step()
+    def hf_step():
+        out = hf(input_ids=hf_ids, labels=hf_ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        hf_opt.step()
+        hf_opt.zero_grad(set_to_none=True)
 
-        hf_cfg = to_minimax_config(cfg)
-        hf_cfg.output_router_logits = False  # the anchor trains without computing the balance loss: its fastest
-        with torch.device(dev):
-            hf = MiniMaxForCausalLM(hf_cfg).to(torch.bfloat16)
-        hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-        g = torch.Generator().manual_seed(1)
-        hf_ids = torch.randint(8, cfg.vocab_size, (B, T), generator=g).to(dev)
-
-        def hf_step():
-            out = hf(input_ids=hf_ids, labels=hf_ids)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
-            hf_opt.step()
-            hf_opt.zero_grad(set_to_none=True)
-
-        times = {"hylight": [], "transformers MiniMax": []}
-        for _round in range(2):  # interleaved: ours, theirs, ours, theirs
-            for name, fn in (("hylight", ours_step), ("transformers MiniMax", hf_step)):
-                try:
-                    times[name].append(_cuda_time(fn, steps, warmup))
-                except torch.OutOfMemoryError as e:
-                    times[name].append(float("nan"))
-                    print(f"{name} T={T} B={B}: out of memory: {str(e)[:100]}", flush=True)
-                    torch.cuda.empty_cache()
-        fpt = flops_per_token(cfg, T).total
-        mem = torch.cuda.max_memory_allocated() / 2**30
-        for name, ts in times.items():
-            ms = min(ts)
-            tps = B * T / (ms / 1e3)
-            results.append({"T": T, "B": B, "model": name, "ms": ms, "tokens_per_s": tps,
-                            "mfu": tps * fpt / peak, "peak_mem_gb": mem})
-            print(json.dumps(results[-1]), flush=True)
+    times = {"hylight": [], "transformers MiniMax": []}
+    for _round in range(2):  # interleaved: ours, theirs, ours, theirs
+        for name, fn in (("hylight", ours_step), ("transformers MiniMax", hf_step)):
+            try:
+                times[name].append(_cuda_time(fn, steps, warmup))
+            except torch.OutOfMemoryError as e:
+                times[name].append(float("nan"))
+                print(f"{name} T={T} B={B}: out of memory: {str(e)[:100]}", flush=True)
+                torch.cuda.empty_cache()
+    fpt = flops_per_token(cfg, T).total
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    for name, ts in times.items():
+        ms = min(ts)
+        tps = B * T / (ms / 1e3)
+        results.append({"T": T, "B": B, "model": name, "ms": ms, "tokens_per_s": tps,
+                        "mfu": tps * fpt / peak, "peak_mem_gb": mem})
+        print(json.dumps(results[-1]), flush=True)
     return results
 
 
 def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m", compile_: bool = False) -> str:
-    import deepspeed
     from torch.profiler import ProfilerActivity, profile
 
-    from model import HybridForCausalLM, config_for
-    from pretrain.moe import install_deepspeed_moe
-    from pretrain.train import init_distributed, optimizer_groups
+    from pretrain.train import init_distributed
 
     if not torch.distributed.is_initialized():
         init_distributed()
-    dev = torch.device("cuda")
-    cfg = config_for(size, use_cache=False)
-    with torch.device(dev):
-        m = HybridForCausalLM(cfg)
-    install_deepspeed_moe(m)
-    opt = torch.optim.AdamW(optimizer_groups(m, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "train_batch_size": B,
-          "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-          "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
-    engine, *_ = deepspeed.initialize(model=m, optimizer=opt, config=ds)
-    if compile_:
-        from pretrain.train import compile_layers
-
-        compile_layers(engine.module)
-    batch = _packed_batch(B, T, cfg.vocab_size, dev)
-
-    def step():
-        out = engine(**batch, output_router_logits=True)
-        engine.backward(out.loss)
-        engine.step()
+    _, step = hylight_step(size, T, B, compile_)
 
     for _ in range(3):
         step()
