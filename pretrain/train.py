@@ -435,7 +435,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             raise DivergenceError(
                 f"{guard.consecutive} optimizer steps in a row were skipped (non-finite loss/gradients or grad-norm "
                 f"spikes above {cfg.spike_factor}x the recent median) at step {step}; the last valid checkpoint is "
-                f"in {ckpt_dir}. Lower the learning rate or check the data, then rerun to resume from it.")
+                f"in {ckpt_dir}. Rerunning with the same params resumes from it (and likely diverges again); a "
+                f"lower learning rate or other params start a new run under a new cache key.")
         if not skipped:
             window_losses.append(step_loss)
             window_aux.append(step_aux)
