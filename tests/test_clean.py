@@ -411,7 +411,10 @@ def _installed_readmes(limit: int) -> list[tuple[str, str]]:
     found = {}
     for dist in md.distributions():
         name = (dist.metadata["Name"] or "").lower()
-        body = dist.metadata.get_payload() or ""
+        # the body of METADATA, read as text: `metadata.get_payload()` comes back empty once some packages
+        # (deepspeed, mlflow) are imported in the same process, as they are when the whole suite runs
+        text = dist.read_text("METADATA") or ""
+        body = text.split("\n\n", 1)[1] if "\n\n" in text else ""
         if name not in sample_packages and len(body) >= 1000:
             found[name] = body
     return sorted(found.items())[:limit]
