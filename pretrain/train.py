@@ -87,7 +87,6 @@ class TrainConfig:
     inject_nan_at_steps: list[int] = field(default_factory=list)  # fault injection, for testing the guard
     lightning_impl: str = "auto"
     compile: bool = False
-    stop_after_steps: int | None = None  # end early (tests of resume); the checkpoint at that step is kept
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
@@ -399,8 +398,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     train_start = time.perf_counter()
     engine.train()
     while tokens_seen < cfg.train_tokens:
-        if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps:
-            break
         batch_rows = batch_schedule.batch_size
         gas = max(1, batch_rows // (cfg.micro_batch_rows * world))
         if gas != engine.gradient_accumulation_steps():
