@@ -14,6 +14,8 @@ Sections:
            and transformers' MiniMaxForCausalLM built from the same config (bf16, fused torch AdamW, [B, T] rows),
            interleaved in one process; tokens/s and MFU (FLOPs from model/accounting.py, peak from a measured
            bf16 matmul)
+  ceiling  the step's FLOPs at the speed of its kernels alone (plain matmuls, attention kernels; no routing, optimizer
+           or launch gaps): the attainable MFU bound at each T x B
   profile  torch.profiler of hylight's step at T=2048: GPU time by kernel, GPU busy fraction
 
 Prints a table per section at the end; JSON and the profile table go to --out.
@@ -33,6 +35,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+ZERO_STAGE = 1  # --zero
+DOC_LEN = 0  # --doc-len: mean document length of hylight's packed rows (0: one document per row)
+COMPILE_MODE = "auto"  # --compile-mode: "auto" = what the stage picks (pretrain.train.compile_mode)
 
 
 def _cuda_time(fn, reps: int, warmup: int) -> float:
@@ -136,15 +143,17 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
 # --- whole training step ---------------------------------------------------------------------------------------
 
 
-def _packed_batch(rows: int, T: int, vocab: int, dev, mean_doc: int = 700):
-    """Random tokens cut into documents of random length (exponential, mean ``mean_doc``), flattened."""
+def _packed_batch(rows: int, T: int, vocab: int, dev, mean_doc: int | None = None):
+    """Random tokens cut into documents of random length (exponential, mean ``mean_doc``; default ``DOC_LEN``;
+    0: one document per row, the anchor's work), flattened."""
+    mean_doc = DOC_LEN if mean_doc is None else mean_doc
     g = torch.Generator().manual_seed(rows * T)
     n = rows * T
     cuts = []
     for r in range(rows):
         pos = r * T
         cuts.append(pos)
-        while True:
+        while mean_doc > 0:
             length = max(8, int(torch.empty(1).exponential_(1 / mean_doc, generator=g).item()))
             if pos + length >= (r + 1) * T:
                 break
@@ -160,14 +169,16 @@ def _packed_batch(rows: int, T: int, vocab: int, dev, mean_doc: int = 700):
     return {k: v.to(dev) for k, v in dict(input_ids=ids, labels=labels, cu_seqlens=cu, position_ids=pos[None]).items()}
 
 
-def hylight_step(size: str, T: int, B: int, compile_: bool):
+def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
     """(config, step function) of exactly the stage's step on one GPU: DeepSpeed ZeRO-1 bf16, fused AdamW,
     clip 1.0, DeepSpeed-MoE layers, a packed batch of random documents."""
     import deepspeed
 
     from model import HybridForCausalLM, config_for
+    from model.accounting import packed_flops
+    from pretrain.loss import install_loss
     from pretrain.moe import install_deepspeed_moe
-    from pretrain.train import compile_layers, optimizer_groups
+    from pretrain.train import TrainConfig, compile_layers, compile_mode, deepspeed_config, optimizer_groups
 
     dev = torch.device("cuda")
     cfg = config_for(size, max_position_embeddings=max(8192, T), use_cache=False)
@@ -176,20 +187,43 @@ def hylight_step(size: str, T: int, B: int, compile_: bool):
         model = HybridForCausalLM(cfg)
     install_deepspeed_moe(model)
     opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    ds = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "train_batch_size": B,
-          "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-          "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    tc = TrainConfig(data_dir="", tokenizer_dir="", resume_dir="", export_dir="", size=size, seq_len=T,
+                     micro_batch_rows=B, batch_rows=B, zero_stage=zero, compile=compile_)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(tc, 1, dev))
+    install_loss(engine.module, compile_)
     if compile_:
-        compile_layers(engine.module)
+        compile_layers(engine.module, mode=COMPILE_MODE if COMPILE_MODE != "auto" else compile_mode(tc, dev))
     batch = _packed_batch(B, T, cfg.vocab_size, dev)
+    flops = packed_flops(cfg, batch["cu_seqlens"].diff().tolist())
 
     def step():
         out = engine(**batch, output_router_logits=True)
         engine.backward(out.loss)
         engine.step()
+        return out.loss.detach()
 
-    return cfg, step
+    return cfg, step, flops
+
+
+def mode_check(size: str, T: int = 2048, B: int = 8, steps: int = 4) -> dict:
+    """The same model, batch and seed trained a few steps with each torch.compile mode of the compiled modules:
+    the losses must agree (bf16, atomics in the MoE combine: not bit-equal)."""
+    global COMPILE_MODE
+    from pretrain.train import init_distributed
+
+    if not torch.distributed.is_initialized():
+        init_distributed()
+    saved, losses = COMPILE_MODE, {}
+    for mode in ("default", "reduce-overhead"):
+        COMPILE_MODE = mode
+        _, step, _ = hylight_step(size, T, B, True, ZERO_STAGE)
+        losses[mode] = [float(step()) for _ in range(steps)]
+        del step
+        torch.cuda.empty_cache()
+    COMPILE_MODE = saved
+    diff = max(abs(a - b) for a, b in zip(*losses.values(), strict=True))
+    print(json.dumps({"mode_check": losses, "max_abs_diff": diff}), flush=True)
+    return {"losses": losses, "max_abs_diff": diff}
 
 
 def bench_step(shapes: list[tuple[int, int]], steps: int, warmup: int, size: str, compile_: bool) -> list:
@@ -215,7 +249,7 @@ def _step_pair(T: int, B: int, steps: int, warmup: int, size: str, compile_: boo
 
     dev = torch.device("cuda")
     results = []
-    cfg, ours_step = hylight_step(size, T, B, compile_)
+    cfg, ours_step, ours_flops = hylight_step(size, T, B, compile_, ZERO_STAGE)
 
     hf_cfg = to_minimax_config(cfg)
     hf_cfg.output_router_logits = False  # the anchor trains without computing the balance loss: its fastest
@@ -241,15 +275,82 @@ def _step_pair(T: int, B: int, steps: int, warmup: int, size: str, compile_: boo
                 times[name].append(float("nan"))
                 print(f"{name} T={T} B={B}: out of memory: {str(e)[:100]}", flush=True)
                 torch.cuda.empty_cache()
-    fpt = flops_per_token(cfg, T).total
+    # FLOPs of each model's own batch: MiniMax's [B, T] rows are one causal sequence each; hylight's packed rows
+    # count softmax attention within their documents (model.accounting.packed_flops; equal with --doc-len 0)
+    step_flops = {"hylight": ours_flops, "transformers MiniMax": B * T * flops_per_token(cfg, T).total}
     mem = torch.cuda.max_memory_allocated() / 2**30
     for name, ts in times.items():
         ms = min(ts)
         tps = B * T / (ms / 1e3)
-        results.append({"T": T, "B": B, "model": name, "ms": ms, "tokens_per_s": tps,
-                        "mfu": tps * fpt / peak, "peak_mem_gb": mem})
+        results.append({"T": T, "B": B, "model": name, "doc_len": DOC_LEN if name == "hylight" else 0, "ms": ms,
+                        "tokens_per_s": tps, "mfu": step_flops[name] / (ms / 1e3) / peak, "peak_mem_gb": mem})
         print(json.dumps(results[-1]), flush=True)
     return results
+
+
+# --- the attainable ceiling ------------------------------------------------------------------------------------
+
+
+def _attention_ms(cfg, T: int, B: int) -> tuple[float, float]:
+    """ms of one lightning and one document-softmax attention call, fwd+bwd, on a packed batch of B x T tokens."""
+    from kernels.lightning import lightning_attention, lightning_decay_rates
+    from kernels.softmax_varlen import document_causal_attention
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    n, H, D, hkv = B * T, cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
+    cu = _packed_batch(B, T, cfg.vocab_size, dev)["cu_seqlens"]
+    q, k, v = (torch.randn(1, H, n, D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    ks, vs = (torch.randn(1, hkv, n, D, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+    go = torch.randn(1, H, n, D, device=dev, dtype=dt)
+    rates = lightning_decay_rates(H, 1, cfg.num_hidden_layers, device=dev)
+
+    def lightning():
+        o, _ = lightning_attention(q, k, v, rates, block_size=cfg.lightning_block_size, cu_seqlens=cu)
+        o.backward(go)
+
+    def softmax():
+        document_causal_attention(q, ks, vs, cu, enable_gqa=hkv != H).backward(go)
+
+    return _cuda_time(lightning, 10, 3), _cuda_time(softmax, 10, 3)
+
+
+def bench_ceiling(shapes: list[tuple[int, int]], size: str, peak: float) -> list:
+    """The step's FLOPs at the speed of its kernels run alone, back to back: every matmul of the step as a plain bf16
+    ``torch.mm`` (forward, input-gradient and weight-gradient products), the MoE experts as dense matmuls over the
+    k x N routed rows (perfect balance, no routing), the lightning and document-softmax attention kernels fwd+bwd
+    on the packed batch. No optimizer, routing, norms, elementwise work or launches between kernels: an upper
+    bound on the MFU of any implementation of this model at this shape on this GPU (FLOPs from
+    model/accounting.py, as the step rows)."""
+    from model import config_for
+    from model.accounting import packed_flops
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    cache: dict[tuple[int, int, int], float] = {}
+
+    def mm(m: int, k: int, n: int) -> float:
+        if (m, k, n) not in cache:
+            x, w, g = (torch.randn(a, b, device=dev, dtype=dt) for a, b in ((m, k), (k, n), (m, n)))
+            cache[(m, k, n)] = _cuda_time(lambda: (x @ w, g @ w.T, x.T @ g), 10, 3)
+        return cache[(m, k, n)]
+
+    rows = []
+    for T, B in shapes:
+        cfg = config_for(size, max_position_embeddings=max(8192, T))
+        n, d, H, D = B * T, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        hkv, F, k, V = cfg.num_key_value_heads, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.vocab_size
+        nl, ns = len(cfg.lightning_layers), len(cfg.softmax_layers)
+        t_mm = (nl * (mm(n, d, 3 * H * D) + mm(n, d, H * D) + mm(n, H * D, d))
+                + ns * (mm(n, d, H * D) + 2 * mm(n, d, hkv * D) + mm(n, H * D, d))
+                + (nl + ns) * (mm(k * n, d, 2 * F) + mm(k * n, F, d)) + mm(n, d, V))
+        t_lightning, t_softmax = _attention_ms(cfg, T, B)
+        t_attn = nl * t_lightning + ns * t_softmax
+        ms = t_mm + t_attn
+        tps = n / (ms / 1e3)
+        rows.append({"T": T, "B": B, "matmul_ms": t_mm, "attention_ms": t_attn, "ms": ms, "tokens_per_s": tps,
+                     "mfu": packed_flops(cfg, _packed_batch(B, T, V, "cpu")["cu_seqlens"].diff().tolist())
+                     / (ms / 1e3) / peak})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m", compile_: bool = False) -> str:
@@ -259,12 +360,12 @@ def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m
 
     if not torch.distributed.is_initialized():
         init_distributed()
-    _, step = hylight_step(size, T, B, compile_)
+    _, step, _ = hylight_step(size, T, B, compile_, ZERO_STAGE)
 
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         t = time.perf_counter()
         for _ in range(3):
             step()
@@ -273,10 +374,18 @@ def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.device_time for e in events) / 3  # kernel time per step (overlaps not merged)
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
-    (out_dir / "profile_T2048.txt").write_text(table)
+    launches = sum(1 for e in prof.events() if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                          "cudaLaunchKernelExC")) / 3
+    syncs = sum(1 for e in prof.events() if "Synchronize" in e.name or e.name == "cudaMemcpyAsync") / 3
+    # where the host time goes: self CPU time by op, and by Python call site (5 frames)
+    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    stack_table = prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=25,
+                                                              max_name_column_width=60, max_src_column_width=140)
+    (out_dir / "profile_T2048.txt").write_text(table + "\n\nCPU\n" + cpu_table + "\n\nBY STACK\n" + stack_table)
     summary = (f"step wall {wall * 1e3:.1f} ms; GPU kernel time {gpu_us / 1e3:.1f} ms per step "
-               f"({gpu_us / 1e3 / (wall * 1e3):.0%} of the wall time)")
-    return summary + "\n" + table
+               f"({gpu_us / 1e3 / (wall * 1e3):.0%} of the wall time); {launches:.0f} kernel launches and "
+               f"{syncs:.0f} sync/memcpy calls per step")
+    return summary + "\n" + table + "\n\nCPU\n" + cpu_table
 
 
 def main() -> int:
@@ -287,8 +396,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--size", default="gpu-300m")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--doc-len", type=int, default=0,
+                    help="mean document length of hylight's packed rows (0: one document per row, as the anchor)")
+    ap.add_argument("--compile-mode", default="auto",
+                    help="torch.compile mode of the compiled modules (auto: the stage's choice)")
+    ap.add_argument("--zero", type=int, default=1, help="DeepSpeed ZeRO stage of hylight's engine (the stage uses 1|2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
+    global ZERO_STAGE, DOC_LEN, COMPILE_MODE
+    ZERO_STAGE, DOC_LEN, COMPILE_MODE = args.zero, args.doc_len, args.compile_mode
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
@@ -315,13 +431,24 @@ def main() -> int:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         res = bench_step(shapes, args.steps, args.warmup, args.size, args.compile)
         report["step"] = res
-        lines += ["", f"| {args.size} T x B | model | ms/step | tokens/s | MFU | ratio |", "|---|---|---|---|---|---|"]
+        lines += ["", f"| {args.size} T x B (hylight doc-len {DOC_LEN or 'T'}) | model | ms/step | tokens/s | MFU | ratio |", "|---|---|---|---|---|---|"]
         by = {(r["T"], r["B"], r["model"]): r for r in res}
         for r in res:
             other = by.get((r["T"], r["B"], "transformers MiniMax"))
             ratio = r["tokens_per_s"] / other["tokens_per_s"] if other and other["tokens_per_s"] else math.nan
             lines.append(f"| {r['T']} x {r['B']} | {r['model']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
                          f"{r['mfu']:.1%} | {ratio:.2f}x |")
+    if "modecheck" in sections:
+        report["mode_check"] = mode_check(args.size)
+        lines += ["", f"compile modes, losses of 4 steps: {report['mode_check']}"]
+    if "ceiling" in sections:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        rows = bench_ceiling(shapes, args.size, peak_bf16())
+        report["ceiling"] = rows
+        lines += ["", f"| {args.size} T x B: kernels alone (ceiling) | matmul ms | attention ms | ms | tokens/s | MFU |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['T']} x {r['B']} | {r['matmul_ms']:.1f} | {r['attention_ms']:.1f} | {r['ms']:.1f} | "
+                  f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} |" for r in rows]
     if "profile" in sections:
         text = profile_step(out, compile_=args.compile)
         report["profile_summary"] = text.splitlines()[0]

@@ -47,6 +47,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpus_out"))
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--size", default="gpu-300m")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--log-every", type=int, default=5)
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,11 +70,20 @@ def main() -> int:
         ctx = StageContext(work / name / "out", inputs, stage_name=name, resume_dir=work / name / "resume",
                            resources=Resources(cpus=8 * gpus, gpus=gpus))
         params = PretrainParams(size=args.size, seq_len=args.seq_len, micro_batch_rows=4, batch_rows=8,
-                                max_batch_rows=8, train_tokens=args.tokens, peak_lr=1e-3, log_every=5,
+                                max_batch_rows=8, train_tokens=args.tokens, peak_lr=args.lr, log_every=args.log_every,
                                 checkpoint_every=1000, eval_documents=32, eval_max_rows=16, zero_stage=2,
                                 compile=args.compile, **spec)
         t = time.time()
-        run(params, ctx)
+        try:
+            run(params, ctx)
+        except Exception as e:  # keep the other runs and this run's log: a diverged run is a result too
+            print(f"{name}: FAILED after {time.time() - t:.0f}s: {e}", flush=True)
+            log_path = ctx.out_dir / "train_log.jsonl"
+            if log_path.exists():
+                shutil.copy2(log_path, out / f"train_log_{name}.jsonl")
+                print(log_path.read_text()[-3000:], flush=True)
+            shutil.rmtree(work / name, ignore_errors=True)
+            continue
         wall = time.time() - t
         log = [json.loads(line) for line in (ctx.out_dir / "train_log.jsonl").read_text().splitlines()]
         shutil.copy2(ctx.out_dir / "train_log.jsonl", out / f"train_log_{name}.jsonl")

@@ -151,6 +151,19 @@ def flops_per_token(config: HybridConfig, seq_len: int) -> FlopsPerToken:
     )
 
 
+def packed_flops(config: HybridConfig, doc_lengths) -> float:
+    """Training FLOPs of a packed batch whose documents attend only within themselves: every term of
+    ``flops_per_token`` per token, except the softmax one, which a document of n tokens has at length n (so the
+    batch's softmax FLOPs are 12 d sum(n_i^2) per softmax layer, not 12 d T per token at the row length T)."""
+    lengths = [int(n) for n in doc_lengths]
+    tokens = sum(lengths)
+    width = config.num_attention_heads * config.head_dim
+    per_token = flops_per_token(config, 0).total  # all but the softmax term
+    return per_token * tokens + len(config.softmax_layers) * softmax_attention_flops(1, width) * sum(
+        n * n for n in lengths
+    )
+
+
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops_per_second: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the hardware peak."""
     return tokens_per_second * flops_per_token / peak_flops_per_second
@@ -164,6 +177,7 @@ __all__ = [
     "flops_per_token",
     "lightning_attention_flops",
     "mfu",
+    "packed_flops",
     "parameter_counts",
     "softmax_attention_flops",
     "table1_flops",

@@ -224,14 +224,25 @@ def deepspeed_config(cfg: TrainConfig, world: int, device: torch.device) -> dict
         "train_batch_size": cfg.micro_batch_rows * gas * world,
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": device.type == "cuda"},
+        # check_grad_overflow off: DeepSpeed's per-gradient NaN/inf scan (several small kernels per parameter, ~15%
+        # of the host time of a gpu-300m step) is replaced by the global gradient norm, which any NaN/inf makes
+        # invalid; the guard installed by _install_spike_guard turns an invalid norm into a skipped step
+        "bf16": {"enabled": device.type == "cuda", "check_grad_overflow": False},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
 
 
-def compile_layers(model: torch.nn.Module) -> None:
+def compile_mode(cfg: TrainConfig, device: torch.device) -> str:
+    """torch.compile mode of ``compile_layers``: "reduce-overhead" (CUDA graphs: one replay instead of ~100 kernel
+    launches per compiled module call; measured 1.3x on the whole gpu-300m step at 2K x 8, BENCHMARKS.md) on one
+    GPU without expert parallelism, whose all-to-all reads split sizes on the host and cannot be captured;
+    "default" elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" and cfg.expert_parallel_size == 1 else "default"
+
+
+def compile_layers(model: torch.nn.Module, mode: str | None = None) -> None:
     """torch.compile the RMSNorms and the MoE feed-forwards in place: it fuses the fp32 norm arithmetic and the
     routing/dispatch elementwise work. The attention layers stay eager (their Triton and FlexAttention kernels
     are compiled already, and the packed-document bookkeeping around them does not lower in inductor)."""
@@ -240,7 +251,7 @@ def compile_layers(model: torch.nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, RMSNorm | DeepSpeedMoEFeedForward):
-            module.compile(dynamic=False)
+            module.compile(dynamic=False, mode=mode)
 
 
 def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
@@ -250,10 +261,13 @@ def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
     def guarded_norm(*args: Any, **kwargs: Any) -> Any:
         norm = original(*args, **kwargs)
         value = float(norm)
-        guard.last_norm = value
-        if math.isfinite(value) and guard.is_spike(value):
-            guard.spiked = True
-            return torch.full_like(norm, float("inf")) if torch.is_tensor(norm) else float("inf")
+        invalid = not math.isfinite(value) or value < 0  # DeepSpeed reports a NaN/inf norm as -1
+        guard.last_norm = float("nan") if invalid else value
+        if invalid or guard.is_spike(value):
+            guard.spiked = not invalid
+            # the step's skip path (gradients cleared, no update): DeepSpeed reads this flag right after the norm,
+            # and with bf16 and check_grad_overflow off it would not set it for an invalid norm itself
+            optimizer.overflow = True
         return norm
 
     optimizer.scaled_global_norm = guarded_norm
@@ -315,6 +329,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     import deepspeed
 
     from pretrain.data import PackedRows, RowLoader, make_batch, unigram_loss
+    from pretrain.loss import install_loss
     from pretrain.moe import install_deepspeed_moe
     from pretrain.schedules import BatchSizeSchedule, WSDSchedule
 
@@ -339,8 +354,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                                                    config=deepspeed_config(cfg, world, device))
     guard = GradGuard(cfg.spike_factor, cfg.max_consecutive_skips)
     _install_spike_guard(optimizer, guard)
+    install_loss(engine.module, cfg.compile)
     if cfg.compile:
-        compile_layers(engine.module)
+        compile_layers(engine.module, mode=compile_mode(cfg, device))
     forward = engine
 
     initial_batch_tokens = cfg.batch_rows * tokens_per_row
@@ -370,9 +386,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         emit("progress", {"message": f"resumed from step {step} ({tokens_seen:,} tokens) in {ckpt_dir}"}, rank)
 
     peak = measured_peak_flops(device)
-    from model.accounting import flops_per_token
+    from model.accounting import packed_flops
 
-    flops_tok = flops_per_token(model_config, cfg.seq_len).total
     log_path = Path(cfg.export_dir) / TRAIN_LOG
     Path(cfg.export_dir).mkdir(parents=True, exist_ok=True)
     if rank == 0:  # the log restarts from the checkpoint's history (lines after it are from the killed attempt)
@@ -392,6 +407,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 shutil.rmtree(old, ignore_errors=True)
 
     window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
+    window_flops = 0.0  # model FLOPs of this rank's batches since the last log (model.accounting.packed_flops)
     window_start = torch.stack([routed_sum.sum(), dropped_sum.sum()])  # routed, dropped at the last log
     if not resumed:  # a valid checkpoint exists from the start: the guard's error can always point at one
         save_checkpoint()
@@ -405,7 +421,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         lr = lr_schedule.lr(tokens_seen // initial_batch_tokens)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        step_loss = step_aux = 0.0
+        step_loss_t = torch.zeros((), dtype=torch.float64, device=device)  # on the device: read once a step
+        step_aux_t = torch.zeros((), dtype=torch.float64, device=device)
         step_tokens = 0
         for _ in range(gas):
             batch = make_batch(rows, loader.next_indices(cfg.micro_batch_rows))
@@ -418,12 +435,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             engine.backward(loss)
             engine.step()
             aux = out.aux_loss.detach()
-            step_loss += (loss.detach() - cfg.aux_loss_coef * aux).item() / gas
-            step_aux += aux.item() / gas
+            step_loss_t += (loss.detach() - cfg.aux_loss_coef * aux).double() / gas
+            step_aux_t += aux.double() / gas
             step_tokens += batch.input_ids.numel()
+            window_flops += packed_flops(model_config, np.diff(batch.cu_seqlens.numpy()))  # this rank's documents
             routed_sum += out.moe_routed.detach()  # on the device: no sync until the next log
             dropped_sum += out.moe_dropped.detach()
         skipped = guard.after_step(bool(getattr(optimizer, "overflow", False)))
+        step_loss, step_aux = torch.stack([step_loss_t, step_aux_t]).tolist()  # one host sync per step
         step += 1
         global_tokens = step_tokens * world
         tokens_seen += global_tokens
@@ -444,13 +463,14 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             now = time.perf_counter()
             tps = window_tokens / (now - window_t)
             totals = torch.stack([routed_sum.sum(), dropped_sum.sum()])
-            window_routed, window_dropped = _sum_over_data_parallel(totals - window_start).tolist()  # all ranks
+            window = torch.cat([totals - window_start, totals.new_tensor([window_flops])])
+            window_routed, window_dropped, flops_all = _sum_over_data_parallel(window).tolist()  # all ranks
             window_start = totals
             metrics = {
                 "loss": statistics.fmean(window_losses) if window_losses else float("nan"),
                 "aux_loss": statistics.fmean(window_aux) if window_aux else float("nan"),
                 "lr": lr, "batch_size": batch_rows, "grad_norm": guard.last_norm,
-                "tokens_per_second": tps, "mfu": tps * flops_tok / (peak * world),
+                "tokens_per_second": tps, "mfu": flops_all / (now - window_t) / (peak * world),
                 "drop_rate": window_dropped / max(window_routed, 1.0),  # all ranks' slots since the last log
                 "memory_gb": memory_gb(device), "tokens": tokens_seen, "skipped_steps": guard.skipped,
             }
@@ -464,6 +484,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 f"lr {lr:.2e} · batch {batch_rows} · {tps:,.0f} tok/s · mfu {metrics['mfu']:.1%} · "
                 f"drop {metrics['drop_rate']:.2%} · skipped {guard.skipped}")}, rank)
             window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
+            window_flops = 0.0
         if step % cfg.checkpoint_every == 0:
             save_checkpoint()
     save_checkpoint()

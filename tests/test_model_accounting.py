@@ -83,3 +83,17 @@ def test_named_sizes_span_cpu_to_one_billion_activated():
         assert cfg.rotary_dim == cfg.head_dim // 2 and "softmax" in cfg.attention_pattern
     with pytest.raises(ValueError, match="known sizes"):
         config_for("huge")
+
+
+def test_packed_flops_counts_softmax_attention_within_documents():
+    from model.accounting import packed_flops
+
+    cfg = config_for("tiny")
+    width = cfg.num_attention_heads * cfg.head_dim
+    ns = len(cfg.softmax_layers)
+    # one document of the whole row: the same as flops_per_token at the row length
+    assert packed_flops(cfg, [256]) == pytest.approx(256 * flops_per_token(cfg, 256).total)
+    # four documents of 64: softmax work is 12 d n^2 per document and layer, a quarter of one 256-token document's
+    whole, split = packed_flops(cfg, [256]), packed_flops(cfg, [64] * 4)
+    assert whole - split == pytest.approx(ns * 12 * width * (256**2 - 4 * 64**2))
+    assert split > 256 * flops_per_token(cfg, 0).total
