@@ -48,6 +48,8 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--size", default="gpu-300m")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--inject-nan", default="", help="comma-separated optimizer steps whose loss is made NaN")
     ap.add_argument("--log-every", type=int, default=5)
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
@@ -71,7 +73,8 @@ def main() -> int:
                            resources=Resources(cpus=8 * gpus, gpus=gpus))
         params = PretrainParams(size=args.size, seq_len=args.seq_len, micro_batch_rows=4, batch_rows=8,
                                 max_batch_rows=8, train_tokens=args.tokens, peak_lr=args.lr, log_every=args.log_every,
-                                checkpoint_every=1000, eval_documents=32, eval_max_rows=16, zero_stage=2,
+                                checkpoint_every=1000, eval_documents=32, eval_max_rows=16, zero_stage=args.zero,
+                                inject_nan_at_steps=[int(v) for v in args.inject_nan.split(",") if v],
                                 compile=args.compile, **spec)
         t = time.time()
         try:

@@ -261,7 +261,10 @@ def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
     def guarded_norm(*args: Any, **kwargs: Any) -> Any:
         norm = original(*args, **kwargs)
         value = float(norm)
-        invalid = not math.isfinite(value) or value < 0  # DeepSpeed reports a NaN/inf norm as -1
+        if not math.isfinite(value) or value < 0:  # DeepSpeed reports a NaN/inf norm as -1
+            value = math.inf
+        value = _max_over_ranks(value, norm.device if torch.is_tensor(norm) else None)
+        invalid = not math.isfinite(value)
         guard.last_norm = float("nan") if invalid else value
         if invalid or guard.is_spike(value):
             guard.spiked = not invalid
@@ -271,6 +274,24 @@ def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
         return norm
 
     optimizer.scaled_global_norm = guarded_norm
+
+
+def _max_over_ranks(value: float, device: torch.device | None) -> float:
+    """The largest of every rank's value. The guard's skip decision must be the same on every rank: DeepSpeed's
+    norm of the expert parameters is local to a rank under expert parallelism (averaged over the expert-data-
+    parallel group, of size 1 when the experts span all ranks), so ranks see different norms, and a rank that
+    skips a step while another takes it leaves ZeRO's all-gather of the updated partitions unmatched: the next
+    collective pairs with the wrong call and reads garbage (NaN losses right after a one-rank spike skip, seen
+    on two GPUs). One scalar all-reduce per step; the guard then judges the largest rank norm."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    if device is None or (dist.get_backend() == "nccl" and device.type != "cuda"):
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 @dataclass
