@@ -79,8 +79,7 @@ def apply_env_defaults(gpus: float | None = None, user_set: Mapping[str, str] | 
 
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of ``environ`` (default: this process, less the defaults it filled in itself) that
-    stage workers receive. Also what to pass as ``runtime_env={"env_vars": ...}`` to Ray Train workers
-    a stage starts: they do not inherit the stage process's environment."""
+    stage workers receive. Workers a stage starts itself get them through :func:`launched_worker_env`."""
     skip = NOT_FORWARDED | (_DEFAULTED if environ is None else frozenset())
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in skip}
