@@ -182,8 +182,9 @@ def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: i
 
     if not ray.is_initialized():
         raise RuntimeError(
-            f"{ctx.stage_name}: resources nodes={resources.nodes} (or a stage not granted its resources) launches Ray "
-            "Train workers, which needs a Ray cluster: run it with `hylight run` (--ray-address for several nodes)")
+            f"{ctx.stage_name}: with resources.nodes={resources.nodes}, or resources its own task was not given, the "
+            "stage runs its ranks as Ray Train workers, which needs Ray: run it with `hylight run` (--ray-address "
+            "for a cluster)")
     cpus, gpus = resources.cpus / ranks_per_node, resources.gpus / ranks_per_node
     events = ctx.work_dir / "rank0_stdout.log"
     events.write_text("")
