@@ -74,20 +74,35 @@ def apply_env_defaults(gpus: float | None = None, user_set: Mapping[str, str] | 
             _DEFAULTED.add(k)
     if gpus is not None and "DS_ACCELERATOR" not in (user_set or {}):
         os.environ["DS_ACCELERATOR"] = defaults["DS_ACCELERATOR"]
+        _DEFAULTED.add("DS_ACCELERATOR")  # this task's choice: workers it launches choose their own
 
 
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of ``environ`` (default: this process, less the defaults it filled in itself) that
-    stage workers receive. Also what to pass as ``runtime_env={"env_vars": ...}`` to Ray Train workers
-    a stage starts: they do not inherit the stage process's environment."""
+    stage workers receive. Workers a stage starts itself get them through :func:`launched_worker_env`."""
     skip = NOT_FORWARDED | (_DEFAULTED if environ is None else frozenset())
     environ = os.environ if environ is None else environ
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) and k not in skip}
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
+
+
+def launched_worker_env(cpus: float, gpus: float) -> dict[str, str]:
+    """The environment for workers a stage starts itself (Ray Train: ``runtime_env={"env_vars": ...}``), each
+    with ``cpus`` CPUs and ``gpus`` GPUs: the forwarded variables (NCCL_, CUDA_, TRITON_, ...), thread counts
+    from ``cpus``, and ``DS_ACCELERATOR`` from ``gpus`` unless the user set it. Called from the stage's
+    process, which holds no GPU itself when it launches workers: its own DS_ACCELERATOR and
+    CUDA_VISIBLE_DEVICES are not the workers'."""
+    env = forwarded_env()
+    env.update(dict.fromkeys(THREAD_VARS, str(max(1, int(cpus)))))
+    env.setdefault("DS_ACCELERATOR", "cuda" if gpus > 0 else "cpu")
+    return env
+
+
 def _limit_threads(cpus: float) -> None:
     n = str(max(1, int(cpus)))
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
+    for var in THREAD_VARS:
         os.environ[var] = n
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(n))

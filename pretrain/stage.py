@@ -4,7 +4,8 @@ Inputs: the ``mixture`` (how many times each document is trained on), the ``scor
 from (the texts) and the ``tokenizer``. The stage packs the mixture into rows (``pretrain/data.py``), launches the
 training processes (``pretrain/train.py``: one process for a CPU or one GPU, ``torchrun`` with one rank per GPU
 for several; the stage's ``resources.gpus`` decides) under ``pipeline.launch.run_process_tree`` (nothing outlives
-a cancelled stage), forwards their metrics to MLflow, and writes the artifact:
+a cancelled stage), or, when the stage spans nodes or was not given the resources itself (``resources.nodes > 1``,
+GPUs on a Ray cluster), as Ray Train workers; forwards their metrics to MLflow, and writes the artifact:
 
     model/            HybridForCausalLM (``import model`` registers it) + tokenizer, token ids, chat template
     minimax/          the same weights as transformers' MiniMaxForCausalLM (no remote code) + tokenizer
@@ -15,7 +16,9 @@ a cancelled stage), forwards their metrics to MLflow, and writes the artifact:
     plots/            loss curve, expert load and drop-rate heat maps
 
 Checkpoints live in the stage's resume directory (kept across a killed attempt, keyed by the cache key): a rerun
-of ``hylight run`` continues from the last one.
+of ``hylight run`` continues from the last one. Across nodes every rank reads the packed rows and writes its
+checkpoint shards there, and rank 0 writes the exports: the pipeline's artifact_root must be a filesystem all nodes
+share.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,7 +38,7 @@ from pydantic import Field, model_validator
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
 from data.tokenizer import TOKENIZER_TYPE
-from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from pipeline.stage import InputSpec, Resources, StageContext, StageKind, StageParams
 
 CHECKPOINT_TYPE = "checkpoint"
 
@@ -80,8 +86,8 @@ class PretrainParams(StageParams):
     lightning_impl: str = Field("auto", description="Lightning kernel: auto (Triton on CUDA, chunked PyTorch on CPU).")
     compile: bool = Field(False, description="torch.compile the model (GPU).")
     processes: int | None = Field(None, ge=1, description=(
-        "Training ranks to launch; default one per GPU of the stage's resources (1 on CPU). Several CPU ranks "
-        "train with gloo (tests of expert parallelism)."))
+        "Training ranks to launch on each node; default one per GPU of the stage's resources (1 on CPU). Several "
+        "CPU ranks train with gloo (tests of expert parallelism)."))
 
     @model_validator(mode="after")
     def _batches(self) -> PretrainParams:
@@ -124,6 +130,107 @@ class _Relay:
             self.summary = msg["summary"]
 
 
+def _ray_train_rank(config: dict[str, str]) -> None:
+    """What each Ray Train worker runs: the entry point of a CLI rank (``python -m pretrain.train``)."""
+    from pretrain.train import run_rank
+
+    run_rank(config["config"], events_path=config["events"])
+
+
+class _EventsTail(threading.Thread):
+    """Follows the file rank 0 of a Ray Train job writes its stdout to, passing each complete line to the relay.
+    A relay error stops the relaying (the job runs on to its end; the stage raises it then)."""
+
+    def __init__(self, path: Path, relay: _Relay):
+        super().__init__(name="pretrain-events", daemon=True)
+        self.path, self.relay = path, relay
+        self.done, self.error = threading.Event(), None
+
+    def run(self) -> None:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            partial = ""
+            while True:
+                ended = self.done.is_set()  # read once more after the job ended: its last lines
+                partial += f.read()
+                *lines, partial = partial.split("\n")
+                for line in lines:
+                    if self.error is None:
+                        try:
+                            self.relay(line)
+                        except Exception as e:  # noqa: BLE001 (the stage raises it after the run)
+                            self.error = e
+                if ended:
+                    return
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Relay what is left and return."""
+        self.done.set()
+        self.join()
+
+
+def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: int, relay: _Relay,
+                      ctx: StageContext) -> None:
+    """``nodes`` x ``ranks_per_node`` ranks as Ray Train workers (``TorchTrainer``), each with its share of a node's
+    ``cpus``/``gpus``; Ray Train sets up their process group (gloo, or NCCL with GPUs) before they call
+    :func:`pretrain.train.run_rank`. Rank 0's metric lines come back through a file in the stage's work dir."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.runner import launched_worker_env
+
+    if not ray.is_initialized():
+        raise RuntimeError(
+            f"{ctx.stage_name}: with resources.nodes={resources.nodes}, or resources its own task was not given, the "
+            "stage runs its ranks as Ray Train workers, which needs Ray: run it with `hylight run` (--ray-address "
+            "for a cluster)")
+    cpus, gpus = resources.cpus / ranks_per_node, resources.gpus / ranks_per_node
+    events = ctx.work_dir / "rank0_stdout.log"
+    events.write_text("")
+    env = {**launched_worker_env(cpus, gpus), "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(),
+           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # else Ray Train copies every print to its log: each line twice
+    trainer = TorchTrainer(
+        _ray_train_rank,
+        train_loop_config={"config": str(config_path), "events": str(events)},
+        scaling_config=ScalingConfig(num_workers=ranks_per_node * resources.nodes, use_gpu=gpus > 0,
+                                     resources_per_worker={"CPU": cpus, **({"GPU": gpus} if gpus else {})}),
+        # Ray Train keeps its run state (no checkpoints: DeepSpeed writes those to the resume dir) in storage_path
+        run_config=RunConfig(name=ctx.work_dir.name, storage_path=str(ctx.work_dir / "ray_train"),
+                             worker_runtime_env={"env_vars": env}),
+    )
+    tail = _EventsTail(events, relay)
+    tail.start()
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
+    try:
+        trainer.fit()  # a failed or killed worker ends the run; Ray Train stops the others
+    except WorkerGroupError as e:
+        failed = ", ".join(f"rank {rank}: {type(err).__name__}: {err}".splitlines()[0]
+                           for rank, err in sorted(e.worker_failures.items()))
+        raise RuntimeError(f"{ctx.stage_name}: training failed on Ray Train workers ({failed})\n{e}") from None
+    except TrainingFailedError as e:
+        raise RuntimeError(f"{ctx.stage_name}: Ray Train failed: {e}") from None
+    finally:
+        if main_thread:  # fit() installs a SIGINT handler in the (reused) Ray worker process: put the old one back
+            signal.signal(signal.SIGINT, sigint)
+        tail.stop()
+    if tail.error is not None:
+        raise tail.error
+    if not (ctx.out_dir / "summary.json").exists():
+        import socket
+
+        raise RuntimeError(
+            f"{ctx.stage_name}: the Ray Train workers finished, but what rank 0 wrote to {ctx.out_dir} is not visible "
+            f"to the stage's process on {socket.gethostname()}: the pipeline's artifact_root must be a filesystem "
+            "every node shares, at the same path (README, 'Multi-node training')")
+
+
+def _pythonpath() -> str:
+    """This checkout first: the ranks import ``pretrain`` from the same code as the stage."""
+    return os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+
+
 def run(params: PretrainParams, ctx: StageContext) -> None:
     from pipeline.launch import run_process_tree
     from pretrain.data import build_packed_dataset
@@ -143,9 +250,14 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")
     packing = json.loads((data_dir / "packing.json").read_text())
 
-    world = params.processes or max(1, int(ctx.resources.gpus))
-    if ctx.resources.gpus and world > int(ctx.resources.gpus):
-        raise ValueError(f"pretrain: processes={world} but the stage has {ctx.resources.gpus:g} GPUs (one rank each)")
+    r = ctx.resources
+    per_node = params.processes or max(1, int(r.gpus))
+    if r.gpus and per_node > int(r.gpus):
+        raise ValueError(f"pretrain: processes={per_node} but the stage has {r.gpus:g} GPUs per node (one rank each)")
+    world = per_node * r.nodes
+    # Ray Train when the ranks span nodes or the stage's own task holds nothing (GPUs on a Ray cluster): a process
+    # started here could not use resources Ray never gave this task (pipeline/orchestrator.py)
+    ray_train = r.nodes > 1 or not r.reserved_for_task
     fields = {k: v for k, v in params.model_dump().items()
               if k not in ("double_batch_at_tokens", "double_batch_below_loss", "eval_documents", "processes")}
     cfg = TrainConfig(data_dir=str(data_dir), tokenizer_dir=str(tokenizer.path), resume_dir=str(ctx.resume_dir),
@@ -155,13 +267,16 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     from dataclasses import asdict
 
     config_path.write_text(json.dumps(asdict(cfg), indent=2))
-    threads = max(1, int(ctx.resources.cpus) // world)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     relay = _Relay(ctx)
+    where = f" on {r.nodes} node(s) through Ray Train" if ray_train else ""
     ctx.progress(f"training {params.size} on {packing['train']['rows']:,} rows x {params.seq_len} tokens, "
-                 f"{world} process(es), target {params.train_tokens:,} tokens")
-    run_process_tree(_train_command(config_path, world), env=env, cwd=os.getcwd(), log=relay, name="pretrain")
+                 f"{world} process(es){where}, target {params.train_tokens:,} tokens")
+    if ray_train:
+        _launch_ray_train(config_path, r, per_node, relay, ctx)
+    else:
+        threads = max(1, int(r.cpus) // world)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+        run_process_tree(_train_command(config_path, world), env=env, cwd=os.getcwd(), log=relay, name="pretrain")
 
     summary = json.loads((ctx.out_dir / "summary.json").read_text())
     history = [json.loads(line) for line in (ctx.out_dir / "train_log.jsonl").read_text().splitlines() if line]
@@ -231,5 +346,7 @@ STAGE = StageKind(
     doc="Pretraining on DeepSpeed (ZeRO-1/2, DeepSpeed-MoE experts with the §2.1 global router and token drop, "
         "Triton lightning kernels on CUDA): packed rows honouring the mixture's sample counts, WSD learning rate "
         "and batch-size doubling (§4.2), checkpoints a rerun resumes from, divergence guard; exports model/ and "
-        "transformers MiniMax checkpoints with the tokenizer.",
+        "transformers MiniMax checkpoints with the tokenizer. One process, torchrun on one node, or Ray Train "
+        "workers across nodes (resources.nodes).",
+    launches_workers=True,
 )

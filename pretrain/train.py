@@ -1,7 +1,8 @@
 """The pretraining loop on DeepSpeed: one function every rank runs, CPU tiny and multi-GPU alike.
 
 ``python -m pretrain.train --config CONFIG.json`` is what the ``pretrain`` stage launches (one process on a CPU or
-one GPU, ``torchrun`` for several GPUs); :func:`train` is the body. It reads packed rows (``pretrain/data.py``),
+one GPU, ``torchrun`` for several GPUs of one node); a Ray Train worker of a multi-node stage calls the same
+:func:`run_rank`; :func:`train` is the body. It reads packed rows (``pretrain/data.py``),
 builds the ``model/`` hybrid with DeepNorm init, swaps its MoE layers for DeepSpeed-MoE ones with the global router
 (``pretrain/moe.py``), and trains with ``deepspeed.initialize`` (ZeRO stage 1 or 2, torch AdamW with the report's
 β = (0.9, 0.95) and weight decay 0.1, gradient clipping, bf16 on GPU / fp32 on CPU), under the WSD learning-rate
@@ -24,6 +25,7 @@ row stop training with a clear error, leaving the last periodic checkpoint as th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -136,9 +138,23 @@ def memory_gb(device: torch.device) -> float:
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
-    """Rank, world size and device; a lone process (no launcher) gets a world of one on 127.0.0.1."""
+    """Rank, world size and device; a lone process (no launcher) gets a world of one on 127.0.0.1. A process group
+    set up before the call is used as it is: Ray Train's workers get theirs (gloo or NCCL, the CUDA device set) before
+    they call :func:`run_rank`."""
     import deepspeed
+    import torch.distributed as dist
 
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce with g++ on first use (50-85 s, ENV-NOTES);
+        # gloo does the job for our sizes.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return dist.get_rank(), dist.get_world_size(), device
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
@@ -147,13 +163,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce with g++ on first use (50-85 s, ENV-NOTES);
-        # gloo does the job for our sizes.
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     local = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local)
@@ -572,13 +581,31 @@ def _sum_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def run_rank(config_path: str | Path, events_path: str | Path | None = None) -> dict[str, float]:
+    """One rank's whole job, whoever launched it: :func:`main` (a lone process or a ``torchrun`` rank) and a Ray Train
+    worker (``pretrain/stage.py``) both call this. ``events_path``: rank 0 appends its stdout, the ``@@hylight`` lines
+    included, to that file (a Ray Train worker's stdout does not reach the stage's process)."""
+    import socket
+
+    config_path = Path(config_path)
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"pretrain rank on {socket.gethostname()}: the stage's config {config_path} is not visible here. Every "
+            "node of a multi-node stage reads the packed data and writes checkpoints and exports under the pipeline's "
+            "artifact_root: put it on a filesystem all nodes share, at the same path (README, 'Multi-node training').")
+    cfg = TrainConfig.load(config_path)
+    if events_path is None or os.environ.get("RANK", "0") != "0":
+        return train(cfg)
+    with open(events_path, "a", buffering=1, encoding="utf-8") as events, contextlib.redirect_stdout(events):
+        return train(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="One rank of the hylight pretrain stage (launched by the stage).")
     ap.add_argument("--config", required=True, help="TrainConfig JSON written by the pretrain stage")
     args = ap.parse_args(argv)
-    cfg = TrainConfig.load(args.config)
     try:
-        train(cfg)
+        run_rank(args.config)
     except DivergenceError as e:
         print(f"pretrain: {e}", file=sys.stderr, flush=True)
         return 3

@@ -12,10 +12,10 @@ from typing import Any
 import orjson
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 
-from data.documents import DocumentWriter
-from data.mix import MANIFEST_FILE, PACKING_TOKENS_PER_DOC
-from data.tokenizer import SPECIAL_TOKENS, build_tokenizer
-from pipeline.stage import Artifact
+from data.documents import SCORED_DOCUMENTS_TYPE, DocumentWriter
+from data.mix import MANIFEST_FILE, MIXTURE_TYPE, PACKING_TOKENS_PER_DOC
+from data.tokenizer import SPECIAL_TOKENS, TOKENIZER_TYPE, build_tokenizer
+from pipeline.stage import MANIFEST_NAME, Artifact, StageContext, StageKind, StageParams
 
 SAMPLE_CORPUS = Path(__file__).resolve().parents[1] / "data" / "sample_corpus"
 
@@ -89,6 +89,27 @@ def build_inputs(root: Path, *, documents: int = 120, max_chars: int = 3000, voc
                 "expected_epochs": float(count), "zero_reason": None if count else "budget"}) + b"\n")
     return PretrainInputs(_artifact(doc_dir, "scored_documents"), _artifact(tok_dir, "tokenizer"),
                           _artifact(mix_dir, "mixture"))
+
+
+# --- the inputs as pipeline stages (``uses: tests.pretrain_fixtures:PREBUILT_*``): a spec can then run ``pretrain``
+# through the orchestrator on them
+
+
+class PrebuiltParams(StageParams):
+    path: str  # a directory build_inputs() made
+
+
+def _publish(params: PrebuiltParams, ctx: StageContext) -> None:
+    import shutil
+
+    shutil.copytree(params.path, ctx.out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST_NAME))
+
+
+PREBUILT_DOCUMENTS = StageKind(name="test_prebuilt_documents", params=PrebuiltParams, run=_publish,
+                               produces=SCORED_DOCUMENTS_TYPE)
+PREBUILT_TOKENIZER = StageKind(name="test_prebuilt_tokenizer", params=PrebuiltParams, run=_publish,
+                               produces=TOKENIZER_TYPE)
+PREBUILT_MIXTURE = StageKind(name="test_prebuilt_mixture", params=PrebuiltParams, run=_publish, produces=MIXTURE_TYPE)
 
 
 # --- two-process expert parallelism (tests/test_pretrain.py) ----------------------------------------------------

@@ -119,6 +119,25 @@ def run_env_probe(params: EnvProbeParams, ctx: StageContext) -> None:
 ENV_PROBE = StageKind(name="test_env_probe", params=EnvProbeParams, run=run_env_probe, produces="env")
 
 
+class LaunchEnvProbeParams(StageParams):
+    ranks_per_node: int = 1
+
+
+def run_launch_env_probe(params: LaunchEnvProbeParams, ctx: StageContext) -> None:
+    """Writes the environment Ray Train workers of this stage would get (one per rank, each with its share of a
+    node's resources), beside what the stage's own process sees."""
+    from pipeline.runner import launched_worker_env
+
+    r = ctx.resources
+    workers = launched_worker_env(r.cpus / params.ranks_per_node, r.gpus / params.ranks_per_node)
+    stage = {n: os.environ.get(n) for n in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
+    (ctx.out_dir / "env.json").write_text(json.dumps({"stage": stage, "workers": workers}, sort_keys=True))
+
+
+LAUNCH_ENV_PROBE = StageKind(name="test_launch_env_probe", params=LaunchEnvProbeParams, run=run_launch_env_probe,
+                             produces="env", launches_workers=True)
+
+
 class WaitParams(StageParams):
     marker: str  # block while this file exists (at most timeout_s)
     pid_file: str  # where the worker writes its pid

@@ -82,6 +82,27 @@ def test_each_task_sees_its_own_gpus_and_accelerator_and_the_worker_gets_its_env
     assert dict(os.environ) == before and os.getcwd() == cwd  # Ray reuses the worker for other tasks
 
 
+@pytest.mark.parametrize("user_accelerator", [None, "cpu"])
+def test_workers_a_stage_launches_get_the_forwarded_variables_and_their_own_threads_and_accelerator(
+        tmp_path, monkeypatch, user_accelerator):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # what the worker process inherited (a CPU head node, say)
+    sent = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "ib0", "CUDA_LAUNCH_BLOCKING": "1", "TRITON_CACHE_DIR": "/t",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "HF_HOME": "/hf"}
+    if user_accelerator:
+        sent["DS_ACCELERATOR"] = user_accelerator
+    task = StageTask(stage="train", uses="tests.stage_fixtures:LAUNCH_ENV_PROBE", params={"ranks_per_node": 4},
+                     resources={"cpus": 8, "gpus": 4, "nodes": 2, "reserved_for_task": False}, inputs={},
+                     root=str(tmp_path / "runs"), key=os.urandom(32).hex(), key_material={}, cwd=str(REPO), env=sent)
+    seen = json.loads(Path(execute_stage(task).path, "env.json").read_text())
+    # the stage's own process holds no GPU; its 4 GPU workers per node each get one and two CPUs
+    assert seen["stage"] == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": user_accelerator or "cpu"}
+    workers = seen["workers"]
+    assert {k: workers[k] for k in sent} == sent
+    assert [workers[k] for k in runner.THREAD_VARS] == ["2"] * 4
+    assert workers["DS_ACCELERATOR"] == (user_accelerator or "cuda")  # the user's choice wins
+    assert not {"CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT"} & set(workers)  # Ray Train sets those
+
+
 def test_a_launch_directory_missing_on_the_node_is_explained(tmp_path):
     task = StageTask(stage="s", uses="tests.stage_fixtures:SOURCE", params={}, resources={"cpus": 1},
                      inputs={}, root=str(tmp_path), key="k" * 64, key_material={}, cwd=str(tmp_path / "gone"))
