@@ -82,6 +82,8 @@ class PretrainParams(StageParams):
     seed: int = Field(0, ge=0, description="Packing order, loader order and initialisation.")
     spike_factor: float = Field(10.0, gt=1, description="Skip a step whose grad norm exceeds this x the recent median.")
     max_consecutive_skips: int = Field(5, ge=1, description="Stop with an error after this many skipped steps in a row.")
+    max_spike_skips: int = Field(2, ge=0, description=(
+        "Grad-norm spikes skipped in a row before a norm that stays high is taken (clipped) as the new level."))
     inject_nan_at_steps: list[int] = Field(default_factory=list, description="Fault injection (tests of the divergence guard).")
     lightning_impl: str = Field("auto", description="Lightning kernel: auto (Triton on CUDA, chunked PyTorch on CPU).")
     compile: bool = Field(False, description="torch.compile the model (GPU).")

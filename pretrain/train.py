@@ -18,8 +18,10 @@ uninterrupted loss curve.
 
 Divergence guard: a non-finite loss or gradient makes DeepSpeed's ZeRO optimizer skip the step (its overflow
 path: no update, gradients cleared); a finite gradient norm above ``spike_factor`` x the median of the last 64
-accepted steps is turned into the same skip. Skips are counted (``skipped_steps``); ``max_consecutive_skips`` in a
-row stop training with a clear error, leaving the last periodic checkpoint as the valid one.
+accepted steps is turned into the same skip, at most ``max_spike_skips`` times in a row (a norm that stays high is
+then taken, clipped: ``GradGuard``). Every rank takes the same decision (the largest rank norm is judged). Skips
+are counted (``skipped_steps``); ``max_consecutive_skips`` in a row stop training with a clear error, leaving the
+last periodic checkpoint as the valid one.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class TrainConfig:
     seed: int = 0
     spike_factor: float = 10.0
     max_consecutive_skips: int = 5
+    max_spike_skips: int = 2
     inject_nan_at_steps: list[int] = field(default_factory=list)  # fault injection, for testing the guard
     lightning_impl: str = "auto"
     compile: bool = False
@@ -275,7 +278,7 @@ def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
         value = _max_over_ranks(value, norm.device if torch.is_tensor(norm) else None)
         invalid = not math.isfinite(value)
         guard.last_norm = float("nan") if invalid else value
-        if invalid or guard.is_spike(value):
+        if invalid or guard.skip_spike(value):
             guard.spiked = not invalid
             # the step's skip path (gradients cleared, no update): DeepSpeed reads this flag right after the norm,
             # and with bf16 and check_grad_overflow off it would not set it for an invalid norm itself
@@ -305,36 +308,64 @@ def _max_over_ranks(value: float, device: torch.device | None) -> float:
 
 @dataclass
 class GradGuard:
+    """Which optimizer steps to skip. A non-finite gradient norm is always skipped. A finite norm above
+    ``spike_factor`` x the median of the recent accepted norms is skipped as a one-batch outlier at most
+    ``max_spike_skips`` steps in a row: a skip leaves the weights where they are, so when the norm stays high the
+    next batches spike too and skipping them would only run into ``max_consecutive`` (seen on two GPUs, where
+    a run at lr 1e-3 after a 3-step warm-up stopped at norms of 18-21 that one GPU had clipped and trained
+    through). The next such step is taken (gradient clipping bounds it), counted in ``accepted_spikes``, and
+    its norm joins the history."""
+
     spike_factor: float
     max_consecutive: int
+    max_spike_skips: int = 2
     history: deque = field(default_factory=lambda: deque(maxlen=64))
     skipped: int = 0
     consecutive: int = 0
+    spike_run: int = 0  # steps skipped for a spike since the last accepted step
+    accepted_spikes: int = 0
     last_norm: float = float("nan")
     spiked: bool = False
+    accepting: bool = False
 
     def is_spike(self, norm: float) -> bool:
         return len(self.history) >= 8 and norm > self.spike_factor * statistics.median(self.history)
 
+    def skip_spike(self, norm: float) -> bool:
+        """Whether this finite norm is a spike to skip (False for a spike that has lasted: it is taken)."""
+        self.accepting = False
+        if not self.is_spike(norm):
+            return False
+        if self.spike_run < self.max_spike_skips:
+            return True
+        self.accepting = True
+        return False
+
     def after_step(self, overflow: bool) -> bool:
         """Record one optimizer step; True if it was skipped."""
         skipped = overflow or self.spiked
+        if self.spiked:
+            self.spike_run += 1
         self.spiked = False
         if skipped:
             self.skipped += 1
             self.consecutive += 1
         else:
-            self.consecutive = 0
+            self.consecutive = self.spike_run = 0
+            self.accepted_spikes += self.accepting
             if math.isfinite(self.last_norm):
                 self.history.append(self.last_norm)
+        self.accepting = False
         return skipped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "skipped": self.skipped, "consecutive": self.consecutive}
+        return {"history": list(self.history), "skipped": self.skipped, "consecutive": self.consecutive,
+                "spike_run": self.spike_run, "accepted_spikes": self.accepted_spikes}
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
         self.history = deque(s["history"], maxlen=64)
         self.skipped, self.consecutive = s["skipped"], s["consecutive"]
+        self.spike_run, self.accepted_spikes = s.get("spike_run", 0), s.get("accepted_spikes", 0)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -382,7 +413,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=device.type == "cuda")
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=deepspeed_config(cfg, world, device))
-    guard = GradGuard(cfg.spike_factor, cfg.max_consecutive_skips)
+    guard = GradGuard(cfg.spike_factor, cfg.max_consecutive_skips, cfg.max_spike_skips)
     _install_spike_guard(optimizer, guard)
     install_loss(engine.module, cfg.compile)
     if cfg.compile:
@@ -503,6 +534,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 "tokens_per_second": tps, "mfu": flops_all / (now - window_t) / (peak * world),
                 "drop_rate": window_dropped / max(window_routed, 1.0),  # all ranks' slots since the last log
                 "memory_gb": memory_gb(device), "tokens": tokens_seen, "skipped_steps": guard.skipped,
+                "accepted_spikes": guard.accepted_spikes,
             }
             history.append({"step": step, **metrics})
             if rank == 0:
@@ -530,7 +562,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
     export_checkpoint(engine.module, model_config, cfg, rank)
     summary = {"eval_loss": eval_loss, "unigram_loss": uni, "steps": step, "tokens": tokens_seen,
-               "skipped_steps": guard.skipped, "train_seconds": train_seconds,
+               "skipped_steps": guard.skipped, "accepted_spikes": guard.accepted_spikes,
+               "train_seconds": train_seconds,
                "drop_rate": float(dropped_all.sum() / max(routed_all.sum(), 1.0))}
     if rank == 0:
         np.save(Path(cfg.export_dir) / "expert_routed.npy", routed_all.numpy())

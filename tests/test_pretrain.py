@@ -777,3 +777,31 @@ def test_divergence_guard_takes_the_same_decision_on_every_rank(tmp_path: Path, 
         assert [s["norm"] for s in seen] == [50.0, 50.0]  # the largest rank norm, on both
     else:
         assert all(math.isnan(s["norm"]) for s in seen)
+
+
+def test_divergence_guard_skips_a_spike_but_takes_a_norm_that_stays_high() -> None:
+    from pretrain.train import GradGuard
+
+    guard = GradGuard(spike_factor=10.0, max_consecutive=5, max_spike_skips=2)
+
+    def step(norm: float) -> bool:  # what the ZeRO optimizer's norm hook and the training loop do per step
+        guard.last_norm = norm
+        guard.spiked = guard.skip_spike(norm)
+        return guard.after_step(overflow=guard.spiked)
+
+    assert [step(1.0) for _ in range(8)] == [False] * 8
+    assert step(50.0) is True  # a one-batch outlier: skipped
+    assert step(1.0) is False and guard.spike_run == 0  # the next batch is fine
+    assert [step(20.0), step(21.0)] == [True, True]  # two spikes in a row: skipped
+    assert step(19.0) is False and guard.accepted_spikes == 1  # the third in a row is the new level: taken
+    assert guard.history[-1] == 19.0 and guard.skipped == 3 and guard.consecutive == 0
+    saved = guard.state_dict()
+    again = GradGuard(spike_factor=10.0, max_consecutive=5, max_spike_skips=2)
+    again.load_state_dict(saved)
+    assert again.state_dict() == saved
+
+    never = GradGuard(spike_factor=10.0, max_consecutive=5, max_spike_skips=0)
+    for _ in range(8):
+        never.last_norm = 1.0
+        never.after_step(False)
+    assert never.skip_spike(50.0) is False  # max_spike_skips=0: spikes are taken (clipped), never skipped
