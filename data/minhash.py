@@ -211,8 +211,11 @@ class FastMinhashSignature(BoundedMinhashSignature):
     """
 
     def __init__(self, output_folder: str, config: MinhashConfig, shingler: Shingler | None = None) -> None:
-        super().__init__(output_folder, config=config)
-        self.shingler = shingler or Shingler()
+        shingler = shingler or Shingler()
+        # our tokenizer as `language`: datatrove then builds none of its own (for English, spaCy's, whose
+        # constructor fails unless spaCy is installed, though these shingles never use it)
+        super().__init__(output_folder, config=config, language=shingler.tokenizer)
+        self.shingler = shingler
         self.word_tokenizer = self.shingler.tokenizer  # what a caller inspecting the step sees
 
     def get_shingles(self, text: str) -> np.ndarray:
