@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -180,7 +181,8 @@ def test_a_failed_ray_train_worker_fails_the_stage_with_the_workers_error(cluste
     finally:
         ray.shutdown()
     first = message.splitlines()[0]
-    assert first.startswith("pretrain: training failed on Ray Train workers (rank 0: FileNotFoundError: pretrain rank "
-                            "on "), message
+    # both ranks fail; Ray Train reports the ranks whose failure it saw before stopping the group (one or both)
+    assert re.match(r"pretrain: training failed on Ray Train workers \(rank [01]: FileNotFoundError: pretrain rank on ",
+                    first), message
     assert f"the stage's config {tmp_path / 'not-shared' / 'train_config.json'} is not visible here" in first
-    assert "rank 1: FileNotFoundError" in first and "a filesystem all nodes share" in message
+    assert "a filesystem all nodes share" in message
