@@ -45,6 +45,7 @@ from pretrain.data import (
 SOURCES = ("short", "medium", "long", "qa")
 SHORT, MEDIUM, LONG, QA = range(4)
 PHASE_DATA_FILE = "phase_data.json"
+STORES = ("corpus", "long")  # where a pool's samples live: corpus documents, assembled long documents
 # numpy SeedSequence tags (distinct, nonzero), one per purpose
 _QUEUE_TAG, _QA_TAG = 11, 12
 
@@ -82,17 +83,19 @@ class SampleQueue:
     """Samples of one source (never cut by a row end), in a seeded order that is reshuffled each pass over the
     pool; a sample longer than ``seq_len`` is handed out as consecutive windows of ``seq_len`` tokens."""
 
-    def __init__(self, pool: list[tuple[str, int]], tokens_of: Callable[[str, int], np.ndarray], seq_len: int,
+    def __init__(self, pool: np.ndarray, tokens_of: Callable[[str, int], np.ndarray], seq_len: int,
                  seed: list[int]) -> None:
-        """``pool``: ``(store, item)`` of every sample (repeated for samples to be seen more often per pass)."""
-        self.pool, self.tokens_of, self.seq_len, self.seed = pool, tokens_of, seq_len, seed
+        """``pool``: int64 [n, 2], (index in :data:`STORES`, item) of every sample, repeated for samples to be seen
+        more often per pass; ``tokens_of(store name, item)`` reads one."""
+        self.pool = np.asarray(pool, np.int64).reshape(-1, 2)
+        self.tokens_of, self.seq_len, self.seed = tokens_of, seq_len, seed
         self.epochs = 0  # completed passes over the pool
         self._order: np.ndarray = np.zeros(0, np.int64)
         self._next = 0
         self._windows: list[Piece] = []
 
     def __bool__(self) -> bool:
-        return bool(self.pool)
+        return len(self.pool) > 0
 
     def _refill(self) -> None:
         if self._next >= self._order.size:
@@ -100,7 +103,8 @@ class SampleQueue:
                 self.epochs += 1
             self._order = np.random.default_rng([*self.seed, self.epochs]).permutation(len(self.pool))
             self._next = 0
-        ref = self.pool[int(self._order[self._next])]
+        store, item = self.pool[int(self._order[self._next])].tolist()
+        ref = (STORES[store], item)
         self._next += 1
         tokens = self.tokens_of(*ref)
         self._windows = [Piece(-1, tokens[s:s + self.seq_len], ref, continuation=s > 0)
@@ -363,24 +367,24 @@ def phase_sources(data: Any, *, phase: int, seq_len: int, short_max: int, medium
     corpus_cat = length_category(data.lengths[corpus], short_max, medium_max)
     long_docs = data.long_documents
     long_cat = length_category(long_docs.lengths, short_max, medium_max)
-    pools = {s: [("corpus", int(i)) for i in corpus[corpus_cat == s]] +
-             [("long", int(k)) for k in np.flatnonzero(long_cat == s)] for s in (SHORT, MEDIUM, LONG)}
+    pools = {s: np.concatenate([_refs(0, corpus[corpus_cat == s]), _refs(1, np.flatnonzero(long_cat == s))])
+             for s in (SHORT, MEDIUM, LONG)}
 
     def tokens_of(store: str, item: int) -> np.ndarray:
         return data.document(item) if store == "corpus" else long_docs.tokens(item)
 
     ranges = {SHORT: f"< {short_max}", MEDIUM: f"{short_max}..{medium_max}", LONG: f"> {medium_max}"}
     for s in (SHORT, MEDIUM, LONG):
-        if not pools[s] and max(previous[s], target[s]) > 0 and s != SHORT:
+        if not len(pools[s]) and max(previous[s], target[s]) > 0 and s != SHORT:
             raise ValueError(f"phase {phase}: the {SOURCES[s]} source has weight {max(previous[s], target[s]):g} "
                              f"but no corpus or assembled document is {ranges[s]} tokens long; add long_document_"
                              f"lengths in that range or give it weight 0")
     queues: dict[int, SampleQueue | QAQueue] = {
         s: SampleQueue(pools[s], tokens_of, seq_len, [seed, _QUEUE_TAG, phase, s]) for s in (MEDIUM, LONG)}
     if qa_share > 0:
-        fits = [("long", int(k)) for k in np.flatnonzero(long_docs.lengths <= seq_len)]
-        contexts = fits or [("long", k) for k in range(len(long_docs))]
-        if not contexts:
+        fits = np.flatnonzero(long_docs.lengths <= seq_len)
+        contexts = _refs(1, fits if fits.size else np.arange(len(long_docs)))
+        if not len(contexts):
             raise ValueError(f"phase {phase}: qa_share={qa_share} but no long document was assembled to make long QA "
                              "from (the held-in documents of every domain are shorter than the smallest length)")
         make = partial(_make_qa, length=seq_len, tokenizer=tokenizer, word_start=word_start_tokens(tokenizer),
@@ -396,6 +400,10 @@ def phase_sources(data: Any, *, phase: int, seq_len: int, short_max: int, medium
                          "pretrain with more eval_documents, or use shorter phases")
     evals = [held_out.tokens(k) for k in range(min(len(held_out), eval_rows))]
     return PhaseSources(queues, short, evals, np.asarray(previous, float), np.asarray(target, float))
+
+
+def _refs(store: int, items: np.ndarray) -> np.ndarray:
+    return np.stack([np.full(len(items), store, np.int64), np.asarray(items, np.int64)], axis=1)
 
 
 def _make_qa(context: np.ndarray, context_id: str, rng: np.random.Generator, *, make: Callable[..., Any],

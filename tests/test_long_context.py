@@ -90,7 +90,7 @@ def test_bad_params_are_clear_errors(bad: dict, match: str) -> None:
 def _queue(lengths: list[int], tag: int, seq_len: int) -> SampleQueue:
     """Synthetic samples: sample k of a source is ``[tag * 1000 + k] * length``."""
     samples = [np.full(n, tag * 1000 + k, np.int32) for k, n in enumerate(lengths)]
-    return SampleQueue([("s", k) for k in range(len(samples))], lambda _, k: samples[k], seq_len, [0, tag])
+    return SampleQueue(np.array([[0, k] for k in range(len(samples))]), lambda _, k: samples[k], seq_len, [0, tag])
 
 
 def test_rows_follow_the_interpolated_weights_and_take_qa_only_in_the_last_fifth() -> None:
@@ -115,9 +115,9 @@ def test_rows_follow_the_interpolated_weights_and_take_qa_only_in_the_last_fifth
     for pieces in planned:
         for p in pieces:
             if p.source in (MEDIUM, QA):
-                assert not p.continuation and p.tokens.size == len(queues[p.source].tokens_of("s", p.ref[1]))
+                assert not p.continuation and p.tokens.size == len(queues[p.source].tokens_of("", p.ref[1]))
             if p.source == LONG:
-                whole = queues[LONG].tokens_of("s", p.ref[1]).size
+                whole = queues[LONG].tokens_of("", p.ref[1]).size
                 assert p.tokens.size == L or p.tokens.size == whole % L
     # cumulative tokens of every source stay within one sample (<= 512 tokens) of the cumulative target
     target = np.cumsum(np.stack([weights(j) for j in range(rows)]) * L, axis=0)
@@ -239,7 +239,7 @@ def test_long_qa_labels_through_the_packed_rows_are_the_answer_tokens(tokenizer,
     L = 256
     ctx_tokens = np.asarray(tokenizer.encode(" ".join(["alpha beta gamma."] * 200), add_special_tokens=False).ids,
                             np.int32)
-    contexts = SampleQueue([("long", 0)], lambda *_: np.concatenate([[0], ctx_tokens[:180], [1]]), L, [0, 9])
+    contexts = SampleQueue(np.array([[1, 0]]), lambda *_: np.concatenate([[0], ctx_tokens[:180], [1]]), L, [0, 9])
 
     def make(context: np.ndarray, cid: str, rng: np.random.Generator):  # noqa: ANN202
         return make_long_qa(context, L, rng, tokenizer, word_start_tokens(tokenizer), bos=0, eos=1, context_id=cid)
