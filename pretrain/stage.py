@@ -173,10 +173,12 @@ class _EventsTail(threading.Thread):
 
 
 def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: int, relay: _Relay,
-                      ctx: StageContext, export_dir: Path) -> None:
+                      ctx: StageContext, export_dir: Path | None = None) -> None:
     """``nodes`` x ``ranks_per_node`` ranks as Ray Train workers (``TorchTrainer``), each with its share of a node's
     ``cpus``/``gpus``; Ray Train sets up their process group (gloo, or NCCL with GPUs) before they call
-    :func:`pretrain.train.run_rank`. Rank 0's metric lines come back through a file in the stage's work dir."""
+    :func:`pretrain.train.run_rank`. Rank 0's metric lines come back through a file in the stage's work dir; it
+    writes its summary to ``export_dir`` (default the stage's output directory)."""
+    export_dir = ctx.out_dir if export_dir is None else export_dir
     import ray
     from ray.train import RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
     from ray.train.torch import TorchTrainer
