@@ -440,7 +440,13 @@ def read_info(path: str | Path) -> PackedDatasetInfo:
 
 
 class PackedRows:
-    """Memory-mapped rows of one split: ``row(i) -> (tokens [seq_len], segment_starts [n + 1], pad_mask)``."""
+    """Memory-mapped rows of one split: ``row(i) -> (tokens [seq_len], segment_starts [n + 1], pad_mask)``.
+
+    ``pad_mask`` marks the positions whose label does not count besides segment starts: the padding at the end of
+    the last row, or, where the split has a ``<split>_no_loss.npy`` (bool [rows, seq_len], written by the
+    long-context phases, ``pretrain/long_mix.py``), the positions it marks: padding anywhere and the context of a
+    long-QA sample, whose answer alone is the target.
+    """
 
     def __init__(self, path: str | Path, split: Literal["train", "eval"] = "train") -> None:
         self.path = Path(path)
@@ -452,8 +458,11 @@ class PackedRows:
         self.tokens = np.load(self.path / split_file(split, "tokens"), mmap_mode="r")
         self.segment_starts = np.load(self.path / split_file(split, "segment_starts"), mmap_mode="r")
         self.segment_index = np.load(self.path / split_file(split, "segment_index"))
+        no_loss = self.path / split_file(split, "no_loss")
+        self.no_loss = np.load(no_loss, mmap_mode="r") if no_loss.is_file() else None
         if self.tokens.shape != (self.split_info.rows, self.seq_len) or \
-                self.segment_index.shape != (self.split_info.rows + 1,):
+                self.segment_index.shape != (self.split_info.rows + 1,) or \
+                (self.no_loss is not None and self.no_loss.shape != self.tokens.shape):
             raise ValueError(f"{self.path}: {split} files disagree with packing.json (tokens "
                              f"{self.tokens.shape}, index {self.segment_index.shape}, expected "
                              f"{self.split_info.rows} rows of {self.seq_len}); rebuild the packed dataset")
@@ -468,6 +477,8 @@ class PackedRows:
         i %= n
         tokens = np.asarray(self.tokens[i])
         starts = np.asarray(self.segment_starts[self.segment_index[i]:self.segment_index[i + 1]])
+        if self.no_loss is not None:
+            return tokens, starts, np.array(self.no_loss[i], bool)
         pad_mask = np.zeros(self.seq_len, bool)
         if i == n - 1 and self.split_info.pad_tokens:  # only the last row is padded, at its end
             pad_mask[self.seq_len - self.split_info.pad_tokens:] = True
@@ -529,9 +540,12 @@ class RowLoader:
     never share a row within an epoch. The state is the position in the global order (not a batch
     index), so the number of rows per call may change (batch-size schedule) and a resumed loader
     continues exactly where the saved one was. Every rank must request the same ``num_rows`` per call.
+    ``shuffle=False`` walks the rows in their stored order every epoch (a long-context phase's rows follow its
+    source schedule, ``pretrain/long_mix.py``).
     """
 
-    def __init__(self, rows: PackedRows | int, *, seed: int, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, rows: PackedRows | int, *, seed: int, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True) -> None:
         self.num_rows = rows if isinstance(rows, int) else len(rows)
         if self.num_rows <= 0:
             raise ValueError("RowLoader needs at least one row (the packed split is empty)")
@@ -539,12 +553,14 @@ class RowLoader:
             raise ValueError(f"seed={seed}: use a non-negative integer (numpy SeedSequence)")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
         self.position = 0  # next slot of the current epoch's permutation (global, over all ranks)
         self.epoch = 0  # completed passes over the rows
         self._perms: dict[int, np.ndarray] = {}
 
     def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_rows)
         if epoch not in self._perms:
             if len(self._perms) >= 2:
                 self._perms.pop(min(self._perms))

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -172,10 +173,12 @@ class _EventsTail(threading.Thread):
 
 
 def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: int, relay: _Relay,
-                      ctx: StageContext) -> None:
+                      ctx: StageContext, export_dir: Path | None = None) -> None:
     """``nodes`` x ``ranks_per_node`` ranks as Ray Train workers (``TorchTrainer``), each with its share of a node's
     ``cpus``/``gpus``; Ray Train sets up their process group (gloo, or NCCL with GPUs) before they call
-    :func:`pretrain.train.run_rank`. Rank 0's metric lines come back through a file in the stage's work dir."""
+    :func:`pretrain.train.run_rank`. Rank 0's metric lines come back through a file in the stage's work dir; it
+    writes its summary to ``export_dir`` (default the stage's output directory)."""
+    export_dir = ctx.out_dir if export_dir is None else export_dir
     import ray
     from ray.train import RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
     from ray.train.torch import TorchTrainer
@@ -198,7 +201,8 @@ def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: i
         scaling_config=ScalingConfig(num_workers=ranks_per_node * resources.nodes, use_gpu=gpus > 0,
                                      resources_per_worker={"CPU": cpus, **({"GPU": gpus} if gpus else {})}),
         # Ray Train keeps its run state (no checkpoints: DeepSpeed writes those to the resume dir) in storage_path
-        run_config=RunConfig(name=ctx.work_dir.name, storage_path=str(ctx.work_dir / "ray_train"),
+        run_config=RunConfig(name=f"{ctx.work_dir.name}-{config_path.stem}",  # a run per config (long_context phases)
+                             storage_path=str(ctx.work_dir / "ray_train"),
                              worker_runtime_env={"env_vars": env}),
     )
     tail = _EventsTail(events, relay)
@@ -219,13 +223,51 @@ def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: i
         tail.stop()
     if tail.error is not None:
         raise tail.error
-    if not (ctx.out_dir / "summary.json").exists():
+    if not (export_dir / "summary.json").exists():
         import socket
 
         raise RuntimeError(
-            f"{ctx.stage_name}: the Ray Train workers finished, but what rank 0 wrote to {ctx.out_dir} is not visible "
+            f"{ctx.stage_name}: the Ray Train workers finished, but what rank 0 wrote to {export_dir} is not visible "
             f"to the stage's process on {socket.gethostname()}: the pipeline's artifact_root must be a filesystem "
             "every node shares, at the same path (README, 'Multi-node training')")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where a training stage's ranks run: ``per_node`` ranks on each of the stage's nodes, ``world`` in all, as Ray
+    Train workers when they span nodes or the stage's own task holds nothing (GPUs on a Ray cluster): a process
+    started here could not use resources Ray never gave this task (pipeline/orchestrator.py)."""
+
+    per_node: int
+    world: int
+    ray_train: bool
+
+    @classmethod
+    def of(cls, processes: int | None, r: Resources, stage: str) -> RankLayout:
+        per_node = processes or max(1, int(r.gpus))
+        if r.gpus and per_node > int(r.gpus):
+            raise ValueError(f"{stage}: processes={per_node} but the stage has {r.gpus:g} GPUs per node "
+                             "(one rank each)")
+        return cls(per_node, per_node * r.nodes, r.nodes > 1 or not r.reserved_for_task)
+
+
+def launch_ranks(cfg: Any, layout: RankLayout, relay: _Relay, ctx: StageContext, *, name: str,
+                 config_name: str = "train_config.json") -> None:
+    """Run :func:`pretrain.train.run_rank` on every rank of ``layout`` with ``cfg`` (a ``TrainConfig``, written to
+    the work dir): one process or ``torchrun`` under ``run_process_tree``, or Ray Train workers. Returns when they
+    are done; a failed rank raises."""
+    from dataclasses import asdict
+
+    from pipeline.launch import run_process_tree
+
+    config_path = ctx.work_dir / config_name
+    config_path.write_text(json.dumps(asdict(cfg), indent=2))
+    if layout.ray_train:
+        _launch_ray_train(config_path, ctx.resources, layout.per_node, relay, ctx, Path(cfg.export_dir))
+    else:
+        threads = max(1, int(ctx.resources.cpus) // layout.world)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
+        run_process_tree(_train_command(config_path, layout.world), env=env, cwd=os.getcwd(), log=relay, name=name)
 
 
 def _pythonpath() -> str:
@@ -234,7 +276,6 @@ def _pythonpath() -> str:
 
 
 def run(params: PretrainParams, ctx: StageContext) -> None:
-    from pipeline.launch import run_process_tree
     from pretrain.data import build_packed_dataset
     from pretrain.train import TrainConfig
 
@@ -253,32 +294,18 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     packing = json.loads((data_dir / "packing.json").read_text())
 
     r = ctx.resources
-    per_node = params.processes or max(1, int(r.gpus))
-    if r.gpus and per_node > int(r.gpus):
-        raise ValueError(f"pretrain: processes={per_node} but the stage has {r.gpus:g} GPUs per node (one rank each)")
-    world = per_node * r.nodes
-    # Ray Train when the ranks span nodes or the stage's own task holds nothing (GPUs on a Ray cluster): a process
-    # started here could not use resources Ray never gave this task (pipeline/orchestrator.py)
-    ray_train = r.nodes > 1 or not r.reserved_for_task
+    layout = RankLayout.of(params.processes, r, "pretrain")
+    world = layout.world
     fields = {k: v for k, v in params.model_dump().items()
               if k not in ("double_batch_at_tokens", "double_batch_below_loss", "eval_documents", "processes")}
     cfg = TrainConfig(data_dir=str(data_dir), tokenizer_dir=str(tokenizer.path), resume_dir=str(ctx.resume_dir),
                       export_dir=str(ctx.out_dir), double_at_tokens=params.double_batch_at_tokens,
                       double_below_loss=params.double_batch_below_loss, **fields)
-    config_path = ctx.work_dir / "train_config.json"
-    from dataclasses import asdict
-
-    config_path.write_text(json.dumps(asdict(cfg), indent=2))
     relay = _Relay(ctx)
-    where = f" on {r.nodes} node(s) through Ray Train" if ray_train else ""
+    where = f" on {r.nodes} node(s) through Ray Train" if layout.ray_train else ""
     ctx.progress(f"training {params.size} on {packing['train']['rows']:,} rows x {params.seq_len} tokens, "
                  f"{world} process(es){where}, target {params.train_tokens:,} tokens")
-    if ray_train:
-        _launch_ray_train(config_path, r, per_node, relay, ctx)
-    else:
-        threads = max(1, int(r.cpus) // world)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath()}
-        run_process_tree(_train_command(config_path, world), env=env, cwd=os.getcwd(), log=relay, name="pretrain")
+    launch_ranks(cfg, layout, relay, ctx, name="pretrain")
 
     summary = json.loads((ctx.out_dir / "summary.json").read_text())
     history = [json.loads(line) for line in (ctx.out_dir / "train_log.jsonl").read_text().splitlines() if line]

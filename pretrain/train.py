@@ -92,6 +92,10 @@ class TrainConfig:
     inject_nan_at_steps: list[int] = field(default_factory=list)  # fault injection, for testing the guard
     lightning_impl: str = "auto"
     compile: bool = False
+    # long-context phases (pretrain/long_context.py): start from a checkpoint's model/ directory (its architecture
+    # and weights; model_overrides still apply, e.g. rope_theta), and read the rows in their stored order
+    init_from: str | None = None
+    ordered_rows: bool = False
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
@@ -207,11 +211,27 @@ def build_model(cfg: TrainConfig) -> Any:
         "use_cache": False,
         **cfg.model_overrides,
     }
+    if cfg.init_from:
+        return _model_from_checkpoint(cfg, overrides)
     mc = config_for(cfg.size, **overrides)
     if mc.max_position_embeddings < cfg.seq_len:
         mc.max_position_embeddings = cfg.seq_len
     torch.manual_seed(cfg.seed)  # the same DeepNorm init on every rank
     return HybridForCausalLM(mc)
+
+
+def _model_from_checkpoint(cfg: TrainConfig, overrides: dict[str, Any]) -> Any:
+    """The model saved in ``cfg.init_from`` (a checkpoint's ``model/``), its config updated by ``overrides``."""
+    from model import HybridConfig, HybridForCausalLM
+
+    mc = HybridConfig.from_pretrained(cfg.init_from)
+    if mc.vocab_size != overrides["vocab_size"]:
+        raise ValueError(f"the checkpoint in {cfg.init_from} has vocab_size {mc.vocab_size} but the tokenizer in "
+                         f"{cfg.tokenizer_dir} has {overrides['vocab_size']}: pass the tokenizer it was trained with")
+    for key, value in overrides.items():
+        setattr(mc, key, value)
+    mc.max_position_embeddings = max(mc.max_position_embeddings, cfg.seq_len)
+    return HybridForCausalLM.from_pretrained(cfg.init_from, config=mc, dtype=torch.float32)
 
 
 def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -426,7 +446,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         decay_frac=cfg.decay_frac, final_lr_ratio=cfg.final_lr_ratio)
     batch_schedule = BatchSizeSchedule(cfg.batch_rows, cfg.max_batch_rows, cfg.double_at_tokens,
                                        cfg.double_below_loss)
-    loader = RowLoader(rows, seed=cfg.seed, rank=rank, world_size=world)
+    loader = RowLoader(rows, seed=cfg.seed, rank=rank, world_size=world, shuffle=not cfg.ordered_rows)
 
     step, tokens_seen, history = 0, 0, []
     num_layers = model_config.num_hidden_layers

@@ -64,6 +64,22 @@ def test_tiny_dag_runs_every_stage_then_is_all_cache_hits(tiny):
     assert "✓ tokenizer done" in tiny["stderr"] and "stage" in tiny["stderr"]  # progress + summary table
 
 
+def test_tiny_dag_long_context_extends_the_pretrained_checkpoint_phase_by_phase(tiny):
+    first = tiny["first"]
+    lc = first["stages"]["long_context"]["summary"]
+    assert (lc["tokens"], lc["steps"], lc["skipped_steps"], lc["final_seq_len"]) == (65536, 16, 0, 1024)
+    assert lc["eval_loss"] < lc["unigram_loss"] - 0.5, lc  # at 1024 tokens, on held-out long documents
+    art = Path(first["stages"]["long_context"]["artifact"])
+    for sub, (rope, length) in (("phases/0/model", (20_000.0, 512)), ("phases/1/model", (40_000.0, 1024)),
+                                ("model", (40_000.0, 1024))):
+        config = json.loads((art / sub / "config.json").read_text())
+        assert (config["rope_theta"], config["max_position_embeddings"]) == (rope, length), sub
+    c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
+    run_id = first["stages"]["long_context"]["run_id"]
+    assert [m.step for m in c.get_metric_history(run_id, "eval_loss")] == [8, 16]
+    assert [m.step for m in c.get_metric_history(run_id, "loss")] == list(range(2, 17, 2))
+
+
 def test_tiny_dag_tokenizer_loads_with_autotokenizer(tiny):
     from transformers import AutoTokenizer
 
