@@ -212,9 +212,8 @@ def _checkpoint_packing(checkpoint: Path, mixture: Path) -> dict[str, Any]:
     """The pretraining run's packing.json, checked against the mixture given: the held-out documents are its."""
     from data.mix import iter_mixture
 
-    for name in ("packing.json", "model/config.json", "model/model.safetensors"):
-        if not (checkpoint / name).exists() and not (name.endswith("safetensors") and
-                                                     any((checkpoint / "model").glob("*.safetensors"))):
+    for name in ("packing.json", "model/config.json"):
+        if not (checkpoint / name).exists():
             raise FileNotFoundError(f"long_context: the checkpoint {checkpoint} has no {name}; give it the artifact of "
                                     "a pretrain stage")
     packing = json.loads((checkpoint / "packing.json").read_text())

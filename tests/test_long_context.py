@@ -362,21 +362,6 @@ def test_stage_keeps_each_phase_checkpoint_with_its_rope_base_and_length(extende
     assert (summary["seq_len"], summary["rope_theta"], summary["steps"]) == (512, 40_000.0, 2 * STEPS)
 
 
-MINIMAX_LOGITS = """
-import sys
-import numpy as np
-import torch
-from transformers import AutoModelForCausalLM
-from transformers.models.minimax import MiniMaxForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-assert type(model) is MiniMaxForCausalLM, type(model)
-assert "model" not in sys.modules, "loading the MiniMax export imported hylight's model package"
-ids = torch.from_numpy(np.load(sys.argv[2]))
-with torch.no_grad():
-    np.save(sys.argv[3], model.eval()(input_ids=ids).logits.double().numpy())
-"""
-
-
 @pytest.mark.slow
 def test_stage_minimax_export_loads_in_transformers_with_the_new_rope_base(extended: Extended,
                                                                             tmp_path: Path) -> None:
@@ -386,6 +371,7 @@ def test_stage_minimax_export_loads_in_transformers_with_the_new_rope_base(exten
     import model  # noqa: F401  (registers hylight_hybrid)
     from model.hf_minimax import max_relative_error
     from pretrain.data import PackedRows
+    from tests.test_pretrain import MINIMAX_LOGITS  # transformers' MiniMax in an interpreter without hylight
 
     ours = AutoModelForCausalLM.from_pretrained(extended.out / "model").eval()
     assert ours.config.rope_theta == 40_000.0
