@@ -139,11 +139,14 @@ class MetricSink:
 
     def __init__(self) -> None:
         self.metrics: list[tuple[str, float, int | None]] = []
+        self.stepped: dict[str, tuple[int, float]] = {}  # name -> (step, value) last logged with a step
         self.artifacts: list[tuple[Path, str | None]] = []
         self.tags: dict[str, str] = {}
 
     def log_metrics(self, metrics: dict[str, float], step: int | None) -> None:
         self.metrics.extend((k, float(v), step) for k, v in metrics.items())
+        if step is not None:
+            self.stepped.update((k, (step, float(v))) for k, v in metrics.items())
 
     def log_artifact(self, path: Path, artifact_path: str | None) -> None:
         self.artifacts.append((path, artifact_path))
@@ -225,7 +228,17 @@ class StageContext:
     def log_summary(self, metrics: dict[str, float]) -> None:
         """Final key numbers of the stage: logged as metrics and shown by ``hylight status``."""
         self.summary.update({k: float(v) for k, v in metrics.items()})
-        self.sink.log_metrics(metrics, None)
+        # A summary value of a metric that already has a step history (e.g. the final ``loss``) is that
+        # history's last point: log it only if it differs, at the last step, so that the curve in the
+        # MLflow UI does not get a stray point at step 0.
+        seen = self.sink.stepped
+        last_step = max((s for s, _ in seen.values()), default=None)
+        plain = {k: v for k, v in metrics.items() if k not in seen}
+        moved = {k: v for k, v in metrics.items() if k in seen and float(v) != seen[k][1]}
+        if plain:
+            self.sink.log_metrics(plain, None)
+        if moved:
+            self.sink.log_metrics(moved, last_step)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Searchable labels of this stage's run (e.g. which labeler produced the labels)."""
