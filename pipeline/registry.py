@@ -26,6 +26,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "mix": "data.mix",
     "tokenizer": "data.tokenizer",
     "pretrain": "pretrain.stage",
+    "eval": "pretrain.evaluation",
 }
 
 
