@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 
 
-def hylight(*args: str, env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
+def hylight(*args: str, env: dict[str, str], timeout: int = 1500) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
