@@ -27,6 +27,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "tokenizer": "data.tokenizer",
     "pretrain": "pretrain.stage",
     "long_context": "pretrain.long_context",
+    "eval": "pretrain.evaluation",
 }
 
 

@@ -80,6 +80,28 @@ def test_tiny_dag_long_context_extends_the_pretrained_checkpoint_phase_by_phase(
     assert [m.step for m in c.get_metric_history(run_id, "loss")] == list(range(2, 17, 2))
 
 
+def test_tiny_dag_eval_reports_every_metric_in_range_with_its_plots(tiny):
+    """The tiny model finds no needles; what is checked is that every metric is a real number in its range."""
+    ev, pretrain = tiny["first"]["stages"]["eval"]["summary"], tiny["first"]["stages"]["pretrain"]["summary"]
+    for name in ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
+                 "mc_acc_norm", "mc_acc_norm.cloze", "mc_acc_norm.next_sentence", "mc_acc.cloze"):
+        assert 0.0 <= ev[name] <= 1.0, name
+    for name in ("mc_log_acc_norm2", "mc_log_acc_norm2.cloze", "mc_log_acc_norm2.next_sentence"):
+        assert -20 < ev[name] < 0, name  # log of a probability
+    assert ev["mc_items.cloze"] == 40 and ev["mc_items.next_sentence"] == 40
+    # trained length 256: the held-out loss there is a real model loss, and 512 (never trained on) is measured
+    assert ev["eval_loss_at_256"] < pretrain["unigram_loss"] - 0.5, (ev, pretrain)
+    assert 0 < ev["eval_loss_at_512"] < 20
+    c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
+    run = c.get_run(tiny["first"]["stages"]["eval"]["run_id"])
+    assert {"niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "mc_log_acc_norm2"} <= set(run.data.metrics)
+    plots = {Path(f.path).name for f in c.list_artifacts(run.info.run_id, "plots")}
+    assert {"niah.png", "loss_by_position.png"} <= plots
+    report = json.loads((Path(tiny["first"]["stages"]["eval"]["artifact"]) / "report.json").read_text())
+    assert report["trained_length"] == 256 and report["context_lengths"] == [256, 512]
+    assert report["held_out"]["documents"] == 64  # pretrain's eval_documents: taken out of training
+
+
 def test_tiny_dag_tokenizer_loads_with_autotokenizer(tiny):
     from transformers import AutoTokenizer
 

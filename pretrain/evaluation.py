@@ -1,0 +1,503 @@
+"""Stage ``eval``: what a trained checkpoint can do, on text it was not trained on (artifact ``eval_report``).
+
+Inputs: the ``checkpoint`` (``model/`` + tokenizer + ``packing.json`` from ``pretrain``), and the ``mixture`` and
+``scored_documents`` it was trained from. The held-out text is exactly the pretrain stage's held-out set: the
+documents ``pretrain/data.py`` chose for ``eval_loss`` (documents the mixture never samples first, else ones it took
+out of training), recomputed from the mixture with the seed and count in ``packing.json`` and checked against the
+document and token counts recorded there. Every haystack, filler turn, loss window and built multiple-choice item comes
+from those documents only.
+
+What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_len``):
+
+* vanilla NIAH over context lengths (``context_multiples`` x T) x needle depths, greedy decoding through the model's
+  recurrent cache (HF ``generate`` with ``HybridCache``), exact match of the number: ``niah_accuracy`` (at T),
+  ``niah_accuracy_2x`` (at 2T), ``niah_accuracy_at_<L>``, heat map ``plots/niah.png``;
+* multi-round NIAH (needle rounds in a chat history at 25/50/75% depth, the last round asks for the numbers again):
+  ``multi_round_niah_recall`` (at T), ``multi_round_niah_recall_2x``, ``multi_round_niah_recall_at_<L>``;
+* extrapolation: next-token loss by position on held-out windows of the longest context (``[BOS]`` + held-out
+  tokens), ``eval_loss_at_<L>`` = mean loss of the tokens at positions [previous length, L) (the first from 1), so
+  ``eval_loss_at_<2T>`` is the loss on positions the model never trained on; plot ``plots/loss_by_position.png``;
+* multiple choice (``pretrain/eval_tasks.py``): cloze and next-sentence tasks built from the held-out text and every
+  lm-eval JSONL file in ``task_files``; per task ``mc_acc.<task>``, ``mc_acc_norm.<task>``, ``mc_log_acc_norm2.<task>``
+  (§4.1.3.1), ``mc_items.<task>`` and the power analysis (``mc_min_items.<task>``: test size that detects an accuracy
+  gain of ``mde``; ``mc_mde.<task>``: the gain this task's size detects); ``mc_acc_norm`` / ``mc_log_acc_norm2`` are
+  the means over tasks.
+
+Output: ``report.json`` (every number above, the grids, each NIAH trial and answer), ``mc_items.jsonl`` (per item:
+log-likelihoods and scores), ``plots/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from data.documents import SCORED_DOCUMENTS_TYPE
+from data.mix import MIXTURE_TYPE
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
+from pretrain.eval_metrics import (
+    choice_scores,
+    min_detectable_accuracy_difference,
+    min_samples_for_accuracy_difference,
+    niah_correct,
+    recall,
+)
+from pretrain.eval_tasks import (
+    MCItem,
+    MCTask,
+    TokenStream,
+    build_cloze_task,
+    build_multi_round_trial,
+    build_next_sentence_task,
+    build_niah_trials,
+    needle_rounds,
+    read_lm_eval_jsonl,
+)
+from pretrain.stage import CHECKPOINT_TYPE
+
+EVAL_REPORT_TYPE = "eval_report"
+REPORT_FILE = "report.json"
+MC_ITEMS_FILE = "mc_items.jsonl"
+HAYSTACK_SEPARATOR = "\n\n"  # between held-out documents in the haystack / loss stream
+
+
+class EvalParams(StageParams):
+    context_multiples: list[float] = Field(default_factory=lambda: [1.0, 2.0], description=(
+        "NIAH, multi-round NIAH and loss lengths as multiples of the checkpoint's trained length T; must hold 1 and 2 "
+        "(niah_accuracy is at T, niah_accuracy_2x at 2T)."))
+    needle_depths: list[float] = Field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0], description=(
+        "Vanilla NIAH needle depths: share of the haystack tokens before the needle."))
+    niah_trials: int = Field(2, ge=1, description="Vanilla NIAH prompts per (length, depth) cell.")
+    niah_max_new_tokens: int = Field(12, ge=1, description="Greedy tokens generated for a NIAH answer.")
+    mr_niah_round_tokens: int = Field(96, ge=8, description=(
+        "Multi-round NIAH: one history round per this many context tokens (at least one round per needle plus one "
+        "filler round)."))
+    mr_niah_depths: list[float] = Field(default_factory=lambda: [0.25, 0.5, 0.75], description=(
+        "Multi-round NIAH: depths of the needle rounds in the history (§5.7.2: 25%, 50%, 75%)."))
+    mr_niah_trials: int = Field(2, ge=1, description="Multi-round NIAH dialogues per context length.")
+    mr_niah_max_new_tokens: int = Field(48, ge=1, description="Greedy tokens generated for a multi-round answer.")
+    loss_windows: int = Field(8, ge=1, description="Held-out windows of the longest length for the loss by position.")
+    loss_bin: int = Field(32, ge=1, description="Positions per point of the loss-by-position curve.")
+    cloze_items: int = Field(50, ge=0, description="Cloze items built from the held-out text (0: no cloze task).")
+    next_sentence_items: int = Field(50, ge=0, description="Next-sentence items built from the held-out text (0: none).")
+    mc_choices: int = Field(4, ge=2, description="Choices per built multiple-choice item.")
+    mc_context_chars: int = Field(600, ge=20, description="Characters of context before a built item's choices.")
+    task_files: list[str] = Field(default_factory=list, description=(
+        "Multiple-choice task files in lm-eval's JSONL shape ({\"query\" or \"context\", \"choices\", \"gold\"} a line; "
+        ".jsonl or .jsonl.gz), each scored as a task named after its file."))
+    mde: float = Field(0.05, gt=0, lt=1, description=(
+        "Power analysis: the accuracy gain to detect (minimal detectable effect), at significance alpha and power."))
+    alpha: float = Field(0.05, gt=0, lt=1, description="Power analysis: two-sided significance level (95% confidence).")
+    power: float = Field(0.8, gt=0, lt=1, description="Power analysis: probability of detecting the effect.")
+    generate_batch: int = Field(8, ge=1, description="NIAH prompts decoded together (same length, no padding).")
+    seed: int = Field(0, ge=0, description="Needles, haystack offsets, item choice and order.")
+
+    @model_validator(mode="after")
+    def _grids(self) -> EvalParams:
+        if any(m <= 0 for m in self.context_multiples) or not {1.0, 2.0} <= set(self.context_multiples):
+            raise ValueError(f"context_multiples={self.context_multiples}: need positive multiples including 1 and 2 "
+                             "(niah_accuracy is measured at the trained length, niah_accuracy_2x at twice it)")
+        if not self.needle_depths or any(not 0 <= d <= 1 for d in self.needle_depths):
+            raise ValueError(f"needle_depths={self.needle_depths}: need at least one depth, each in [0, 1]")
+        if not self.mr_niah_depths or any(not 0 <= d <= 1 for d in self.mr_niah_depths):
+            raise ValueError(f"mr_niah_depths={self.mr_niah_depths}: need at least one depth, each in [0, 1]")
+        return self
+
+
+# --- held-out text --------------------------------------------------------------------------------------------
+@dataclass
+class HeldOut:
+    docs: list[tuple[str, str]]  # (id, text) in pretrain's held-out order
+    seq_len: int  # the checkpoint's trained length
+    info: dict[str, Any]
+
+
+def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldOut:
+    """The documents the checkpoint's pretrain stage held out, with their texts (module docstring)."""
+    from data.documents import iter_documents
+    from pretrain.data import INFO_FILE, _choose_eval, _read_mixture
+
+    packing_file = checkpoint / INFO_FILE
+    if not packing_file.is_file():
+        raise FileNotFoundError(f"eval: checkpoint {checkpoint} has no {INFO_FILE}: the eval stage needs a checkpoint "
+                                "written by the pretrain stage (it names the held-out documents' seed and count)")
+    packing = json.loads(packing_file.read_text())
+    table = _read_mixture(mixture)
+    mixture_tokens = int((table.tokens * table.counts).sum())
+    if (len(table.ids), mixture_tokens) != (packing["mixture_documents"], packing["mixture_tokens"]):
+        raise ValueError(
+            f"eval: mixture {mixture} has {len(table.ids)} documents / {mixture_tokens} tokens but checkpoint "
+            f"{checkpoint} was trained on one of {packing['mixture_documents']} / {packing['mixture_tokens']}: bind the "
+            "eval stage to the mix (and quality) stages the pretrain stage read")
+    chosen = _choose_eval(table, packing["seed"], packing["eval"]["documents"])
+    if int(table.tokens[chosen].sum()) != packing["eval"]["tokens"]:
+        raise ValueError(f"eval: the held-out documents recomputed from {mixture} do not have the "
+                         f"{packing['eval']['tokens']} tokens {checkpoint}/{INFO_FILE} records: not the pretrain "
+                         "stage's held-out set")
+    where = {int(i): k for k, i in enumerate(chosen)}
+    texts: list[tuple[str, str] | None] = [None] * len(chosen)
+    found = 0
+    for i, rec in enumerate(iter_documents(documents)):
+        if i in where:
+            if rec["id"] != table.ids[i]:
+                raise ValueError(f"eval: documents {documents} hold {rec['id']!r} at position {i} where the mixture "
+                                 f"lists {table.ids[i]!r}: not the scored_documents the mixture was planned from")
+            texts[where[i]] = (rec["id"], rec["text"])
+            found += 1
+            if found == len(chosen):
+                break
+    if any(t is None for t in texts):
+        raise ValueError(f"eval: documents {documents} end before the mixture's held-out documents")
+    info = {"documents": len(chosen), "tokens_with_bos_eos": packing["eval"]["tokens"],
+            "held_out_from_training": packing["held_out_from_training"],
+            "never_sampled": packing["eval_from_unsampled"], "ids": [t[0] for t in texts]}
+    return HeldOut([t for t in texts if t is not None], int(packing["seq_len"]), info)
+
+
+# --- the model ----------------------------------------------------------------------------------------------------
+class Scorer:
+    """The checkpoint's model and tokenizer, and the three things the stage asks of them."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        import torch
+        from tokenizers import Tokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
+
+        model_dir = checkpoint / "model"
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"eval: {model_dir} holds no model: the checkpoint must have pretrain's model/")
+        self.torch = torch
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.chat = AutoTokenizer.from_pretrained(model_dir)  # for its chat template
+        cfg = self.model.config
+        self.bos, self.pad = int(cfg.bos_token_id), int(cfg.pad_token_id)
+        eos = cfg.eos_token_id
+        self.eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[str]:
+        """Greedy answers of equal-length prompts, decoded through the recurrent cache (no padding)."""
+        torch = self.torch
+        ids = torch.tensor(np.asarray(prompts, np.int64), device=self.device)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, use_cache=True, pad_token_id=self.pad, eos_token_id=self.eos)
+        return [self.decode(row[ids.shape[1]:].tolist()) for row in out]
+
+    def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024) -> Any:
+        """log p(ids[:, t + 1] | ids[:, :t + 1]) as float32 [B, T - 1]; the vocabulary projection in position chunks
+        (memory O(B x chunk x V), not O(B x T x V))."""
+        torch = self.torch
+        with torch.no_grad():
+            h = self.model.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                                 output_router_logits=False).last_hidden_state
+            out = []
+            for s in range(0, ids.shape[1] - 1, chunk):
+                e = min(s + chunk, ids.shape[1] - 1)
+                logp = self.model.lm_head(h[:, s:e]).float().log_softmax(-1)
+                out.append(logp.gather(-1, ids[:, s + 1:e + 1, None]).squeeze(-1))
+        return torch.cat(out, dim=1)
+
+    def choice_logliks(self, item: MCItem, max_len: int) -> list[float]:
+        """Sum of log p over each choice's continuation tokens after ``[BOS] context`` (the context cut from the left
+        so the longest choice fits in ``max_len`` tokens); the choices of an item run as one right-padded batch."""
+        torch = self.torch
+        ctx = self.encode(item.context)
+        conts = [self.encode(item.continuation(i)) for i in range(len(item.choices))]
+        room = max_len - 1 - max(len(c) for c in conts)
+        ctx = ctx[-room:] if room > 0 else []
+        seqs = [[self.bos, *ctx, *c] for c in conts]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, s in enumerate(seqs):
+            ids[b, :len(s)] = torch.tensor(s)
+            mask[b, :len(s)] = 1
+        logp = self.token_logprobs(ids.to(self.device), mask.to(self.device)).cpu()
+        start = 1 + len(ctx)  # first continuation token; its log-prob sits at index start - 1
+        return [float(logp[b, start - 1:start - 1 + len(c)].sum()) for b, c in enumerate(conts)]
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for s in range(0, len(items), size):
+        yield items[s:s + size]
+
+
+# --- the parts ----------------------------------------------------------------------------------------------------
+def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalParams,
+          ctx: StageContext) -> dict[str, Any]:
+    trials = build_niah_trials(stream, scorer.encode, scorer.bos, lengths, params.needle_depths, params.niah_trials,
+                               params.seed)
+    rows = []
+    done = 0
+    for length in lengths:
+        mine = [t for t in trials if t.length == length]
+        for batch in _batches(mine, params.generate_batch):
+            answers = scorer.generate([t.ids for t in batch], params.niah_max_new_tokens)
+            for t, a in zip(batch, answers, strict=True):
+                rows.append({"length": t.length, "depth": t.depth, "city": t.city, "number": t.number, "answer": a,
+                             "correct": niah_correct(a, t.number), "needle_start": t.needle_start})
+            done += len(batch)
+            ctx.progress(f"NIAH: {done}/{len(trials)} prompts (length {length})")
+    grid = [[float(np.mean([r["correct"] for r in rows if r["length"] == L and r["depth"] == d]))
+             for L in lengths] for d in params.needle_depths]
+    by_length = {L: float(np.mean([r["correct"] for r in rows if r["length"] == L])) for L in lengths}
+    return {"lengths": lengths, "depths": params.needle_depths, "accuracy": grid, "accuracy_by_length": by_length,
+            "trials": rows}
+
+
+def mr_rounds(length: int, params: EvalParams) -> int:
+    """History rounds of a multi-round NIAH dialogue of ``length`` tokens."""
+    return max(len(params.mr_niah_depths) + 1, length // params.mr_niah_round_tokens)
+
+
+def _multi_round(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalParams,
+                 ctx: StageContext) -> dict[str, Any]:
+    rng = np.random.default_rng([params.seed, 21])
+    rows = []
+    for length in lengths:
+        for _ in range(params.mr_niah_trials):
+            t = build_multi_round_trial(stream, scorer.encode, scorer.decode, scorer.render_chat, length,
+                                        mr_rounds(length, params), params.mr_niah_depths, rng)
+            answer = scorer.generate([t.ids], params.mr_niah_max_new_tokens)[0]
+            found = recall(answer, t.numbers)
+            rows.append({"length": length, "prompt_tokens": len(t.ids), "rounds": t.rounds, "cities": t.cities, "numbers": t.numbers,
+                         "depths": t.depths, "needle_rounds": t.needle_rounds, "answer": answer, "found": found,
+                         "recall": float(np.mean(found))})
+        ctx.progress(f"multi-round NIAH: length {length} done ({params.mr_niah_trials} dialogues)")
+    by_length = {L: float(np.mean([r["recall"] for r in rows if r["length"] == L])) for L in lengths}
+    by_depth = [[float(np.mean([r["found"][k] for r in rows if r["length"] == L])) for L in lengths]
+                for k in range(len(params.mr_niah_depths))]
+    return {"lengths": lengths, "depths": params.mr_niah_depths, "recall_by_length": by_length,
+            "recall_by_depth": by_depth, "trials": rows}
+
+
+def _loss_by_position(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalParams,
+                      ctx: StageContext) -> dict[str, Any]:
+    torch = scorer.torch
+    longest = max(lengths)
+    total = np.zeros(longest - 1)
+    n = params.loss_windows
+    for w in range(n):  # windows spread evenly over the stream (they overlap only when the stream is short)
+        offset = (w * len(stream)) // n
+        ids = torch.tensor([[scorer.bos, *stream.take(offset, longest - 1).tolist()]], device=scorer.device)
+        total -= scorer.token_logprobs(ids)[0].double().cpu().numpy()
+    nll = total / n  # nll[p - 1]: loss of predicting the token at position p (1-based, after BOS at 0)
+    bounds = [0, *lengths]
+    at = {L: float(nll[max(a, 1) - 1:L - 1].mean()) for a, L in zip(bounds, lengths, strict=False)}
+    edges = list(range(0, longest - 1, params.loss_bin)) + [longest - 1]
+    curve = [(int(e), float(nll[s:e].mean())) for s, e in zip(edges, edges[1:], strict=False)]
+    ctx.progress(f"loss by position over {n} windows of {longest} tokens: " +
+                 ", ".join(f"{L}: {v:.3f}" for L, v in at.items()))
+    return {"windows": n, "window_tokens": longest, "loss_at": at, "curve": curve,
+            "stream_tokens": len(stream), "stream_repeats": longest > len(stream)}
+
+
+def _mc(scorer: Scorer, tasks: list[MCTask], max_len: int, params: EvalParams, ctx: StageContext,
+        items_file: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with open(items_file, "w", encoding="utf-8") as f:
+        for task in tasks:
+            if not task.items:
+                ctx.progress(f"multiple choice: task {task.name!r} has no items, skipped")
+                continue
+            scores = []
+            for k, item in enumerate(ctx.track(task.items, total=len(task.items), what=f"{task.name} items")):
+                ll = scorer.choice_logliks(item, max_len)
+                s = choice_scores(ll, item.choices, item.gold)
+                scores.append(s)
+                f.write(json.dumps({"task": task.name, "index": k, "source": item.source, "choices": item.choices,
+                                    "gold": item.gold, "logliks": ll, "acc": s.acc, "acc_norm": s.acc_norm,
+                                    "log_acc_norm2": s.log_acc_norm2}) + "\n")
+            n = len(scores)
+            acc_norm = float(np.mean([s.acc_norm for s in scores]))
+            lan2 = np.asarray([s.log_acc_norm2 for s in scores])
+            target = min(acc_norm + params.mde, 1.0)
+            need = (min_samples_for_accuracy_difference(acc_norm, target, params.alpha, params.power)
+                    if target > acc_norm else math.inf)
+            results[task.name] = {
+                "items": n, "acc": float(np.mean([s.acc for s in scores])), "acc_norm": acc_norm,
+                "log_acc_norm2": float(lan2.mean()), "log_acc_norm2_sd": float(lan2.std(ddof=1)) if n > 1 else 0.0,
+                "chance_log_acc_norm2": float(np.mean([-math.log(len(i.choices)) for i in task.items])),
+                "power": {"mde": params.mde, "alpha": params.alpha, "power": params.power, "min_items": need,
+                          "enough_items": n >= need,
+                          "detectable_gain": min_detectable_accuracy_difference(acc_norm, n, params.alpha,
+                                                                                params.power)},
+            }
+            ctx.progress(f"multiple choice {task.name}: {n} items, acc_norm {acc_norm:.3f}, log acc_norm² "
+                         f"{lan2.mean():.3f}; {need} items detect a gain of {params.mde}")
+    return results
+
+
+# --- plots --------------------------------------------------------------------------------------------------------
+def _plots(ctx: StageContext, niah: dict[str, Any], mr: dict[str, Any], loss: dict[str, Any], trained: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 0.45 * len(niah["depths"]) + 2.6))
+    for a, grid, depths, lengths, title in (
+            (ax[0], niah["accuracy"], niah["depths"], niah["lengths"], "NIAH accuracy"),
+            (ax[1], mr["recall_by_depth"], mr["depths"], mr["lengths"], "multi-round NIAH recall")):
+        im = a.imshow(np.asarray(grid), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        a.set_xticks(range(len(lengths)), [f"{L}" + (" (T)" if L == trained else "") for L in lengths])
+        a.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        a.set_xlabel("context length (tokens)")
+        a.set_ylabel("needle depth")
+        a.set_title(title)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                a.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        fig.colorbar(im, ax=a)
+    ctx.log_figure(fig, "niah.png")
+
+    fig, a = plt.subplots(figsize=(7, 3.8))
+    xs, ys = zip(*loss["curve"], strict=True)
+    a.plot(xs, ys, marker=".")
+    a.axvline(trained, color="C3", ls="--", label=f"trained length {trained}")
+    a.set_xlabel("position (tokens)")
+    a.set_ylabel("next-token loss (nats)")
+    a.set_title(f"loss by position ({loss['windows']} held-out windows)")
+    a.legend()
+    ctx.log_figure(fig, "loss_by_position.png")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Strict JSON (an infinite 'items needed' becomes null), written under a temporary name and renamed."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return o
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+def run(params: EvalParams, ctx: StageContext) -> None:
+    start = time.monotonic()
+    checkpoint = ctx.input("checkpoint").path
+    held = heldout_documents(checkpoint, ctx.input("mixture").path, ctx.input("documents").path)
+    T = held.seq_len
+    lengths = sorted({max(2, round(m * T)) for m in params.context_multiples})  # holds T and 2T (validated)
+    ctx.progress(f"held-out text: {len(held.docs)} documents; trained length {T}; context lengths {lengths}")
+    for length in lengths:  # bad settings and task files fail before the model loads
+        needle_rounds(mr_rounds(length, params), params.mr_niah_depths)
+    task_files = [read_lm_eval_jsonl(p) for p in params.task_files]
+
+    scorer = Scorer(checkpoint)
+    sep = scorer.encode(HAYSTACK_SEPARATOR)
+    stream = TokenStream(np.concatenate([np.asarray(scorer.encode(text) + sep, np.int64) for _, text in held.docs]))
+    if len(stream) < max(lengths):
+        ctx.progress(f"WARNING: the held-out text has {len(stream)} tokens, fewer than the longest context "
+                     f"{max(lengths)}: haystacks repeat it")
+
+    niah = _niah(scorer, stream, lengths, params, ctx)
+    mr = _multi_round(scorer, stream, lengths, params, ctx)
+    loss = _loss_by_position(scorer, stream, lengths, params, ctx)
+    built = [build_cloze_task(held.docs, params.cloze_items, params.mc_choices, params.mc_context_chars, params.seed),
+             build_next_sentence_task(held.docs, params.next_sentence_items, params.mc_choices,
+                                      params.mc_context_chars, params.seed)]
+    for task, want in zip(built, (params.cloze_items, params.next_sentence_items), strict=True):
+        if want and len(task.items) < want:
+            ctx.progress(f"WARNING: the held-out text gave {len(task.items)} {task.name} items of {want} asked for")
+    names = [t.name for t in built if t.items] + [t.name for t in task_files]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval: two multiple-choice tasks share a name ({names}); rename the task files")
+    mc = _mc(scorer, [t for t in built if t.items] + task_files, T, params, ctx, ctx.out_dir / MC_ITEMS_FILE)
+
+    _plots(ctx, niah, mr, loss, T)
+    summary: dict[str, float] = {
+        "niah_accuracy": niah["accuracy_by_length"][T], "niah_accuracy_2x": niah["accuracy_by_length"][2 * T],
+        "multi_round_niah_recall": mr["recall_by_length"][T],
+        "multi_round_niah_recall_2x": mr["recall_by_length"][2 * T],
+    }
+    if mc:
+        summary["mc_acc_norm"] = float(np.mean([r["acc_norm"] for r in mc.values()]))
+        summary["mc_log_acc_norm2"] = float(np.mean([r["log_acc_norm2"] for r in mc.values()]))
+    summary |= {f"eval_loss_at_{L}": v for L, v in loss["loss_at"].items()}
+    summary |= {f"niah_accuracy_at_{L}": v for L, v in niah["accuracy_by_length"].items()}
+    summary |= {f"multi_round_niah_recall_at_{L}": v for L, v in mr["recall_by_length"].items()}
+    for name, r in mc.items():
+        key = metric_key(name)
+        summary |= {f"mc_acc.{key}": r["acc"], f"mc_acc_norm.{key}": r["acc_norm"],
+                    f"mc_log_acc_norm2.{key}": r["log_acc_norm2"], f"mc_items.{key}": r["items"]}
+        if math.isfinite(r["power"]["min_items"]):
+            summary[f"mc_min_items.{key}"] = r["power"]["min_items"]
+        if math.isfinite(r["power"]["detectable_gain"]):
+            summary[f"mc_mde.{key}"] = r["power"]["detectable_gain"]
+    ctx.log_summary(summary)
+    for pos, v in loss["curve"]:
+        ctx.log_metrics({"loss_by_position": v}, step=pos)
+
+    report = {"trained_length": T, "context_lengths": lengths, "held_out": held.info, "params": params.model_dump(),
+              "metrics": summary, "niah": niah, "multi_round_niah": mr, "loss_by_position": loss,
+              "multiple_choice": mc, "seconds": round(time.monotonic() - start, 2)}
+    _write_json(ctx.out_dir / REPORT_FILE, report)
+    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "eval")
+    ctx.set_rows("niah_prompts", len(niah["trials"]))
+    ctx.set_rows("mc_items", sum(r["items"] for r in mc.values()))
+    ctx.progress(f"niah_accuracy {summary['niah_accuracy']:.3f} (2x {summary['niah_accuracy_2x']:.3f}), "
+                 f"multi_round_niah_recall {summary['multi_round_niah_recall']:.3f}, "
+                 f"mc_acc_norm {summary.get('mc_acc_norm', float('nan')):.3f}")
+
+
+def fingerprint(params: EvalParams) -> list[dict[str, Any]]:
+    """Content of the task files, for the cache key: edit one and the stage reruns."""
+    return [file_fingerprint(p) for p in params.task_files]
+
+
+def validate_external(params: EvalParams) -> list[tuple[str, str]]:
+    """At spec validation: every ``task_files`` entry is a file."""
+    return [(f"task_files.{i}", f"task file {p!r} does not exist (resolved against {os.getcwd()})")
+            for i, p in enumerate(params.task_files) if not Path(p).is_file()]
+
+
+STAGE = StageKind(
+    name="eval",
+    params=EvalParams,
+    run=run,
+    produces=EVAL_REPORT_TYPE,
+    inputs={
+        "checkpoint": InputSpec(CHECKPOINT_TYPE, doc="the trained model (pretrain's model/ + packing.json)"),
+        "mixture": InputSpec(MIXTURE_TYPE, doc="the mixture the checkpoint was trained on (which documents it held out)"),
+        "documents": InputSpec(SCORED_DOCUMENTS_TYPE, doc="the scored documents the mixture was planned from (texts)"),
+    },
+    fingerprint=fingerprint,
+    validate_external=validate_external,
+    doc="Evaluation on held-out text (the pretrain stage's held-out documents): vanilla NIAH over context length x "
+        "needle depth with greedy recurrent decoding (niah_accuracy at the trained length, niah_accuracy_2x at twice "
+        "it, heat map), multi-round NIAH in a chat history (multi_round_niah_recall), loss by position beyond the "
+        "trained length (eval_loss_at_<L>, plot), multiple choice on cloze / next-sentence tasks built from the "
+        "held-out text and lm-eval JSONL task files (acc, acc_norm and the §4.1.3.1 log acc_norm²), with the power "
+        "analysis of each task's size.",
+)
