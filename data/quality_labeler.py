@@ -218,6 +218,9 @@ class CausalLMLabelerParams(StageParams):
     max_new_tokens: int = Field(64, ge=8, le=512, description="Greedy generation budget per reply.")
     doc_tokens: int = Field(512, ge=16, description="The document is cut to this many tokens in the prompt.")
     batch_size: int = Field(8, ge=1, description="Prompts generated together (left-padded).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "Where the labeler model runs: auto = the stage's GPU when it has one (bf16; greedy replies may then "
+        "differ from a CPU run's), else the CPU (fp32)."))
 
     @field_validator("model_path")
     @classmethod
@@ -393,6 +396,29 @@ def _directory_fingerprint(path: Path) -> dict[str, Any]:
                       for p in sorted(path.rglob("*")) if p.is_file()]}
 
 
+def _model_directory(path: Path) -> Path:
+    """``path`` itself when it holds a config.json; a training stage's checkpoint artifact holds its model in
+    ``model/`` (pretrain/export.py), so that is taken too."""
+    if (path / "config.json").is_file():
+        return path
+    if (path / "model" / "config.json").is_file():
+        return path / "model"
+    raise FileNotFoundError(
+        f"causal_lm labeler: model_path {path} is not a Hugging Face model directory (no config.json, nor "
+        "model/config.json of a checkpoint artifact); give a saved model directory or a checkpoint artifact")
+
+
+def _labeler_device(choice: str) -> str:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("causal_lm labeler: device=cuda but this process sees no GPU (give the quality stage "
+                           "`resources: {gpus: 1}` or set labeler.device to auto/cpu)")
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
 class CausalLMLabeler:
     """Prompts a local causal LM with :data:`RUBRIC_TEMPLATE`; greedy decoding; strict parsing."""
 
@@ -404,11 +430,8 @@ class CausalLMLabeler:
 
         self.params = params
         self.taxonomy = tuple(taxonomy)
-        self.model_path = Path(params.model_path).expanduser()
-        if not (self.model_path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"causal_lm labeler: model_path {self.model_path} is not a Hugging Face model directory "
-                "(no config.json); give a saved model directory or a model artifact")
+        given = Path(params.model_path).expanduser()
+        self.model_path = _model_directory(given)
         tok_path = Path(params.tokenizer_path).expanduser() if params.tokenizer_path else self.model_path
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(tok_path, local_files_only=True)
@@ -422,11 +445,15 @@ class CausalLMLabeler:
                 raise ValueError(f"causal_lm labeler: tokenizer {tok_path} has neither a pad nor an eos "
                                  "token, so prompts cannot be batched")
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        if json.loads((self.model_path / "config.json").read_text()).get("model_type") == "hylight_hybrid":
+            import model  # noqa: F401  (registers hylight_hybrid with the Auto classes; a fresh worker lacks it)
+        self.device = torch.device(_labeler_device(params.device))
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True,
-                                                          dtype=torch.float32).eval()
+                                                          dtype=dtype).to(self.device).eval()
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None) or getattr(
             self.model.config, "n_positions", None)
-        self.fingerprint = _directory_fingerprint(self.model_path)
+        self.fingerprint = _directory_fingerprint(given)
 
     def _prompt(self, document: str) -> str:
         text = RUBRIC_TEMPLATE.format(categories=", ".join(self.taxonomy), document=document)
@@ -460,6 +487,7 @@ class CausalLMLabeler:
             # a chat template writes its own BOS; a plain prompt gets the tokenizer's specials
             enc = tok(prompts, return_tensors="pt", padding=True,
                       add_special_tokens=not bool(tok.chat_template))
+            enc = enc.to(self.device)
             with torch.inference_mode():
                 out = self.model.generate(**enc, max_new_tokens=self.params.max_new_tokens, do_sample=False,
                                           pad_token_id=tok.pad_token_id)
@@ -478,6 +506,7 @@ class CausalLMLabeler:
     def describe(self) -> dict[str, Any]:
         return {"labeler_kind": self.kind, "model_path": str(self.model_path),
                 "model_fingerprint": self.fingerprint, "model_class": type(self.model).__name__,
+                "device": str(self.device),
                 "generation": {"greedy": True, "max_new_tokens": self.params.max_new_tokens,
                                "doc_tokens": self.params.doc_tokens},
                 "rubric_sha256": hashlib.sha256(RUBRIC_TEMPLATE.encode()).hexdigest()}

@@ -280,6 +280,43 @@ def test_causal_lm_labeler_explains_a_missing_model(tmp_path):
         CausalLMLabeler(CausalLMLabelerParams(kind="causal_lm", model_path=str(tmp_path)), TAXONOMY)
 
 
+def test_causal_lm_labeler_loads_a_hylight_checkpoint_artifact_in_a_fresh_process(tiny_lm, tmp_path):
+    """A stage worker that never imported ``model`` still loads the project's own model type (hylight_hybrid),
+    given the checkpoint artifact's root (its model lives in ``model/``), and generates replies with it."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from model import HybridForCausalLM, config_for
+
+    tok = AutoTokenizer.from_pretrained(tiny_lm)
+    torch.manual_seed(0)
+    cfg = config_for("tiny", vocab_size=len(tok), num_hidden_layers=2, bos_token_id=tok.bos_token_id,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    art = tmp_path / "checkpoint"
+    HybridForCausalLM(cfg).save_pretrained(art / "model")
+    tok.save_pretrained(art / "model")
+    (art / "manifest.json").write_text(json.dumps({"type": "checkpoint", "digest": "d1"}))
+    script = (
+        "import json, sys\n"
+        "from data.quality_labeler import CausalLMLabeler, CausalLMLabelerParams, LabelDoc\n"
+        "assert 'model' not in sys.modules\n"
+        f"lab = CausalLMLabeler(CausalLMLabelerParams(kind='causal_lm', model_path={str(art)!r}, "
+        "max_new_tokens=8, doc_tokens=16), ['a', 'b'])\n"
+        "out = lab.label([LabelDoc('x', 'some words here', 'web'), LabelDoc('y', 'more text', 'web')])\n"
+        "print(json.dumps({'info': out.info, 'replies': out.replies}))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["info"]["model_class"] == "HybridForCausalLM" and got["info"]["device"] == "cpu"
+    assert got["info"]["model_path"] == str(art / "model")
+    assert got["info"]["model_fingerprint"] == {"artifact_digest": "d1"}
+    assert sorted(got["replies"]) == ["x", "y"]
+
+
 def _rubric_reply(doc: dict) -> str:
     """What the taught model should answer for a document (a fixed rule of its domain and id)."""
     kd, helpful = {"prose": (4, 3), "manual": (3, 4), "legal": (2, 1)}.get(doc["domain"], (1, 1))
