@@ -1,0 +1,355 @@
+"""Run untrusted Python (a response's code + its test cases) in a limited subprocess (report §5.2, Correctness:
+"programming solutions undergo comprehensive testing in a secured sandbox environment, with performance metrics
+derived from test case success rates").
+
+:func:`run_python` starts ``python -I -S -B posttrain/sandbox_child.py`` in a fresh session (its own process group)
+and a temporary working directory that is removed afterwards. The child (see its docstring) joins a pids cgroup,
+leaves the network, drops root, sets its rlimits and then runs the code and the tests, one JSON line per event on a
+private pipe. The parent enforces what the child cannot enforce on itself:
+
+* **wall time**: past ``wall_seconds`` every process of the run is killed (status ``timeout``); CPU time is the
+  child's RLIMIT_CPU (SIGXCPU, also ``timeout``);
+* **processes**: the child's pids cgroup caps the tasks at ``max_processes`` (when a pids cgroup is writable, v1 or
+  v2); when not, and not root, RLIMIT_NPROC does (root ignores it; the child drops root first when it can). A
+  watchdog polls the count (cgroup, else ``/proc`` for the run's session and process group) every few ms and kills
+  the run when the cap is reached (status ``killed``) — a fork bomb is stopped at once, not at the time limit;
+* **output**: stdout/stderr are drained continuously and only the first ``output_bytes`` are kept
+  (``output_truncated``); RLIMIT_FSIZE caps files written;
+* **cleanup**: at the end every process of the cgroup, session and process group is SIGKILLed and waited for, the
+  cgroup and the temporary directory are removed, and ``leftover_processes`` (re-counted afterwards) is reported.
+
+Statuses: ``ok`` (the code ran and every reported test finished, passed or not), ``error`` (the code raised or the
+child died before finishing), ``timeout``, ``memory`` (MemoryError under the address-space limit), ``killed`` (the
+process cap). Which isolation was in force is in the result: ``network_mode`` (``namespace``, ``user_namespace`` or
+``guard``), ``process_limit`` (``cgroup``, ``rlimit`` or ``watchdog``), ``uid``.
+
+Not isolated: the filesystem beyond permissions (the dropped uid can read world-readable files), and the code's own
+test harness (the code runs in the same interpreter as its tests, so a hostile response could tamper with them; the
+reward is a pass *count* reported per test, and tests never see the reference solution).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
+NOBODY_UID = 65534
+_CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
+Status = Literal["ok", "error", "timeout", "memory", "killed"]
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_seconds: float = 5.0
+    cpu_seconds: int = 5
+    memory_bytes: int = 512 << 20  # address space (RLIMIT_AS): the interpreter itself takes ~30 MiB of it
+    max_processes: int = 32  # tasks in the run, the child included
+    output_bytes: int = 64 << 10  # kept of each of stdout and stderr
+    file_bytes: int = 16 << 20
+    open_files: int = 64
+    network: Literal["namespace", "guard"] = "namespace"  # guard: skip the namespace (tests of the fallback)
+    drop_privileges: bool = True  # when running as root: run the code as nobody (65534)
+    use_cgroup: bool = True  # False: RLIMIT_NPROC (or, as root keeping root, the watchdog alone) caps processes
+    poll_seconds: float = 0.01
+
+
+@dataclass
+class SandboxResult:
+    status: Status
+    tests_total: int
+    tests_passed: int
+    test_errors: list[str | None] = field(default_factory=list)  # per test: None (passed) or why it failed
+    error: str = ""  # the code's exception, or why the run was stopped
+    stdout: str = ""
+    stderr_tail: str = ""
+    output_truncated: bool = False
+    network_mode: str = "unknown"
+    process_limit: str = "watchdog"
+    uid: int | None = None
+    returncode: int | None = None
+    wall_seconds: float = 0.0
+    peak_processes: int = 0
+    leftover_processes: int = 0
+
+    @property
+    def pass_rate(self) -> float:
+        return self.tests_passed / self.tests_total if self.tests_total else 0.0
+
+
+# --- process accounting -----------------------------------------------------------------------------------------
+def _stat_fields(pid: int | str) -> list[bytes]:
+    """/proc/PID/stat after "pid (comm) ": state ppid pgrp session ... ([] when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return []
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def _alive(pid: int) -> bool:
+    """Exists and is not a zombie (a killed process stays listed until its parent or init reaps it)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] not in (b"Z", b"X")
+
+
+def _proc_ids(sid: int) -> list[int]:
+    """Live pids whose session or process group is ``sid`` (the run's child is a session leader)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(entry.name)
+        if len(fields) > 3 and fields[0] not in (b"Z", b"X") and sid in (int(fields[2]), int(fields[3])):
+            found.append(int(entry.name))
+    return found
+
+
+class _PidsCgroup:
+    """A per-run pids cgroup (v1 ``pids`` hierarchy or a v2 directory with the pids controller), if writable."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.dir: Path | None = None
+        for root in _CGROUP_ROOTS if limit is not None else ():
+            if not (root / "pids.max").exists() and not (root / "cgroup.procs").exists():
+                continue
+            if root == Path("/sys/fs/cgroup") and "pids" not in _read(root / "cgroup.subtree_control"):
+                continue
+            d = root / f"hylight-sandbox-{uuid.uuid4().hex[:12]}"
+            try:
+                d.mkdir()
+                (d / "pids.max").write_text(str(limit))
+            except OSError:
+                if d.exists():
+                    _rmdir_quiet(d)
+                continue
+            self.dir = d
+            return
+
+    @property
+    def procs_file(self) -> str | None:
+        return str(self.dir / "cgroup.procs") if self.dir else None
+
+    def pids(self) -> list[int]:
+        return [p for p in map(int, _read(self.dir / "cgroup.procs").split()) if _alive(p)] if self.dir else []
+
+    def hit_limit(self) -> bool:
+        """A fork was refused by the cap (v1 and v2 both count them as ``max N`` in pids.events)."""
+        if not self.dir:
+            return False
+        for line in _read(self.dir / "pids.events").splitlines():
+            key, _, n = line.partition(" ")
+            if key == "max" and n.strip() not in ("", "0"):
+                return True
+        return False
+
+    def remove(self) -> None:
+        if self.dir:
+            _rmdir_quiet(self.dir)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _rmdir_quiet(d: Path) -> None:
+    for _ in range(50):
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
+def _kill_all(proc: subprocess.Popen, cgroup: _PidsCgroup) -> None:
+    """SIGKILL every process of the run until none is left (a fork bomb refills while we kill: loop)."""
+    sid = proc.pid
+    for _ in range(400):
+        proc.poll()  # reap the child itself, so it does not linger as a zombie
+        pids = set(cgroup.pids()) | set(_proc_ids(sid))
+        if not pids:
+            return
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.005)
+
+
+class _Capped:
+    """Drains a pipe on a thread, keeping the first ``cap`` bytes (and counting the rest)."""
+
+    def __init__(self, stream: int, cap: int) -> None:
+        self.buf = bytearray()
+        self.cap = cap
+        self.total = 0
+        self.fd = stream
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.total += len(chunk)
+            room = self.cap - len(self.buf)
+            if room > 0:
+                self.buf += chunk[:room]
+        os.close(self.fd)
+
+    def text(self) -> str:
+        self.thread.join(timeout=2)
+        return self.buf.decode("utf-8", "replace")
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.cap
+
+
+# --- the run ----------------------------------------------------------------------------------------------------
+def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: SandboxLimits | None = None,
+               ) -> SandboxResult:
+    """Run ``code`` then each test statement (e.g. ``"assert f(2) == 4"``) in one sandboxed interpreter."""
+    lim = limits or SandboxLimits()
+    tests = list(tests)
+    root = os.geteuid() == 0
+    drop_uid = NOBODY_UID if (root and lim.drop_privileges) else None
+    workdir = Path(tempfile.mkdtemp(prefix="hylight-sandbox-"))
+    cgroup = _PidsCgroup(lim.max_processes if lim.use_cgroup else None)
+    if cgroup.dir:
+        process_limit = "cgroup"
+    elif not root or drop_uid is not None:
+        process_limit = "rlimit"
+    else:
+        process_limit = "watchdog"
+    nproc = None
+    if process_limit == "rlimit":  # RLIMIT_NPROC counts every process of the uid, not of this run
+        nproc = lim.max_processes + (0 if drop_uid is not None else _user_process_count(os.getuid()))
+    job = {"code": code, "tests": tests, "cgroup_procs": cgroup.procs_file, "network": lim.network,
+           "drop_to_uid": drop_uid, "nproc": nproc,
+           "limits": {"memory_bytes": lim.memory_bytes, "cpu_seconds": max(1, int(lim.cpu_seconds)),
+                      "file_bytes": lim.file_bytes, "open_files": lim.open_files}}
+    job_file = workdir / "job.json"
+    job_file.write_text(json.dumps(job))
+    if drop_uid is not None:
+        os.chown(workdir, drop_uid, drop_uid)
+        os.chmod(job_file, 0o600)  # the job (tests) stays root's: read by the child before it drops root
+    res_r, res_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    stopped: str | None = None
+    peak = 0
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-B", str(CHILD_SCRIPT), str(job_file), str(res_w)],
+            cwd=workdir, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(res_w,),
+            start_new_session=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir)},
+        )
+    finally:
+        for fd in (res_w, out_w, err_w):
+            os.close(fd)
+    results = _Capped(res_r, 1 << 20)
+    out = _Capped(out_r, lim.output_bytes)
+    err = _Capped(err_r, lim.output_bytes * 4)
+    sid = proc.pid
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - start > lim.wall_seconds:
+                stopped = "timeout"
+                break
+            count = len(cgroup.pids()) if cgroup.dir else len(_proc_ids(sid))
+            peak = max(peak, count)
+            if count >= lim.max_processes or cgroup.hit_limit():
+                stopped = "killed"
+                break
+            time.sleep(lim.poll_seconds)
+    finally:
+        _kill_all(proc, cgroup)
+        proc.wait()
+    wall = time.monotonic() - start
+    leftover = len(set(cgroup.pids()) | set(_proc_ids(sid)))
+    cgroup.remove()
+    events = [_parse(line) for line in results.text().splitlines()]
+    shutil.rmtree(workdir, ignore_errors=True)
+    return _result(events, tests, proc.returncode, stopped, out, err, lim, process_limit, wall, peak, leftover)
+
+
+def _user_process_count(uid: int) -> int:
+    n = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                n += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def _parse(line: str) -> dict:
+    try:
+        obj = json.loads(line)
+        return obj if isinstance(obj, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _result(events: list[dict], tests: list[str], returncode: int | None, stopped: str | None, out: _Capped,
+            err: _Capped, lim: SandboxLimits, process_limit: str, wall: float, peak: int,
+            leftover: int) -> SandboxResult:
+    start = next((e for e in events if e.get("event") == "start"), {})
+    errors: list[str | None] = ["not run"] * len(tests)
+    for e in events:
+        i = e.get("index")
+        if e.get("event") == "test" and isinstance(i, int) and 0 <= i < len(tests) and errors[i] == "not run":
+            errors[i] = None if e.get("passed") is True else str(e.get("error", "failed"))
+    code_event = next((e for e in events if e.get("event") == "code"), None)
+    stderr = err.text()
+    error = ""
+    if any(e.get("event") == "memory" for e in events) or "MemoryError" in stderr:
+        status: Status = "memory"
+        error = f"memory limit ({lim.memory_bytes >> 20} MiB address space) reached"
+    elif stopped == "killed":
+        status, error = "killed", f"process limit ({lim.max_processes}) reached: every process of the run killed"
+    elif stopped == "timeout" or returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        status = "timeout"
+        error = (f"wall time limit ({lim.wall_seconds:g} s) reached" if stopped == "timeout"
+                 else f"CPU time limit ({lim.cpu_seconds} s) reached")
+    elif code_event is not None and not code_event.get("ok"):
+        status, error = "error", str(code_event.get("error", "the code raised"))
+    elif not any(e.get("event") == "done" for e in events):
+        status, error = "error", f"the sandboxed interpreter ended early (exit code {returncode})"
+    else:
+        status = "ok"
+    return SandboxResult(
+        status=status, tests_total=len(tests), tests_passed=sum(e is None for e in errors), test_errors=errors,
+        error=error, stdout=out.text(), stderr_tail=stderr[-2000:], output_truncated=out.truncated or err.truncated,
+        network_mode=str(start.get("network", "unknown")), process_limit=process_limit,
+        uid=start.get("uid"), returncode=returncode, wall_seconds=round(wall, 3), peak_processes=peak,
+        leftover_processes=leftover)

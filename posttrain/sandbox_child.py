@@ -1,0 +1,118 @@
+"""The sandboxed child (run by :mod:`posttrain.sandbox` as ``python -I -S -B sandbox_child.py JOB RESULT_FD``).
+
+Everything here runs *before* the untrusted code, with the parent's privileges; the order matters:
+
+1. join the per-run pids cgroup (the fork-bomb limit), while still allowed to write to it;
+2. leave the network: a fresh network namespace (``unshare(CLONE_NEWNET)``: no interface but a down loopback),
+   or, for an unprivileged user, a user + network namespace; when neither is permitted, an in-process guard that
+   makes every socket call fail (weaker: code that reaches libc through ctypes or execs a program bypasses it);
+3. import the standard-library modules responses may use (after step 4 the interpreter's files may be unreadable);
+4. when running as root, drop to an unprivileged uid/gid (the code cannot touch others' files or signal their
+   processes, and RLIMIT_NPROC, which root ignores, applies);
+5. resource limits: address space, CPU seconds, file size, open files, processes, no core dumps;
+6. run the response's code, then each test statement in the same namespace, reporting one JSON line per event on
+   RESULT_FD (the parent reads nothing else as results).
+
+Standard library only: the child starts with ``-S`` (no site-packages).
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+# imported before privileges drop, so responses can use them (report §5.2 programming tasks need no more)
+PRELOAD = ("math", "re", "string", "collections", "itertools", "functools", "heapq", "bisect", "operator",
+           "random", "statistics", "fractions", "decimal", "typing", "dataclasses", "socket", "time", "copy",
+           "array", "enum", "textwrap", "unicodedata", "encodings.idna")
+
+
+def _emit(fd, obj):
+    try:
+        os.write(fd, (json.dumps(obj) + "\n").encode())
+    except (OSError, ValueError, MemoryError):
+        pass
+
+
+def _leave_network(libc, want):
+    if want == "namespace":
+        if libc.unshare(CLONE_NEWNET) == 0:
+            return "namespace"
+        if os.geteuid() != 0 and libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+            return "user_namespace"
+    _install_socket_guard()
+    return "guard"
+
+
+def _install_socket_guard():
+    import socket
+
+    def refuse(*_a, **_k):
+        raise PermissionError("network access is disabled in the sandbox")
+
+    class NoSocket(socket.socket):
+        def __init__(self, *a, **k):
+            refuse()
+
+    socket.socket = NoSocket
+    for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo", "gethostbyname"):
+        setattr(socket, name, refuse)
+    import _socket
+
+    _socket.socket = NoSocket
+
+
+def main():
+    with open(sys.argv[1], encoding="utf-8") as f:
+        job = json.load(f)
+    fd = int(sys.argv[2])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if job["cgroup_procs"]:
+        with open(job["cgroup_procs"], "w") as f:
+            f.write(str(os.getpid()))
+    network = _leave_network(libc, job["network"])
+    for name in PRELOAD:
+        __import__(name)
+    if os.geteuid() == 0 and job["drop_to_uid"] is not None:
+        os.setgroups([])
+        os.setgid(job["drop_to_uid"])
+        os.setuid(job["drop_to_uid"])
+    lim = job["limits"]
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_AS, (lim["memory_bytes"], lim["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_seconds"], lim["cpu_seconds"] + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_bytes"], lim["file_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
+    if job["nproc"] is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
+    _emit(fd, {"event": "start", "network": network, "uid": os.geteuid()})
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    tests = job["tests"]
+    code = job["code"]
+    del job  # nothing of the job but what the code needs stays reachable by name
+    try:
+        exec(compile(code, "<response>", "exec"), ns)  # noqa: S102 -- this process is the sandbox
+        _emit(fd, {"event": "code", "ok": True})
+    except MemoryError:
+        _emit(fd, {"event": "memory"})
+        return
+    except BaseException as e:  # SystemExit and KeyboardInterrupt too: a response must not end the run
+        _emit(fd, {"event": "code", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
+        return
+    for i, test in enumerate(tests):
+        try:
+            exec(compile(test, f"<test {i}>", "exec"), ns)  # noqa: S102
+            _emit(fd, {"event": "test", "index": i, "passed": True})
+        except MemoryError:
+            _emit(fd, {"event": "memory"})
+            return
+        except BaseException as e:
+            _emit(fd, {"event": "test", "index": i, "passed": False, "error": f"{type(e).__name__}: {e}"[:300]})
+    _emit(fd, {"event": "done"})
+
+
+if __name__ == "__main__":
+    main()

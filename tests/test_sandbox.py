@@ -1,0 +1,147 @@
+"""The code sandbox (report §5.2, Correctness: programs are tested in a secured sandbox): it runs correct code,
+fails wrong code, and stops infinite loops, fork bombs, memory hogs, network calls and floods of output, leaving no
+process behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import psutil
+import pytest
+
+from posttrain.sandbox import SandboxLimits, run_python
+
+SQUARE = "def square(x):\n    return x * x\n"
+SQUARE_TESTS = ["assert square(3) == 9", "assert square(-2) == 4", "assert square(0) == 0"]
+
+
+def _sandbox_processes() -> set[int]:
+    """Live processes running the sandbox child (any run), for before/after comparisons."""
+    return {p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if "sandbox_child.py" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE}
+
+
+def test_correct_code_passes_every_test():
+    r = run_python(SQUARE, SQUARE_TESTS)
+    assert (r.status, r.tests_passed, r.tests_total, r.pass_rate) == ("ok", 3, 3, 1.0)
+    assert r.test_errors == [None, None, None]
+    assert r.leftover_processes == 0
+
+
+def test_wrong_code_fails_the_tests_it_gets_wrong():
+    r = run_python("def square(x):\n    return x + x\n", SQUARE_TESTS)  # right only at 0 (and 2)
+    assert (r.status, r.tests_passed) == ("ok", 1)
+    assert r.test_errors[0].startswith("AssertionError") and r.test_errors[2] is None
+
+
+def test_code_that_raises_is_an_error_with_no_test_passed():
+    r = run_python("def square(x):\n    return x * x\nraise ValueError('boom')\n", SQUARE_TESTS)
+    assert (r.status, r.tests_passed) == ("error", 0)
+    assert "ValueError: boom" in r.error
+
+
+def test_syntax_error_and_sys_exit_do_not_pass():
+    assert run_python("def square(x) return x", SQUARE_TESTS).tests_passed == 0
+    r = run_python("import sys\nsys.exit(0)\n", SQUARE_TESTS)
+    assert (r.status, r.tests_passed) == ("error", 0)
+
+
+def test_runs_as_nobody_in_a_network_namespace_when_root():
+    r = run_python("import os\nprint(os.geteuid())", [])
+    if os.geteuid() != 0:
+        pytest.skip("privilege drop applies only when the sandbox runs as root")
+    assert r.uid == 65534 and r.stdout.strip() == "65534"
+    assert r.network_mode in ("namespace", "user_namespace", "guard")
+
+
+def test_infinite_loop_times_out_within_the_limit():
+    start = time.monotonic()
+    r = run_python("while True:\n    pass\n", ["assert True"], SandboxLimits(wall_seconds=1.0, cpu_seconds=5))
+    elapsed = time.monotonic() - start
+    assert r.status == "timeout" and r.tests_passed == 0
+    assert 1.0 <= r.wall_seconds < 1.6 and elapsed < 2.5
+    assert r.leftover_processes == 0
+
+
+def test_cpu_limit_stops_a_busy_loop_before_the_wall_limit():
+    r = run_python("while True:\n    pass\n", [], SandboxLimits(wall_seconds=10.0, cpu_seconds=1))
+    assert r.status == "timeout" and "CPU" in r.error
+    assert r.wall_seconds < 5
+
+
+@pytest.mark.parametrize("use_cgroup", [True, False], ids=["cgroup", "no-cgroup"])
+def test_fork_bomb_is_stopped_and_no_process_survives(use_cgroup):
+    before = _sandbox_processes()
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    r = run_python(bomb, [], SandboxLimits(wall_seconds=5.0, max_processes=16, use_cgroup=use_cgroup))
+    assert r.status == "killed", (r.status, r.error, r.process_limit)
+    assert r.peak_processes >= 16 and r.wall_seconds < 4
+    if use_cgroup and r.process_limit == "cgroup":
+        assert r.peak_processes == 16  # the cgroup refuses the 17th task outright
+    assert r.leftover_processes == 0
+    time.sleep(0.2)
+    assert _sandbox_processes() - before == set(), "a process of the fork bomb survived"
+
+
+def test_watchdog_alone_stops_a_spawner_when_no_kernel_cap_applies():
+    if os.geteuid() != 0:
+        pytest.skip("without root the rlimit always applies")
+    # root keeps root and no cgroup: only the watchdog counts (a linear spawner, gentle on a shared machine)
+    spawner = "import os, time\nfor _ in range(40):\n    if os.fork() == 0:\n        time.sleep(30)\n" \
+              "        os._exit(0)\n    time.sleep(0.02)\ntime.sleep(30)\n"
+    before = _sandbox_processes()
+    r = run_python(spawner, [], SandboxLimits(wall_seconds=5.0, max_processes=8, use_cgroup=False,
+                                              drop_privileges=False))
+    assert (r.process_limit, r.status) == ("watchdog", "killed")
+    assert 8 <= r.peak_processes <= 12 and r.leftover_processes == 0
+    time.sleep(0.2)
+    assert _sandbox_processes() - before == set()
+
+
+def test_memory_hog_gets_memory_status():
+    r = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n", ["assert True"],
+                   SandboxLimits(memory_bytes=256 << 20))
+    assert r.status == "memory" and r.tests_passed == 0
+    assert r.leftover_processes == 0
+
+
+@pytest.mark.parametrize("network", ["namespace", "guard"])
+def test_network_call_to_a_local_listener_is_refused(network):
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    code = ("import socket\n"
+            "def reach():\n"
+            f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "    s.sendall(b'leak')\n"
+            "    return True\n")
+    try:
+        r = run_python(code, ["assert reach()"], SandboxLimits(network=network))
+        with pytest.raises(TimeoutError):
+            server.accept()  # nothing ever connected
+    finally:
+        server.close()
+    assert r.status == "ok" and r.tests_passed == 0
+    assert r.test_errors[0].split(":")[0] in ("OSError", "PermissionError", "ConnectionRefusedError")
+    if network == "guard":
+        assert r.network_mode == "guard" and r.test_errors[0].startswith("PermissionError")
+    else:
+        assert r.network_mode in ("namespace", "user_namespace", "guard")
+
+
+def test_huge_output_is_capped():
+    r = run_python("for _ in range(2000):\n    print('x' * 10000)\n", [], SandboxLimits(output_bytes=4096))
+    assert r.status == "ok" and r.output_truncated
+    assert len(r.stdout) == 4096
+
+
+def test_file_writes_are_capped_and_the_work_dir_is_removed():
+    code = "import os\nprint(os.getcwd())\nwith open('big', 'wb') as f:\n    f.write(b'x' * (4 << 20))\n"
+    r = run_python(code, [], SandboxLimits(file_bytes=1 << 20))
+    assert r.status in ("error", "timeout")  # SIGXFSZ or an OSError, never a 4 MiB file
+    workdir = r.stdout.strip()
+    assert workdir and not os.path.exists(workdir)
