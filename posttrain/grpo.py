@@ -49,6 +49,9 @@ class HylightGRPOConfig(GRPOConfig):
         problems = []
         if self.loss_type not in ("dapo", "cispo"):
             problems.append(f"loss_type={self.loss_type!r} (use 'dapo' for the clipped objective or 'cispo')")
+        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1.0):
+            problems.append(f"loss_type='cispo' with epsilon_high={self.epsilon_high} (CISPO reads epsilon_high as the "
+                            "absolute cap of the IS weight, as TRL does; set it above 1, e.g. 5.0)")
         if self.kl_estimator not in ("stop_gradient", "k3"):
             problems.append(f"kl_estimator={self.kl_estimator!r} (use 'stop_gradient' or 'k3')")
         if self.importance_sampling_level != "token":

@@ -1,0 +1,176 @@
+"""GRPO of §5.4.2: every loss term's value and gradient against numbers worked out by hand (in the comments), then
+the TRL trainer for real on a tiny HybridForCausalLM: metrics logged, weights move, each switch changes its term."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.grpo_loss import (
+    balanced_advantages,
+    cispo_objective,
+    group_normalized_advantages,
+    grpo_loss,
+    k3_kl,
+    stop_gradient_kl,
+)
+
+D = torch.float64
+LN2, LN3 = math.log(2.0), math.log(3.0)
+
+
+def _leaf(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=D, requires_grad=True)
+
+
+# --- advantages
+
+
+def test_group_normalized_advantages_match_hand_values_and_an_all_equal_group_gives_zeros():
+    # group 1: rewards 1,0,0,0: mean 0.25, unbiased std sqrt((0.75² + 3·0.25²)/3) = 0.5
+    #   -> 0.75/0.5001 = 1.49970..., -0.25/0.5001 = -0.49990...; group 2 all 2: std 0 -> 0/(0+1e-4) = 0
+    adv = group_normalized_advantages(torch.tensor([1.0, 0, 0, 0, 2, 2, 2, 2], dtype=D), 4)
+    torch.testing.assert_close(adv, torch.tensor([0.75 / 0.5001] + [-0.25 / 0.5001] * 3 + [0.0] * 4, dtype=D))
+    centred = group_normalized_advantages(torch.tensor([1.0, 0, 0, 0], dtype=D), 4, scale=False)
+    torch.testing.assert_close(centred, torch.tensor([0.75, -0.25, -0.25, -0.25], dtype=D))
+
+
+def test_balanced_advantages_give_both_signs_the_same_token_weighted_total():
+    # group 1: A = 1.5, -0.5, -0.5, -0.5 with 2, 4, 6, 2 tokens: S+ = 1.5·2 = 3, S- = 0.5·(4+6+2) = 6, half = 4.5
+    #   positives x 4.5/3 = 1.5 -> 2.25; negatives x 4.5/6 = 0.75 -> -0.375 (check: 2.25·2 = 4.5 = 0.375·12)
+    # group 2: all zero (every completion scored the same) -> zeros, no NaN
+    # group 3: all positive (nothing to balance against) -> unchanged
+    adv = torch.tensor([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0, 1, 2, 0, 3], dtype=D)
+    counts = torch.tensor([2, 4, 6, 2, 3, 3, 3, 3, 1, 2, 3, 4])
+    out = balanced_advantages(adv, counts, 4)
+    torch.testing.assert_close(out, torch.tensor([2.25, -0.375, -0.375, -0.375, 0, 0, 0, 0, 1, 2, 0, 3], dtype=D))
+    w = out[:4].abs() * counts[:4]
+    assert w[0].item() == pytest.approx(w[1:].sum().item()) == pytest.approx(4.5)
+
+
+def test_balanced_advantages_per_sequence_leave_group_centred_advantages_unchanged_and_an_all_negative_group():
+    # with token counts of 1 a centred group already has S+ = S- (Σ A = 0): 1.5 = 3·0.5
+    adv = torch.tensor([1.5, -0.5, -0.5, -0.5, -1.0, -2.0, -1.0, -1.0], dtype=D)
+    out = balanced_advantages(adv, torch.ones(8), 4)
+    torch.testing.assert_close(out, adv)  # the second group is all negative: unchanged
+
+
+# --- (a) the clipped IS objective
+
+
+# Two completions, T = 4, eps = 0.2. Row 0: A = +1, ratios 1.0, 1.5, then padding. Row 1: A = -1, ratios 0.5,
+# 3.0, 1.5, then a padding token with ratio 5. Per token loss = -min(r·A, clip(r, 0.8, 1.2)·A), d/dlogp (r = e^(logp-old)):
+#   r=1.0 A=+1: min(1, 1) -> loss -1,   grad -r·A = -1
+#   r=1.5 A=+1: min(1.5, 1.2) = 1.2 (clipped) -> loss -1.2, grad 0
+#   r=0.5 A=-1: min(-0.5, -0.8) = -0.8 (clipped) -> loss 0.8, grad 0
+#   r=3.0 A=-1: min(-3, -1.2) = -3 (one-sided clip lets it through) -> loss 3, grad -r·A = 3
+#   r=1.5 A=-1: min(-1.5, -1.2) = -1.5 -> loss 1.5, grad 1.5
+# 5 real tokens; loss = Σ/5. Off: (-1 - 1.2 + 0.8 + 3 + 1.5)/5 = 0.62, clipped: 2 of 5.
+# (a) with c = 2 drops r=3.0 A=-1: (-1 - 1.2 + 0.8 + 1.5)/5 = 0.02, changed 3 of 5.
+# (a) with c = 1.2 (default 1 + eps_high) drops both negative tokens above 1.2: (-1 - 1.2 + 0.8)/5 = -0.28, 4 of 5.
+RATIOS = [[1.0, 1.5, 1.0, 1.0], [0.5, 3.0, 1.5, 5.0]]
+MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+ADV = torch.tensor([1.0, -1.0], dtype=D)
+
+
+def _clip_case(ratio_max_negative):
+    old = torch.full((2, 4), math.log(0.1), dtype=D)
+    logp = _leaf((old + torch.log(torch.tensor(RATIOS, dtype=D))).tolist())
+    out = grpo_loss(logp, old, ADV, MASK, epsilon_low=0.2, epsilon_high=0.2, ratio_max_negative=ratio_max_negative)
+    out.loss.backward()
+    return out, logp.grad
+
+
+@pytest.mark.parametrize(("c", "loss", "grad_row1", "clip_fraction"), [
+    (None, 0.62, [0.0, 3 / 5, 1.5 / 5, 0.0], 2 / 5),  # standard one-sided clip: r=3, A=-1 drives a 3x gradient
+    (2.0, 0.02, [0.0, 0.0, 1.5 / 5, 0.0], 3 / 5),  # (a): the r=3, A=-1 token is abandoned
+    (1.2, -0.28, [0.0, 0.0, 0.0, 0.0], 4 / 5),  # (a) at the clip edge: every negative token above 1.2 goes
+])  # fmt: skip
+def test_clipped_objective_value_gradient_and_clip_fraction(c, loss, grad_row1, clip_fraction):
+    out, grad = _clip_case(c)
+    assert out.loss.item() == pytest.approx(loss)
+    torch.testing.assert_close(grad[0], torch.tensor([-1 / 5, 0.0, 0.0, 0.0], dtype=D))
+    torch.testing.assert_close(grad[1], torch.tensor(grad_row1, dtype=D))
+    assert out.clip_fraction.item() == pytest.approx(clip_fraction)
+    assert out.kl.item() == 0.0 and out.kl_loss.item() == 0.0  # no reference, beta 0
+
+
+def test_padding_tokens_change_neither_loss_nor_normaliser():
+    # the padding slot of row 1 has r = 5, A = -1 (the worst case): moving it to r = 50 changes nothing
+    base, _ = _clip_case(None)
+    old = torch.full((2, 4), math.log(0.1), dtype=D)
+    ratios = torch.tensor(RATIOS, dtype=D)
+    ratios[1, 3] = 50.0
+    logp = _leaf((old + torch.log(ratios)).tolist())
+    out = grpo_loss(logp, old, ADV, MASK, epsilon_low=0.2, epsilon_high=0.2)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(base.loss.item()) == pytest.approx(0.62)  # still Σ over 5 tokens / 5
+    assert logp.grad[1, 3].item() == 0.0 and logp.grad[0, 2:].abs().sum().item() == 0.0
+
+
+# --- CISPO
+
+
+def test_cispo_value_gradient_keep_a_bounded_gradient_on_clipped_tokens():
+    # loss = -sg(min(r, 2))·A·logp per token, 4 tokens, Σ/4; grad = -w·A/4
+    #   logp=-1,   r=1 A=+1: w=1 -> loss  1  grad -1
+    #   logp=-1,   r=3 A=+1: w=2 -> loss  2  grad -2   (clipped, gradient kept but bounded: PPO's would be 0)
+    #   logp=-2,   r=.5 A=-1: w=.5 -> loss -1  grad 0.5
+    #   logp=-0.5, r=3 A=-1: w=2 -> loss -1  grad 2    (clipped)
+    logp = _leaf([[-1.0, -1.0, -2.0, -0.5]])
+    old = torch.tensor([[-1.0, -1.0 - LN3, -2.0 + LN2, -0.5 - LN3]], dtype=D)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=D)
+    out = grpo_loss(logp, old, adv, torch.ones(1, 4), objective="cispo", cispo_ratio_max=2.0)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((1 + 2 - 1 - 1) / 4)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -2.0, 0.5, 2.0]], dtype=D) / 4)
+    assert out.clip_fraction.item() == pytest.approx(2 / 4)
+    _, changed = cispo_objective(logp, old, adv, ratio_max=2.0)
+    assert changed.tolist() == [[False, True, False, True]]
+
+
+# --- (b) the KL term
+
+
+def test_stop_gradient_kl_and_k3_values_and_gradients():
+    # token 1: π = 0.5, π_ref = 0.25; token 2: π = 0.2, π_ref = 0.4
+    # sg form: (π - π_ref)·log π = 0.25·ln 0.5 = -0.173287, -0.2·ln 0.2 = 0.321888; grad (π - π_ref) = 0.25, -0.2
+    # k3: d = ln π_ref - ln π: e^d - d - 1 = 0.5 + ln 2 - 1 = 0.193147, 2 - ln 2 - 1 = 0.306853;
+    #     grad 1 - π_ref/π = 0.5, -1 (unbounded as π -> 0; the sg form's is bounded by 1)
+    ref = torch.log(torch.tensor([0.25, 0.4], dtype=D))
+    logp = _leaf(torch.log(torch.tensor([0.5, 0.2], dtype=D)).tolist())
+    sg = stop_gradient_kl(logp, ref)
+    torch.testing.assert_close(sg, torch.tensor([0.25 * math.log(0.5), -0.2 * math.log(0.2)], dtype=D))
+    sg.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.25, -0.2], dtype=D))
+    logp.grad = None
+    k3 = k3_kl(logp, ref)
+    torch.testing.assert_close(k3, torch.tensor([LN2 - 0.5, 1 - LN2], dtype=D))
+    k3.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.5, -1.0], dtype=D))
+
+
+@pytest.mark.parametrize(("estimator", "loss", "grad"), [
+    ("stop_gradient", 0.1 * (0.25 * math.log(0.5) - 0.2 * math.log(0.2)) / 2, [0.1 * 0.25 / 2, 0.1 * -0.2 / 2]),
+    ("k3", 0.1 * 0.5 / 2, [0.1 * 0.5 / 2, 0.1 * -1.0 / 2]),
+])  # fmt: skip
+def test_grpo_loss_adds_beta_times_the_chosen_kl_term_and_logs_k3_kl(estimator, loss, grad):
+    # A = 0: the policy term vanishes; loss = β·mean(term), β = 0.1; the `kl` metric is the k3 mean (0.5/2 = 0.25)
+    # for either estimator, and a third, masked token (π = 0.01 vs π_ref = 0.9) counts nowhere
+    ref = torch.log(torch.tensor([[0.25, 0.4, 0.9]], dtype=D))
+    logp = _leaf(torch.log(torch.tensor([[0.5, 0.2, 0.01]], dtype=D)).tolist())
+    out = grpo_loss(logp, logp.detach(), torch.zeros(1, dtype=D), torch.tensor([[1, 1, 0]]), ref_logp=ref, beta=0.1,
+                    kl_estimator=estimator)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(loss)
+    torch.testing.assert_close(logp.grad, torch.tensor([[*grad, 0.0]], dtype=D))
+    assert out.kl.item() == pytest.approx(0.25)
+    assert out.policy_loss.item() == 0.0
+
+
+def test_grpo_loss_with_beta_and_no_reference_says_what_is_missing():
+    logp = torch.zeros(1, 2, dtype=D)
+    with pytest.raises(ValueError, match="beta != 0 needs ref_logp"):
+        grpo_loss(logp, logp, torch.ones(1, dtype=D), torch.ones(1, 2), beta=0.1)
