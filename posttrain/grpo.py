@@ -225,13 +225,15 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
 
 
 def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs: Sequence[RewardFunc],
-               config: HylightGRPOConfig, output_dir: str | Path) -> dict[str, Any]:
+               config: HylightGRPOConfig, output_dir: str | Path,
+               callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Run the §5.4.2 GRPO on ``prompts`` and save the policy to ``output_dir/policy``.
 
     ``model``: a saved model directory or a ``PreTrainedModel``; with beta != 0 TRL builds the reference policy
     from the model's directory, so an in-memory model is first saved to ``output_dir/initial_policy`` (the
     trainer then trains the copy loaded from there). Returns the policy path, step count, training loss, the last
-    logged value of each interface metric and its per-log history."""
+    logged value of each interface metric and its per-log history. ``callbacks`` (transformers
+    ``TrainerCallback``s, e.g. MLflow's) see every TRL log, the interface metrics among them."""
     from datasets import Dataset
     from transformers import PreTrainedModel
 
@@ -244,7 +246,7 @@ def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs:
         model = str(init_dir)
     trainer = HylightGRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=config,
                                  train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
-                                 processing_class=tokenizer)
+                                 processing_class=tokenizer, callbacks=list(callbacks) or None)
     result = trainer.train()
     policy_dir = output_dir / "policy"
     trainer.save_model(str(policy_dir))

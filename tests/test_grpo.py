@@ -174,3 +174,164 @@ def test_grpo_loss_with_beta_and_no_reference_says_what_is_missing():
     logp = torch.zeros(1, 2, dtype=D)
     with pytest.raises(ValueError, match="beta != 0 needs ref_logp"):
         grpo_loss(logp, logp, torch.ones(1, dtype=D), torch.ones(1, 2), beta=0.1)
+
+
+# --- the trainer for real: TRL's GRPOTrainer loop on a tiny HybridForCausalLM (fp32, CPU)
+
+PROMPTS = ["the cat", "a dog"]
+
+
+def _reward_mid_vocab(prompts, completions, completion_ids, **kwargs):
+    """Rule-based reward: 1 if the completion holds a token with id in [8, 60) (ids 0-7 are special tokens)."""
+    return [1.0 if any(8 <= t < 60 for t in ids) else 0.0 for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    """A byte-level BPE tokenizer (the project's pipeline, vocab 300) and a 2-layer tiny model saved to disk."""
+    from tokenizers import pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tokenizer
+    from model.modeling import HybridForCausalLM
+    from model.sizes import config_for
+
+    tok = build_tokenizer()
+    tok.train_from_iterator(["the cat sat on the mat. the dog ate the bone. a bird sang a song."] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=list(SPECIAL_TOKENS),
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+                                        pad_token=PAD_TOKEN)
+    torch.manual_seed(0)
+    cfg = config_for("tiny", vocab_size=len(tokenizer), num_hidden_layers=2, attention_pattern=["lightning", "softmax"],
+                     lightning_block_size=16, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                     bos_token_id=tokenizer.bos_token_id)
+    path = tmp_path_factory.mktemp("grpo") / "init"
+    HybridForCausalLM(cfg).save_pretrained(path)
+    return tokenizer, path
+
+
+def _config(tokenizer, out, **kw):
+    from posttrain.grpo import HylightGRPOConfig
+
+    # an EOS bias at sampling time (a transformers generation option) gives completions of different lengths,
+    # which the balanced advantages (c) weigh
+    base = dict(output_dir=str(out), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=3,
+                logging_steps=1, learning_rate=1e-2, num_iterations=2, seed=0,
+                generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 4.0]]})
+    return HylightGRPOConfig(**{**base, **kw})
+
+
+@pytest.mark.slow
+def test_train_grpo_logs_the_interface_metrics_and_moves_the_weights(tiny_policy, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from posttrain.grpo import INTERFACE_METRICS, train_grpo
+
+    tokenizer, path = tiny_policy
+    seen = []
+
+    class Record(TrainerCallback):  # what an MLflow callback would receive
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs or {}))
+
+    from model.modeling import HybridForCausalLM
+
+    result = train_grpo(HybridForCausalLM.from_pretrained(path), tokenizer, PROMPTS, [_reward_mid_vocab],
+                        _config(tokenizer, tmp_path / "out"), tmp_path, callbacks=[Record()])
+    assert result["steps"] == 3
+    for name in INTERFACE_METRICS:
+        assert any(name in logs for logs in seen), name
+        assert all(math.isfinite(v) for v in result["history"][name]), (name, result["history"][name])
+    h = result["history"]
+    assert len(h["reward_mean"]) == 2 and len(h["clip_fraction"]) == 3  # rollouts at steps 1, 3; a loss every step
+    assert all(0.0 <= v <= 1.0 for v in h["reward_mean"] + h["clip_fraction"])
+    assert all(1.0 <= v <= 8.0 for v in h["response_length"])
+    assert h["kl"][0] == 0.0 and h["kl"][1] > 0.0  # the policy starts as the reference, then leaves it
+    assert h["clip_fraction"][0] == 0.0 and h["clip_fraction"][1] > 0.0  # step 2 reuses step 1's rollout: r != 1
+    before = load_file(tmp_path / "initial_policy" / "model.safetensors")
+    after = load_file(tmp_path / "policy" / "model.safetensors")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) >= len(before) // 2, changed
+
+
+@pytest.mark.slow
+def test_each_switch_changes_its_term_on_one_real_batch(tiny_policy, tmp_path):
+    from trl import GRPOTrainer
+
+    from posttrain.grpo import HylightGRPOTrainer
+
+    tokenizer, path = tiny_policy
+    from datasets import Dataset
+
+    tr = HylightGRPOTrainer(model=str(path), reward_funcs=[_reward_mid_vocab], args=_config(tokenizer, tmp_path),
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test steps around
+    batch = [{"prompt": p} for p in PROMPTS for _ in range(4)]
+
+    # (c): the same rollout (same seed) scored by TRL alone and by the subclass
+    torch.manual_seed(1)
+    plain = GRPOTrainer._generate_and_score_completions(tr, batch)
+    rewards = torch.tensor(list(tr._logs["rewards"]["_reward_mid_vocab"])[-8:])
+    torch.manual_seed(1)
+    bal = tr._generate_and_score_completions(batch)
+    assert torch.equal(plain["completion_ids"], bal["completion_ids"])
+    lengths = bal["completion_mask"].sum(1)
+    assert len(set(lengths.tolist())) > 1 and 0 < rewards.sum() < 8, (lengths, rewards)
+    torch.testing.assert_close(plain["advantages"], group_normalized_advantages(rewards, 4))  # TRL = GRPO reference
+    torch.testing.assert_close(bal["advantages"], balanced_advantages(plain["advantages"], lengths, 4))
+    assert not torch.allclose(bal["advantages"], plain["advantages"])
+    # on policy (r = 1) the policy loss is -Σ A_i·n_i / N: not zero for TRL's advantages, zero once balanced
+    tr._compute_loss(tr.model, plain)
+    tr._compute_loss(tr.model, bal)
+    pl_plain, pl_bal = tr._metrics["train"]["policy_loss"][-2:]
+    expected = -(plain["advantages"] * lengths).sum().item() / lengths.sum().item()
+    assert pl_plain == pytest.approx(expected, abs=1e-5) and abs(expected) > 0.05
+    assert pl_bal == pytest.approx(0.0, abs=1e-5)
+
+    # A stale policy, as a later minibatch of one rollout sees it: one Adam step on another rollout
+    opt = torch.optim.Adam(tr.model.parameters(), lr=1e-2)
+    torch.manual_seed(2)
+    other = tr._generate_and_score_completions([{"prompt": p} for p in ("the bird", "a song") for _ in range(4)])
+    tr._compute_loss(tr.model, other).backward()
+    opt.step()
+    with torch.no_grad():
+        ids = torch.cat([bal["prompt_ids"], bal["completion_ids"]], 1)
+        mask = bal["completion_mask"]
+        logp = tr._get_per_token_logps_and_entropies(
+            tr.model, ids, torch.cat([bal["prompt_mask"], mask], 1), mask.size(1))[0]
+    old, ref, adv = bal["old_per_token_logps"], bal["ref_per_token_logps"], bal["advantages"]
+    ratio = torch.exp(logp - old)
+    assert (((adv[:, None] < 0) & (ratio > 1.2)) * mask).sum() > 0  # tokens (a) is about
+
+    def loss(**switches):  # the trainer's loss on `bal` with some switches changed, and its logged metrics
+        saved = {k: getattr(tr.args, k) for k in switches}
+        for k, v in switches.items():
+            setattr(tr.args, k, v)
+        with torch.no_grad():
+            value = tr._compute_loss(tr.model, bal).item()
+        for k, v in saved.items():
+            setattr(tr.args, k, v)
+        return value, {k: v[-1] for k, v in tr._metrics["train"].items()}
+
+    def reference(**kw):  # grpo_loss on the same tensors (aux loss left out: it cancels in differences)
+        args = dict(epsilon_low=0.2, epsilon_high=0.2, ratio_max_negative=1.2, ref_logp=ref, beta=0.04,
+                    normalizer=mask.sum())
+        return grpo_loss(logp, old, adv, mask, **{**args, **kw})
+
+    on, m_on = loss()
+    off, m_off = loss(clip_large_ratio_negative_advantage=False)
+    assert on - off == pytest.approx((reference().loss - reference(ratio_max_negative=None).loss).item(), abs=1e-5)
+    assert on != pytest.approx(off, abs=1e-4) and m_on["clip_fraction"] > m_off["clip_fraction"]
+    k3, m_k3 = loss(kl_estimator="k3")
+    assert on - k3 == pytest.approx((reference().loss - reference(kl_estimator="k3").loss).item(), abs=1e-5)
+    assert on != pytest.approx(k3, abs=1e-4) and m_on["kl"] == m_k3["kl"] > 0.0  # `kl` is k3 either way
+    tr.loss_type, tr.epsilon_high = "cispo", 5.0  # what loss_type="cispo", epsilon_high=5 set at construction
+    cispo, _ = loss()
+    expected = (reference(objective="cispo", cispo_ratio_max=5.0, ratio_max_negative=6.0).loss
+                - reference().loss).item()
+    assert cispo - on == pytest.approx(expected, abs=1e-5) and abs(expected) > 1e-3
