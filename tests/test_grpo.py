@@ -335,3 +335,37 @@ def test_each_switch_changes_its_term_on_one_real_batch(tiny_policy, tmp_path):
     expected = (reference(objective="cispo", cispo_ratio_max=5.0, ratio_max_negative=6.0).loss
                 - reference().loss).item()
     assert cispo - on == pytest.approx(expected, abs=1e-5) and abs(expected) > 1e-3
+
+
+@pytest.mark.slow
+def test_select_prompts_by_pass_rate_keeps_moderate_prompts_and_counts_the_dropped(tiny_policy):
+    from model.modeling import HybridForCausalLM
+    from posttrain.grpo import select_prompts_by_pass_rate
+
+    tokenizer, path = tiny_policy
+    model = HybridForCausalLM.from_pretrained(path)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    calls = []
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        # "the cat" always passes, "a dog" never does, "the bird" passes on a mid-vocab token (the tiny model's luck)
+        assert len(set(prompts)) == 1 and len(completion_ids) == 8
+        for ids in completion_ids:  # cut after the first EOS, no padding
+            assert pad not in ids and (eos not in ids or ids.index(eos) == len(ids) - 1)
+        values = {"the cat": [1.0] * 8, "a dog": [0.0] * 8}.get(prompts[0])
+        values = values or _reward_mid_vocab(prompts, completions, completion_ids)
+        calls.append((prompts[0], values))
+        return values
+
+    prompts = ["the cat", "a dog", "the bird", "a song"]
+    sel = select_prompts_by_pass_rate(model, tokenizer, prompts, [reward], k=8, lo=0.1, hi=0.9, max_new_tokens=8,
+                                      batch_size=3)  # two batches: 3 + 1 prompts
+    by_prompt = dict(calls)
+    assert [p for p, _ in calls] == prompts
+    assert sel.pass_rates == [sum(by_prompt[p]) / 8 for p in prompts]
+    assert sel.pass_rates[:2] == [1.0, 0.0] and sel.dropped_too_easy >= 1 and sel.dropped_too_hard >= 1
+    assert sel.kept == [p for p, r in zip(prompts, sel.pass_rates, strict=True) if 0.1 <= r <= 0.9]
+    assert sel.dropped_too_easy + sel.dropped_too_hard + len(sel.kept) == 4
+    assert 0.1 <= sel.pass_rates[2] <= 0.9, sel.pass_rates  # the tiny model passes "the bird" now and then
+    with pytest.raises(ValueError, match="lo <= hi"):
+        select_prompts_by_pass_rate(model, tokenizer, prompts, [reward], lo=0.8, hi=0.2)
