@@ -24,10 +24,10 @@ within their documents with their global offsets, one SDPA call per document (th
 mask and CPU materialises per document). No [T, T] mask over the row. This is O(N·H_kv·D) per rank (the
 all-gather form of §3.2.1's context parallelism, not its ring).
 
-MoE layers are per token, but the §2.1 balance loss (1/E)·Σ f_i·m_i is a product of means over ALL tokens: the
-applied plan all-reduces each layer's per-expert probability sums and counts (2E numbers), so every rank gets the
-single-process aux loss. Token-drop capacity stays per rank (as on data-parallel ranks); train dropless
-(``moe_token_drop=False``) where SP must equal one process exactly.
+MoE layers are per token, but the §2.1 balance loss (1/E)·Σ f_i·m_i is a product of means over ALL tokens:
+the applied plan all-reduces each layer's per-expert probability sums, slot counts and token count (2E+1
+numbers), so every rank gets the single-process aux loss. Token-drop capacity stays per rank (as on
+data-parallel ranks); train dropless (``moe_token_drop=False``) where SP must equal one process exactly.
 
 Use (every rank):
     sp = apply_sequence_parallel(model, group)
