@@ -298,6 +298,17 @@ class LightningAttention(nn.Module):
         if layout.token_mask is not None:  # padding must not enter the state
             qkv = qkv * layout.token_mask[..., None].to(qkv.dtype)
         q, k, v = qkv.view(B, T, H, 3 * D).transpose(1, 2).split(D, dim=-1)  # each [B, H, T, D]
+        o = self.attend(q, k, v, layout, cache)
+        o = o.transpose(1, 2).reshape(B, T, H * D)
+        o = torch.sigmoid(self.output_gate(x)) * self.norm(o)
+        return self.out_proj(o)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cache: HybridCache | None
+    ) -> torch.Tensor:
+        """The token mixing alone: q, k, v [B, H, T, D] -> o [B, H, T, D]. The seam where parallelism applied
+        from outside (``pretrain/sequence_parallel.py``, LASP+ §3.2.2) swaps in its own computation."""
+        B, H, T, D = q.shape
         decay = self.decay_rates
         state = None if cache is None else cache.lightning_states.get(self.layer_idx)
 
@@ -316,10 +327,7 @@ class LightningAttention(nn.Module):
             )  # fmt: skip
         if cache is not None:
             cache.lightning_states[self.layer_idx] = state
-
-        o = o.transpose(1, 2).reshape(B, T, H * D)
-        o = torch.sigmoid(self.output_gate(x)) * self.norm(o)
-        return self.out_proj(o)
+        return o
 
 
 class SoftmaxAttention(nn.Module):
@@ -351,6 +359,15 @@ class SoftmaxAttention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)
+        o = self.attend(q, k, v, layout, cache)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * D))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cache: HybridCache | None
+    ) -> torch.Tensor:
+        """q [B, H, T, D], k/v [B, H_kv, T, D] (RoPE applied) -> o [B, H, T, D]; the seam sequence parallelism
+        replaces from outside (``pretrain/sequence_parallel.py``), as in ``LightningAttention.attend``."""
+        B, _, T, D = q.shape
         gqa = self.num_kv_heads != self.num_heads
         if layout.softmax_by_documents:  # packed: one row of all B*T tokens, as in LightningAttention
             if cache is not None:
@@ -359,8 +376,7 @@ class SoftmaxAttention(nn.Module):
                 )
             flat = [t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q, k, v)]
             o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa)
-            o = o.reshape(self.num_heads, B, T, D).transpose(0, 1)
-            return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * D))
+            return o.reshape(self.num_heads, B, T, D).transpose(0, 1)
         if cache is not None:
             k, v = cache.update_kv(self.layer_idx, k, v)
         mask = layout.softmax_mask
@@ -372,7 +388,7 @@ class SoftmaxAttention(nn.Module):
             is_causal=mask is None and T > 1,
             enable_gqa=gqa,
         )
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * D))
+        return o
 
 
 # --- decoder layer ------------------------------------------------------------------------------------------
