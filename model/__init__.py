@@ -5,20 +5,22 @@ so a saved directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` (
 
     configuration.py  HybridConfig (+ attention patterns, DeepNorm factors)
     moe.py            MoEFeedForward: top-k router, SwiGLU experts, capacity drop, aux loss
-    modeling.py       LightningAttention, SoftmaxAttention, HybridDecoderLayer, HybridCache, HybridForCausalLM
+    modeling.py       LightningAttention, SoftmaxAttention, HybridDecoderLayer, HybridCache, HybridForCausalLM,
+                      HybridForSequenceClassification (a score per sequence: reward models, §5.2)
     hf_minimax.py     export to / import from transformers' MiniMaxForCausalLM
     accounting.py     total/activated parameters, Table 1 FLOPs per token, MFU
     sizes.py          named sizes: tiny .. gpu-1b
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from model.configuration import HybridConfig
-from model.modeling import HybridCache, HybridForCausalLM, HybridModel
+from model.modeling import HybridCache, HybridForCausalLM, HybridForSequenceClassification, HybridModel
 from model.sizes import SIZES, config_for
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
 AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
 AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(HybridConfig, HybridForSequenceClassification, exist_ok=True)
 
-__all__ = ["SIZES", "HybridCache", "HybridConfig", "HybridForCausalLM", "HybridModel", "config_for"]
+__all__ = ["SIZES", "HybridCache", "HybridConfig", "HybridForCausalLM", "HybridForSequenceClassification", "HybridModel", "config_for"]

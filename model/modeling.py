@@ -36,7 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import (
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
 
 from kernels.lightning import lightning_attention, lightning_attention_decode, lightning_decay_rates
 from kernels.softmax_varlen import document_causal_attention
@@ -507,6 +511,8 @@ class HybridPreTrainedModel(PreTrainedModel):
             _xavier_normal_(module.weight, 1.0, module.embedding_dim, module.num_embeddings)
         elif module is getattr(self, "lm_head", None):
             _xavier_normal_(module.weight, 1.0, d, cfg.vocab_size)
+        elif module is getattr(self, "score", None):
+            _xavier_normal_(module.weight, 1.0, d, module.out_features)
 
 
 class HybridModel(HybridPreTrainedModel):
@@ -662,4 +668,79 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             moe_routed=out.moe_routed,
             moe_dropped=out.moe_dropped,
         )
+        return result if return_dict is not False else result.to_tuple()
+
+
+class HybridForSequenceClassification(HybridPreTrainedModel):
+    """A score per sequence: ``score(h_last)``, h_last the final hidden state of the last real token (report §5.2's
+    reward models are this shape with ``num_labels=1``). Loaded from a ``HybridForCausalLM`` directory, the
+    backbone (``model.*``) comes from the checkpoint and ``score`` is new (``lm_head`` is not used).
+
+    The last real token is the last position where ``attention_mask`` is 1, so left and right padding both
+    work: left padding is exact (see the module docstring), and right padding leaves every real position's
+    hidden state untouched. Without a mask it is the last token that is not ``config.pad_token_id``, else the
+    last position.
+    """
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = HybridModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def last_token_index(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                         batch: int, length: int, device: torch.device) -> torch.Tensor:
+        """[B] index of each row's last real token."""
+        positions = torch.arange(length, device=device)
+        if attention_mask is not None:
+            real = attention_mask[:, -length:].to(device).bool()
+        elif input_ids is not None and self.config.pad_token_id is not None:
+            real = input_ids != self.config.pad_token_id
+        else:
+            return torch.full((batch,), length - 1, device=device, dtype=torch.long)
+        # a row with no real token scores its last position (an empty row has no meaning to give it)
+        return torch.where(real, positions, -1).amax(-1).clamp(min=0)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast | tuple:
+        """``logits`` [B, num_labels]. With ``labels``: MSE for ``num_labels == 1`` (a regression score), else
+        cross-entropy. Reward training (Bradley-Terry) computes its own loss from the logits."""
+        kwargs.pop("use_cache", None)  # scoring never keeps a cache
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            output_router_logits=False,
+            output_hidden_states=kwargs.pop("output_hidden_states", None),
+            output_attentions=kwargs.pop("output_attentions", None),
+        )
+        h = out.last_hidden_state  # [B, T, d]
+        B, T = h.shape[:2]
+        idx = self.last_token_index(input_ids, attention_mask, B, T, h.device)
+        logits = self.score(h[torch.arange(B, device=h.device), idx])  # [B, num_labels]
+        loss = None
+        if labels is not None:
+            labels = labels.to(logits.device)
+            if self.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).view(-1))
+            else:
+                loss = F.cross_entropy(logits, labels.view(-1))
+        result = SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states)
         return result if return_dict is not False else result.to_tuple()

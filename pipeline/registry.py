@@ -29,6 +29,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "long_context": "pretrain.long_context",
     "eval": "pretrain.evaluation",
     "prompts": "posttrain.prompts",
+    "reward_model": "posttrain.reward_model",
 }
 
 

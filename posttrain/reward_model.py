@@ -1,0 +1,349 @@
+"""Stage ``reward_model``: a Bradley-Terry reward model (report §5.2, the helpfulness reward model) trained with TRL's
+``RewardTrainer`` from a pretraining checkpoint's backbone (artifact type ``reward_model``).
+
+Inputs: ``checkpoint`` (``model/``: HybridForCausalLM + tokenizer with its chat template), ``prompts`` (the prompts
+stage's pools) and optionally ``documents`` (the corpus the prompts came from: real continuations for open-ended
+``continuation`` prompts). Pairs: :mod:`posttrain.preference_pairs` (pipeline-built pairs from the ``pools`` named in
+params, checked with the exact checkers, plus ``user_pair_files``), split into train / held out by prompt group.
+
+Model: ``HybridForSequenceClassification`` (model/modeling.py) loaded from ``model/``: the backbone keeps the
+pretrained weights, ``score`` (d -> 1) is new. Loss: TRL's ``-log sigmoid(r_chosen - r_rejected)`` (Bradley-Terry).
+The MoE router's load-balancing loss is not added (RewardTrainer computes its own loss from the logits only).
+
+Metrics (the stage's MLflow run): ``loss`` every step; ``eval_preference_accuracy`` = the share of held-out pairs
+whose chosen response scores higher (ties count 1/2), at step 0 (before training: the random head), every
+``eval_every`` steps and at the end — computed on every held-out pair by :func:`score_sequences`, the same scorer
+:class:`RewardModelScorer` uses later. Beside it, ``eval_preference_accuracy_longer_wins``: the accuracy of "the
+longer response (in tokens) is better", a trivial baseline the model must beat to have learned anything beyond length.
+
+Output: ``reward_model/`` (HF format: ``import model`` then ``AutoModelForSequenceClassification.from_pretrained``;
+tokenizer files beside it), ``pairs/{train,heldout}.jsonl``, ``reward_report.json`` (pair counts by split, source and
+kind; skipped prompts by reason; accuracy overall / by source / by kind before and after training and of the
+baseline; time).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from data.documents import ANY_DOCUMENTS
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint
+from posttrain.preference_pairs import PreferencePair, build_pairs, chat_messages, pair_file_problems
+from posttrain.prompts import POOLS, POOLS_DIR, PROMPTS_TYPE
+from pretrain.stage import CHECKPOINT_TYPE
+
+REWARD_MODEL_TYPE = "reward_model"
+REWARD_MODEL_DIR = "reward_model"
+PAIRS_DIR = "pairs"
+REPORT_FILE = "reward_report.json"
+
+
+class RewardModelParams(StageParams):
+    seed: int = Field(0, description="Seed of the pairs, the held-out split, the score head and the data order.")
+    pools: list[str] = Field(default_factory=lambda: ["sft", "rl"], description=(
+        "Prompt pools that pairs are built from (never 'eval' by default: it stays unseen for evaluation)."))
+    user_pair_files: list[str] = Field(default_factory=list, description=(
+        "JSONL preference pairs, {\"prompt\", \"chosen\", \"rejected\"} strings a line (optional id)."))
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of pair groups held out for evaluation.")
+    continuation_words: int = Field(60, ge=20, description=(
+        "Words of real document text used as the chosen answer of an open-ended continuation prompt."))
+    max_length: int = Field(384, ge=16, description="Pairs with a side longer than this many tokens are dropped.")
+    max_steps: int = Field(30, ge=1, description="Optimizer steps.")
+    batch_pairs: int = Field(8, ge=1, description="Pairs per step (each gives a chosen and a rejected sequence).")
+    learning_rate: float = Field(5e-4, gt=0, description="Peak AdamW learning rate (linear decay, 10% warmup).")
+    weight_decay: float = Field(0.0, ge=0)
+    center_rewards_coefficient: float | None = Field(0.01, description=(
+        "Weight of mean(r_chosen + r_rejected)^2 (TRL's reward centering; None = off): keeps scores near 0."))
+    eval_every: int = Field(10, ge=1, description="Steps between held-out accuracy evaluations.")
+    eval_batch_sequences: int = Field(32, ge=1, description="Sequences per forward when scoring held-out pairs.")
+    check_workers: int = Field(4, ge=1, description="Concurrent sandbox checks of code pairs.")
+
+    @field_validator("pools")
+    @classmethod
+    def _known_pools(cls, v: list[str]) -> list[str]:
+        bad = sorted(set(v) - set(POOLS))
+        if bad or not v:
+            raise ValueError(f"pools {v}: name one or more of {', '.join(POOLS)}")
+        return v
+
+
+def validate_external(params: RewardModelParams) -> list[tuple[str, str]]:
+    return pair_file_problems(params.user_pair_files)
+
+
+def fingerprint(params: RewardModelParams) -> list[dict[str, Any]]:
+    return [file_fingerprint(p) for p in params.user_pair_files]
+
+
+# --- scoring ------------------------------------------------------------------------------------------------------
+def score_sequences(model: Any, sequences: Sequence[Sequence[int]], pad_id: int, batch_size: int = 32) -> list[float]:
+    """Reward of each token sequence: right-padded batches of similar length, no gradient. Memory is bounded by
+    ``batch_size`` x the longest sequence of a batch."""
+    import torch
+
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out = [0.0] * len(sequences)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            width = max(len(sequences[i]) for i in idx)
+            ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+                mask[row, :len(sequences[i])] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]
+            for row, i in enumerate(idx):
+                out[i] = float(logits[row])
+    model.train(was_training)
+    return out
+
+
+def pairwise_accuracy(chosen: Sequence[float], rejected: Sequence[float]) -> float:
+    """Share of pairs with chosen > rejected, ties counting 1/2 (NaN for no pairs)."""
+    if not chosen:
+        return math.nan
+    return sum(1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(chosen, rejected, strict=True)) / len(chosen)
+
+
+class RewardModelScorer:
+    """A trained reward model directory (this stage's ``reward_model/``) scoring (prompt, response) pairs in the
+    chat format it was trained on."""
+
+    def __init__(self, model_dir: str | Path, batch_size: int = 32, max_length: int | None = None) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"reward model: {model_dir} holds no config.json; point at a reward_model stage "
+                                    f"artifact's {REWARD_MODEL_DIR}/ directory")
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"reward model {model_dir} has num_labels={self.model.config.num_labels}; a reward "
+                             "model outputs one score (num_labels=1)")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.batch_size = batch_size
+        self.max_length = max_length
+
+    def encode(self, prompt: str, response: str) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(chat_messages(prompt, response), tokenize=True, return_dict=True)
+        ids = list(ids["input_ids"])
+        # too long: keep the end (the response and its end-of-turn, where the score is read)
+        return ids[-self.max_length:] if self.max_length else ids
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+        seqs = [self.encode(p, r) for p, r in zip(prompts, responses, strict=True)]
+        return score_sequences(self.model, seqs, self.tokenizer.pad_token_id, self.batch_size)
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_pools(prompts_dir: Path, pools: list[str]) -> list[dict[str, Any]]:
+    records = []
+    for pool in pools:
+        path = prompts_dir / POOLS_DIR / f"{pool}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"reward_model: the prompts artifact {prompts_dir} has no {POOLS_DIR}/{pool}.jsonl; "
+                                    "is the 'prompts' input a prompts stage's output?")
+        with open(path, encoding="utf-8") as f:
+            records.extend(json.loads(line) for line in f if line.strip())
+    return records
+
+
+def _accuracies(pairs: list[PreferencePair], chosen: list[float], rejected: list[float],
+                prefix: str) -> dict[str, float]:
+    """Overall, by source and by kind: ``<prefix>``, ``<prefix>.source.<s>``, ``<prefix>.kind.<k>``."""
+    out = {prefix: pairwise_accuracy(chosen, rejected)}
+    for attr in ("source", "kind"):
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, p in enumerate(pairs):
+            groups[getattr(p, attr)].append(i)
+        for name, idx in sorted(groups.items()):
+            out[f"{prefix}.{attr}.{name}"] = pairwise_accuracy([chosen[i] for i in idx], [rejected[i] for i in idx])
+    return out
+
+
+def run(params: RewardModelParams, ctx: StageContext) -> None:
+    start = time.monotonic()
+    import torch
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        PrinterCallback,
+        TrainerCallback,
+    )
+    from trl import RewardConfig, RewardTrainer
+
+    import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
+
+    model_dir = ctx.input("checkpoint").path / "model"
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"reward_model: {model_dir} holds no model: the checkpoint input must be a pretrain "
+                                "or long_context stage's artifact (with model/)")
+    docs = ctx.inputs.get("documents")
+    pair_set = build_pairs(_read_pools(ctx.input("prompts").path, params.pools), seed=params.seed,
+                           heldout_fraction=params.heldout_fraction,
+                           documents=docs.path if docs is not None and not isinstance(docs, list) else None,
+                           continuation_words=params.continuation_words, user_files=params.user_pair_files,
+                           check_workers=params.check_workers)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None or not tokenizer.chat_template:
+        raise ValueError(f"reward_model: the tokenizer in {model_dir} needs a pad token and a chat template (the "
+                         "project's tokenizer stage, data/tokenizer.py, saves both)")
+
+    def encode(prompt: str, response: str) -> list[int]:
+        enc = tokenizer.apply_chat_template(chat_messages(prompt, response), tokenize=True, return_dict=True)
+        return list(enc["input_ids"])
+
+    splits: dict[str, tuple[list[PreferencePair], list[list[int]], list[list[int]]]] = {}
+    too_long: dict[str, int] = {}
+    for split in ("train", "heldout"):
+        kept, c_ids, r_ids = [], [], []
+        for p in pair_set.split(split):
+            c, r = encode(p.prompt, p.chosen), encode(p.prompt, p.rejected)
+            if max(len(c), len(r)) <= params.max_length:
+                kept.append(p)
+                c_ids.append(c)
+                r_ids.append(r)
+        too_long[split] = len(pair_set.split(split)) - len(kept)
+        splits[split] = (kept, c_ids, r_ids)
+        (ctx.out_dir / PAIRS_DIR).mkdir(exist_ok=True)
+        _write_jsonl(ctx.out_dir / PAIRS_DIR / f"{split}.jsonl", [p.as_json() for p in kept])
+        ctx.set_rows(f"{split}_pairs", len(kept))
+    train, heldout = splits["train"], splits["heldout"]
+    if not train[0] or not heldout[0]:
+        raise ValueError(f"reward_model: {len(train[0])} train and {len(heldout[0])} held-out pairs within "
+                         f"max_length={params.max_length} tokens (skipped prompts: {dict(pair_set.skipped)}; too "
+                         f"long: {too_long}); both must be non-empty: give more prompts or pair files, raise "
+                         "max_length, or change heldout_fraction")
+    ctx.progress(f"pairs: {len(train[0])} train, {len(heldout[0])} held out ({dict(pair_set.skipped)} prompts "
+                 f"without a pair, {too_long} over {params.max_length} tokens)")
+
+    torch.manual_seed(params.seed)  # the new score head
+    rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id
+
+    def heldout_accuracy(m: Any) -> tuple[float, list[float], list[float]]:
+        n = len(heldout[0])
+        scores = score_sequences(m, heldout[1] + heldout[2], pad, params.eval_batch_sequences)
+        return pairwise_accuracy(scores[:n], scores[n:]), scores[:n], scores[n:]
+
+    before, c0, r0 = heldout_accuracy(rm)
+    ctx.log_metrics({"eval_preference_accuracy": before}, step=0)
+    relayed = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate",
+               "accuracy": "train_preference_accuracy", "margin": "train_reward_margin"}
+
+    class MetricRelay(TrainerCallback):
+        """TRL's per-step training logs -> the stage's metrics; the exact held-out accuracy every eval_every steps."""
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
+            out = {relayed[k]: v for k, v in (logs or {}).items() if k in relayed and isinstance(v, (int, float))}
+            if out:
+                ctx.log_metrics(out, step=state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            if state.global_step % params.eval_every == 0 or state.global_step == state.max_steps:
+                acc = heldout_accuracy(kw["model"])[0]
+                ctx.log_metrics({"eval_preference_accuracy": acc}, step=state.global_step)
+
+    config = RewardConfig(
+        output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps,
+        per_device_train_batch_size=params.batch_pairs, learning_rate=params.learning_rate,
+        weight_decay=params.weight_decay, warmup_steps=max(1, params.max_steps // 10), lr_scheduler_type="linear",
+        logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        seed=params.seed, max_length=None, disable_tqdm=True,
+        center_rewards_coefficient=params.center_rewards_coefficient, dataloader_num_workers=0)
+    dataset = Dataset.from_dict({"chosen_ids": train[1], "rejected_ids": train[2]})
+    trainer = RewardTrainer(model=rm, args=config, train_dataset=dataset, processing_class=tokenizer,
+                            callbacks=[MetricRelay()])
+    trainer.remove_callback(PrinterCallback)  # the relay reports; no log dict printed every step
+    train_start = time.monotonic()
+    trainer.train()
+    train_seconds = time.monotonic() - train_start
+
+    after, c1, r1 = heldout_accuracy(rm)
+    lengths_c = [float(len(x)) for x in heldout[1]]
+    lengths_r = [float(len(x)) for x in heldout[2]]
+    acc = {**_accuracies(heldout[0], c1, r1, "eval_preference_accuracy"),
+           **_accuracies(heldout[0], c0, r0, "eval_preference_accuracy_untrained"),
+           **_accuracies(heldout[0], lengths_c, lengths_r, "eval_preference_accuracy_longer_wins")}
+    tmp = ctx.out_dir / f".{REWARD_MODEL_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    rm.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(ctx.out_dir / REWARD_MODEL_DIR, ignore_errors=True)
+    os.replace(tmp, ctx.out_dir / REWARD_MODEL_DIR)
+
+    counts = {s: {"total": len(splits[s][0])} for s in splits}
+    for s, (kept, _, _) in splits.items():
+        for attr in ("source", "kind"):
+            for p in kept:
+                key = f"{attr}.{getattr(p, attr)}"
+                counts[s][key] = counts[s].get(key, 0) + 1
+    final_loss = next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), math.nan)
+    seconds = time.monotonic() - start
+    summary = {"eval_preference_accuracy": after, "eval_preference_accuracy_untrained": before,
+               "eval_preference_accuracy_longer_wins": acc["eval_preference_accuracy_longer_wins"],
+               "loss": final_loss, "pairs_train": len(train[0]), "pairs_heldout": len(heldout[0]),
+               "train_seconds": train_seconds, "stage_seconds": seconds}
+    summary |= {f"pairs_heldout.{k}": v for k, v in counts["heldout"].items() if k != "total"}
+    summary |= {k: v for k, v in acc.items() if k.startswith("eval_preference_accuracy.")}
+    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+    report = {"params": params.model_dump(), "pairs": counts, "skipped_prompts": dict(pair_set.skipped),
+              "too_long_pairs": too_long, "accuracy": {k: (None if math.isnan(v) else v) for k, v in acc.items()},
+              "final_loss": final_loss, "steps": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
+              "stage_seconds": round(seconds, 2),
+              "notes": {"eval_preference_accuracy": "held-out pairs with chosen scored above rejected (ties 1/2)",
+                        "eval_preference_accuracy_untrained": "the same before training (pretrained backbone, "
+                                                              "random score head)",
+                        "eval_preference_accuracy_longer_wins": "trivial baseline: the longer response (tokens) wins"}}
+    tmp_report = ctx.out_dir / f".{REPORT_FILE}.tmp"
+    tmp_report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_report, ctx.out_dir / REPORT_FILE)
+    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "reward_model")
+    ctx.progress(f"held-out preference accuracy {after:.3f} (untrained {before:.3f}, longer-wins baseline "
+                 f"{acc['eval_preference_accuracy_longer_wins']:.3f}) on {len(heldout[0])} pairs; {seconds:.1f} s")
+
+
+STAGE = StageKind(
+    name="reward_model",
+    params=RewardModelParams,
+    run=run,
+    produces=REWARD_MODEL_TYPE,
+    inputs={
+        "checkpoint": InputSpec(CHECKPOINT_TYPE, doc="the pretrained model whose backbone the reward model starts from"),
+        "prompts": InputSpec(PROMPTS_TYPE, doc="the prompts stage's pools: verifiable and open-ended prompts"),
+        "documents": InputSpec(ANY_DOCUMENTS, required=False,
+                               doc="the corpus the prompts came from: real continuations for open-ended prompts"),
+    },
+    fingerprint=fingerprint,
+    validate_external=validate_external,
+    doc="§5.2 reward model: Bradley-Terry with TRL's RewardTrainer from the checkpoint's backbone "
+        "(HybridForSequenceClassification), on pairs built from the prompt pools (reference vs checker-verified wrong "
+        "answers and failing code; real corpus continuations vs synthetic degradations) and user pair files; logs "
+        "loss and held-out eval_preference_accuracy beside a longer-wins baseline.",
+)
