@@ -21,29 +21,38 @@ def export_checkpoint(module: torch.nn.Module, model_config: Any, cfg: Any, rank
     """Write ``<export_dir>/model`` and ``<export_dir>/minimax``. A collective (experts are gathered over the
     expert-parallel group): every rank calls it; rank 0 writes."""
     from pretrain.moe import export_model_state
-    from pretrain.train import special_token_ids
 
     state = export_model_state(module)
     if rank != 0:
         return
-    from transformers import GenerationConfig
-
     from model import HybridForCausalLM
-    from model.hf_minimax import save_as_minimax
 
-    ids = special_token_ids(cfg.tokenizer_dir)
     model_config.use_cache = True  # training turned it off; generation wants the O(1) lightning cache
-    model_config.bos_token_id, model_config.pad_token_id = ids["bos"], ids["pad"]
-    model_config.eos_token_id = [ids["eos"], ids["end_of_turn"]]
     model = HybridForCausalLM(model_config)
     model.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in state.items()}, strict=True)
+    write_checkpoint_dirs(model, cfg.tokenizer_dir, Path(cfg.export_dir))
+
+
+def write_checkpoint_dirs(model: Any, tokenizer_dir: str | Path, out: Path) -> None:
+    """``out/model`` (HybridForCausalLM) and ``out/minimax`` (transformers MiniMax), each with the tokenizer files
+    and generation config (bos/pad, eos = [eos, end-of-turn]). Post-training stages write their policies with it."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from model.hf_minimax import save_as_minimax
+    from pretrain.train import special_token_ids
+
+    ids = special_token_ids(tokenizer_dir)
+    model.config.use_cache = True
+    model.config.bos_token_id, model.config.pad_token_id = ids["bos"], ids["pad"]
+    model.config.eos_token_id = [ids["eos"], ids["end_of_turn"]]
     model.generation_config = GenerationConfig(bos_token_id=ids["bos"], pad_token_id=ids["pad"],
                                                eos_token_id=[ids["eos"], ids["end_of_turn"]])
-    out = Path(cfg.export_dir)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in model.parameters()):
+        import copy  # written in fp32 from a CPU copy; the caller's model stays where it is
+
+        model = copy.deepcopy(model).to("cpu", torch.float32)
     model.save_pretrained(out / MODEL_DIR)
     save_as_minimax(model.eval(), out / MINIMAX_DIR)
-    from transformers import AutoConfig
-
     # the MiniMax export builds its own config: carry the token ids into it and its generation config too
     hf_dir = out / MINIMAX_DIR
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -53,6 +62,6 @@ def export_checkpoint(module: torch.nn.Module, model_config: Any, cfg: Any, rank
     model.generation_config.save_pretrained(hf_dir)
     for d in (out / MODEL_DIR, hf_dir):
         for name in TOKENIZER_FILES:
-            src = Path(cfg.tokenizer_dir) / name
+            src = Path(tokenizer_dir) / name
             if src.exists():
                 shutil.copy2(src, d / name)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from posttrain.preference_pairs import (
     user_pairs,
 )
 from posttrain.verifiable import CODE_TEMPLATES, check, generate_verifiable
-from tests.pretrain_fixtures import PretrainInputs, build_inputs
+from tests.posttrain_fixtures import PosttrainInputs, build_posttrain_inputs
 
 
 # --- the head -----------------------------------------------------------------------------------------------------
@@ -156,35 +154,12 @@ def test_heldout_split_never_puts_one_group_on_both_sides() -> None:
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
-@dataclass
-class Tiny:
-    inputs: PretrainInputs
-    checkpoint: Path
-    prompts: Path
+Tiny = PosttrainInputs
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    from posttrain.prompts import PromptsParams
-    from posttrain.prompts import run as run_prompts
-    from pretrain.export import TOKENIZER_FILES
-    from pretrain.train import special_token_ids
-
-    root = tmp_path_factory.mktemp("reward")
-    inputs = build_inputs(root / "in", documents=80, max_chars=20000, vocab_size=512)
-    ids = special_token_ids(inputs.tokenizer.path)
-    torch.manual_seed(0)
-    lm = HybridForCausalLM(config_for("tiny", vocab_size=ids["vocab_size"], bos_token_id=ids["bos"],
-                                      pad_token_id=ids["pad"], eos_token_id=[ids["eos"], ids["end_of_turn"]]))
-    ckpt = root / "ckpt"
-    lm.save_pretrained(ckpt / "model")  # as pretrain/export.py lays it out: model/ + tokenizer files
-    for name in TOKENIZER_FILES:
-        if (inputs.tokenizer.path / name).exists():
-            shutil.copy2(inputs.tokenizer.path / name, ckpt / "model" / name)
-    pctx = StageContext(root / "prompts", {"documents": inputs.documents}, stage_name="prompts")
-    run_prompts(PromptsParams(verifiable={"arithmetic": 90, "string": 90, "retrieval": 0, "code": 9},
-                              open_ended=40, excerpt_words=[30, 40, 50]), pctx)
-    return Tiny(inputs, ckpt, pctx.out_dir)
+    return build_posttrain_inputs(tmp_path_factory.mktemp("reward"))
 
 
 def test_continuations_are_the_document_text_right_after_the_excerpt(tiny: Tiny) -> None:

@@ -1,0 +1,188 @@
+"""What every post-training stage does with a policy: load it from a checkpoint artifact, sample responses in
+batches, measure the held-out pass rate, and write it back as a checkpoint artifact.
+
+* :func:`load_policy` reads a checkpoint's ``model/`` (``pretrain/export.py``'s layout) as a ``HybridForCausalLM``
+  with its tokenizer, MoE **dropless** (ROADMAP: with capacity drop a sequence's log-probs depend on the rest of
+  the batch, which breaks policy/reference consistency in DPO and GRPO).
+* :func:`sample_responses` decodes k responses per prompt at given temperatures in left-padded batches (the
+  lightning layers' O(1) recurrent decode state; §5.4.2 generation), each stopping at the chat template's end of
+  turn. It counts generated tokens and seconds, so stages report generation throughput.
+* :func:`pass_rate` is ``eval_pass_rate``: greedy responses to held-out verifiable prompts, scored by the exact
+  checkers of ``posttrain.verifiable``.
+* :func:`save_policy` writes ``model/`` and ``minimax/`` (via ``pretrain.export.write_checkpoint_dirs``) and carries
+  the base checkpoint's ``packing.json``, so the ``eval`` stage finds the pretraining run's held-out documents.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_DIR = "model"
+PACKING_FILE = "packing.json"
+
+
+@dataclass
+class Sample:
+    """One sampled response."""
+
+    text: str
+    temperature: float
+    tokens: int  # generated tokens, the end-of-turn marker included
+    finished: bool  # ended with an eos / end-of-turn token (False: cut at max_new_tokens)
+
+
+@dataclass
+class SamplingStats:
+    """Generated tokens and decode seconds over all :func:`sample_responses` calls that shared it."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    sequences: int = 0
+    finished: int = 0
+    by_temperature: dict[float, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of a checkpoint artifact (or a ``model/`` directory itself), dropless MoE, eval mode."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import model as _registers  # noqa: F401  (hylight_hybrid with the Auto classes)
+    from model import HybridForCausalLM
+
+    path = Path(checkpoint)
+    model_dir = path / MODEL_DIR if (path / MODEL_DIR / "config.json").is_file() else path
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"post-training: {path} holds no model (no {MODEL_DIR}/config.json): give a "
+                                "checkpoint artifact of pretrain, long_context or a post-training stage")
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if tok.pad_token_id is None:
+        raise ValueError(f"post-training: the tokenizer in {model_dir} has no pad token; train it with the project's "
+                         "tokenizer stage (data/tokenizer.py)")
+    tok.padding_side = "left"
+    policy = HybridForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    policy.config.moe_token_drop = False
+    for m in policy.modules():  # the flag is read by each MoE layer at construction
+        if hasattr(m, "token_drop"):
+            m.token_drop = False
+    if device is not None:
+        policy = policy.to(device)
+    return policy.eval(), tok
+
+
+def chat_prompt(tokenizer: Any, prompt: str) -> str:
+    """The prompt as one user turn followed by the assistant's header (the chat template)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """eos ids generation stops at: the generation config's (export puts eos and end-of-turn there), else the
+    tokenizer's eos and the chat template's end-of-turn marker."""
+    from data.tokenizer import END_OF_TURN_TOKEN
+
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
+    for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)):
+        if t is not None and t not in ids and t != tokenizer.unk_token_id:
+            ids.append(t)
+    return ids
+
+
+def sample_responses(model: Any, tokenizer: Any, prompts: Sequence[str], *, temperatures: Sequence[float],
+                     samples_per_temperature: int = 1, max_new_tokens: int = 64, batch_size: int = 16,
+                     seed: int = 0, stats: SamplingStats | None = None,
+                     progress: Callable[[str], None] | None = None) -> list[list[Sample]]:
+    """``len(temperatures) * samples_per_temperature`` responses for each prompt (temperature 0 = greedy, one
+    sample whatever ``samples_per_temperature``). Prompts are sorted by length so a batch pads little; the result
+    is in prompt order. Deterministic for a seed (each batch reseeds from ``seed`` and its position)."""
+    import torch
+
+    if not prompts:
+        return []
+    stats = stats if stats is not None else SamplingStats()
+    stops = stop_token_ids(tokenizer, model)
+    texts = [chat_prompt(tokenizer, p) for p in prompts]
+    encoded = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    out: list[list[Sample]] = [[] for _ in prompts]
+    device = next(model.parameters()).device
+    jobs = [(t, 1 if t == 0 else samples_per_temperature) for t in temperatures]
+    done_prompts = 0
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        width = max(len(encoded[i]) for i in idx)
+        ids = torch.full((len(idx), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):  # left padding: the lightning state stays exact (model/modeling.py)
+            ids[row, width - len(encoded[i]):] = torch.tensor(encoded[i])
+            mask[row, width - len(encoded[i]):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        for j, (temp, n) in enumerate(jobs):
+            torch.manual_seed(seed * 1_000_003 + start * 101 + j)
+            kwargs = {"do_sample": False} if temp == 0 else {"do_sample": True, "temperature": float(temp),
+                                                              "top_k": 0, "top_p": 1.0}
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     num_return_sequences=n, eos_token_id=stops,
+                                     pad_token_id=tokenizer.pad_token_id, **kwargs)
+            stats.seconds += time.perf_counter() - t0
+            new = gen[:, width:].cpu()
+            for k in range(new.shape[0]):
+                row = new[k].tolist()
+                end = next((p for p, t in enumerate(row) if t in stops), None)
+                kept = row[:end + 1] if end is not None else [t for t in row if t != tokenizer.pad_token_id]
+                text = tokenizer.decode(kept, skip_special_tokens=True).strip()
+                out[idx[k // n]].append(Sample(text, float(temp), len(kept), end is not None))
+                stats.tokens += len(kept)
+                stats.sequences += 1
+                stats.finished += end is not None
+                stats.by_temperature[float(temp)] = stats.by_temperature.get(float(temp), 0) + 1
+        done_prompts += len(idx)
+        if progress:
+            progress(f"sampled {done_prompts}/{len(prompts)} prompts ({stats.tokens_per_second:.0f} tokens/s)")
+    return out
+
+
+def pass_rate(model: Any, tokenizer: Any, records: Sequence[dict[str, Any]], *, max_new_tokens: int = 64,
+              batch_size: int = 16, stats: SamplingStats | None = None) -> tuple[float, list[dict[str, Any]]]:
+    """``eval_pass_rate``: the share of verifiable records whose greedy response the exact checker accepts, and
+    one row per record (id, task type, response, correct, reason). Records without a checker are an error."""
+    from posttrain.verifiable import CHECKERS, check
+
+    bad = [r.get("id") for r in records if r.get("checker") not in CHECKERS]
+    if bad:
+        raise ValueError(f"pass rate: {len(bad)} records have no exact checker (first ids: {bad[:5]}); the eval pool "
+                         "of the prompts stage holds only verifiable prompts")
+    if not records:
+        return float("nan"), []
+    responses = sample_responses(model, tokenizer, [r["prompt"] for r in records], temperatures=[0.0],
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size, stats=stats)
+    rows = []
+    for rec, (sample,) in zip(records, responses, strict=True):
+        res = check(rec, sample.text)
+        rows.append({"id": rec.get("id"), "task_type": rec.get("task_type"), "response": sample.text,
+                     "correct": bool(res.correct), "reason": res.reason})
+    return sum(r["correct"] for r in rows) / len(rows), rows
+
+
+def save_policy(model: Any, tokenizer_dir: str | Path, base_checkpoint: str | Path, out: str | Path) -> None:
+    """``out/model`` + ``out/minimax`` (pretrain/export.py's layout, tokenizer included) and the base checkpoint's
+    ``packing.json`` (the eval stage's held-out documents are the pretraining run's)."""
+    from pretrain.export import write_checkpoint_dirs
+
+    out = Path(out)
+    write_checkpoint_dirs(model, tokenizer_dir, out)
+    packing = Path(base_checkpoint) / PACKING_FILE
+    if packing.is_file():
+        shutil.copy2(packing, out / PACKING_FILE)
