@@ -274,7 +274,8 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps,
         per_device_train_batch_size=params.batch_pairs, learning_rate=params.learning_rate,
         weight_decay=params.weight_decay, warmup_steps=max(1, params.max_steps // 10), lr_scheduler_type="linear",
-        logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
+        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
         seed=params.seed, max_length=None, disable_tqdm=True,
         center_rewards_coefficient=params.center_rewards_coefficient, dataloader_num_workers=0)
     dataset = Dataset.from_dict({"chosen_ids": train[1], "rejected_ids": train[2]})
