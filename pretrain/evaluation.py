@@ -44,6 +44,7 @@ from pydantic import Field, model_validator
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
+from posttrain.prompts import PROMPTS_TYPE
 from pretrain.eval_metrics import (
     choice_scores,
     min_detectable_accuracy_difference,
@@ -67,6 +68,7 @@ from pretrain.stage import CHECKPOINT_TYPE
 EVAL_REPORT_TYPE = "eval_report"
 REPORT_FILE = "report.json"
 MC_ITEMS_FILE = "mc_items.jsonl"
+PASS_RATE_FILE = "pass_rate.jsonl"
 HAYSTACK_SEPARATOR = "\n\n"  # between held-out documents in the haystack / loss stream
 
 
@@ -99,6 +101,9 @@ class EvalParams(StageParams):
     alpha: float = Field(0.05, gt=0, lt=1, description="Power analysis: two-sided significance level (95% confidence).")
     power: float = Field(0.8, gt=0, lt=1, description="Power analysis: probability of detecting the effect.")
     generate_batch: int = Field(8, ge=1, description="NIAH prompts decoded together (same length, no padding).")
+    pass_rate_prompts: int = Field(0, ge=0, description=(
+        "With a `prompts` input: how many of its held-out `eval` pool prompts eval_pass_rate uses (0: all)."))
+    pass_rate_max_new_tokens: int = Field(48, ge=1, description="Greedy tokens generated for an eval_pass_rate answer.")
     seed: int = Field(0, ge=0, description="Needles, haystack offsets, item choice and order.")
 
     @model_validator(mode="after")
@@ -402,6 +407,38 @@ def _finite(o: Any) -> Any:
     return o
 
 
+def _pass_rate(checkpoint: Path, params: EvalParams, ctx: StageContext) -> dict[str, Any]:
+    """``eval_pass_rate`` (issue 12): greedy responses of the checkpoint to the prompts stage's held-out `eval` pool,
+    scored by the exact checkers; one row per prompt in ``pass_rate.jsonl``."""
+    from posttrain.policy import SamplingStats, load_policy, pass_rate
+    from posttrain.prompts import POOLS_DIR
+
+    pool = ctx.input("prompts").path / POOLS_DIR / "eval.jsonl"
+    if not pool.is_file():
+        raise FileNotFoundError(f"eval: the prompts input {pool.parent.parent} has no {POOLS_DIR}/eval.jsonl; bind a "
+                                "prompts stage's artifact")
+    records = [json.loads(line) for line in pool.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if params.pass_rate_prompts:
+        records = records[:params.pass_rate_prompts]
+    if not records:
+        raise ValueError(f"eval: {pool} holds no prompts, so eval_pass_rate cannot be measured")
+    model, tok = load_policy(checkpoint)
+    stats = SamplingStats()
+    ctx.progress(f"eval_pass_rate: greedy answers to {len(records)} held-out verifiable prompts")
+    rate, rows = pass_rate(model, tok, records, max_new_tokens=params.pass_rate_max_new_tokens,
+                           batch_size=params.generate_batch, stats=stats)
+    tmp = ctx.out_dir / f".{PASS_RATE_FILE}.tmp"
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, ctx.out_dir / PASS_RATE_FILE)
+    by_type: dict[str, list[bool]] = {}
+    for r in rows:
+        by_type.setdefault(str(r["task_type"]), []).append(r["correct"])
+    metrics = {"eval_pass_rate": rate, "eval_pass_prompts": float(len(rows))}
+    metrics |= {f"eval_pass_rate.{metric_key(t)}": sum(v) / len(v) for t, v in sorted(by_type.items())}
+    ctx.progress(f"eval_pass_rate {rate:.3f} over {len(rows)} prompts ({stats.tokens_per_second:.0f} tokens/s)")
+    return {"metrics": metrics, "prompts": len(rows), "tokens_per_second": stats.tokens_per_second}
+
+
 # --- the stage ----------------------------------------------------------------------------------------------------
 def run(params: EvalParams, ctx: StageContext) -> None:
     start = time.monotonic()
@@ -435,6 +472,8 @@ def run(params: EvalParams, ctx: StageContext) -> None:
         raise ValueError(f"eval: two multiple-choice tasks share a name ({names}); rename the task files")
     mc = _mc(scorer, [t for t in built if t.items] + task_files, T, params, ctx, ctx.out_dir / MC_ITEMS_FILE)
 
+    passes = _pass_rate(checkpoint, params, ctx) if "prompts" in ctx.inputs else None
+
     _plots(ctx, niah, mr, loss, T)
     summary: dict[str, float] = {
         "niah_accuracy": niah["accuracy_by_length"][T], "niah_accuracy_2x": niah["accuracy_by_length"][2 * T],
@@ -444,6 +483,8 @@ def run(params: EvalParams, ctx: StageContext) -> None:
     if mc:
         summary["mc_acc_norm"] = float(np.mean([r["acc_norm"] for r in mc.values()]))
         summary["mc_log_acc_norm2"] = float(np.mean([r["log_acc_norm2"] for r in mc.values()]))
+    if passes is not None:
+        summary |= passes["metrics"]
     summary |= {f"eval_loss_at_{L}": v for L, v in loss["loss_at"].items()}
     summary |= {f"niah_accuracy_at_{L}": v for L, v in niah["accuracy_by_length"].items()}
     summary |= {f"multi_round_niah_recall_at_{L}": v for L, v in mr["recall_by_length"].items()}
@@ -461,7 +502,7 @@ def run(params: EvalParams, ctx: StageContext) -> None:
 
     report = {"trained_length": T, "context_lengths": lengths, "held_out": held.info, "params": params.model_dump(),
               "metrics": summary, "niah": niah, "multi_round_niah": mr, "loss_by_position": loss,
-              "multiple_choice": mc, "seconds": round(time.monotonic() - start, 2)}
+              "multiple_choice": mc, "pass_rate": passes, "seconds": round(time.monotonic() - start, 2)}
     _write_json(ctx.out_dir / REPORT_FILE, report)
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "eval")
     ctx.set_rows("niah_prompts", len(niah["trials"]))
@@ -491,6 +532,8 @@ STAGE = StageKind(
         "checkpoint": InputSpec(CHECKPOINT_TYPE, doc="the trained model (pretrain's model/ + packing.json)"),
         "mixture": InputSpec(MIXTURE_TYPE, doc="the mixture the checkpoint was trained on (which documents it held out)"),
         "documents": InputSpec(SCORED_DOCUMENTS_TYPE, doc="the scored documents the mixture was planned from (texts)"),
+        "prompts": InputSpec(PROMPTS_TYPE, required=False,
+                             doc="a prompts stage's pools: eval_pass_rate on its held-out `eval` pool"),
     },
     fingerprint=fingerprint,
     validate_external=validate_external,

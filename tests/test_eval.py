@@ -325,7 +325,8 @@ def test_tiny_dag_binds_eval_to_pretrain_mix_and_quality_and_checks_task_files(t
 
     repo = Path(__file__).resolve().parents[1]
     spec = load_spec(repo / "dags/tiny.yaml", overrides=[f"artifact_root={tmp_path}"])
-    assert spec.stages["eval"].inputs == {"checkpoint": ["pretrain"], "mixture": ["mix"], "documents": ["quality"]}
+    assert spec.stages["eval"].inputs == {"checkpoint": ["pretrain"], "mixture": ["mix"], "documents": ["quality"],
+                                          "prompts": []}
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(SpecError) as e:
         load_spec(repo / "dags/tiny.yaml", overrides=[f"artifact_root={tmp_path}", f"eval.task_files=[{missing}]"])
@@ -412,10 +413,18 @@ def evaluated(inputs: PretrainInputs, tmp_path_factory: pytest.TempPathFactory) 
     task_file = root / "facts.jsonl"
     task_file.write_text("".join(json.dumps(i) + "\n" for i in TASK_FILE_ITEMS))
     checkpoint = Artifact(path=pctx.out_dir, manifest={"type": "checkpoint", "digest": "test-checkpoint"})
-    ctx = StageContext(root / "out", {"checkpoint": checkpoint, "mixture": inputs.mixture, "documents": inputs.documents},
-                       stage_name="eval")
+    from posttrain.prompts import PromptsParams
+    from posttrain.prompts import run as run_prompts
+
+    prompts_ctx = StageContext(root / "prompts", {"documents": inputs.documents}, stage_name="prompts")
+    run_prompts(PromptsParams(verifiable={"arithmetic": 40, "string": 40, "retrieval": 0, "code": 4}, open_ended=0),
+                prompts_ctx)
+    prompts = Artifact(path=prompts_ctx.out_dir, manifest={"type": "prompts", "digest": "test-prompts"})
+    ctx = StageContext(root / "out", {"checkpoint": checkpoint, "mixture": inputs.mixture, "documents": inputs.documents,
+                                      "prompts": prompts}, stage_name="eval")
     run(EvalParams(needle_depths=[0.0, 0.5, 1.0], niah_trials=2, cloze_items=12, next_sentence_items=10,
-                   mr_niah_depths=[0.25, 0.75], loss_windows=4, task_files=[str(task_file)], seed=1), ctx)
+                   mr_niah_depths=[0.25, 0.75], loss_windows=4, task_files=[str(task_file)], seed=1,
+                   pass_rate_prompts=10, pass_rate_max_new_tokens=16), ctx)
     return EvalRun(ctx, json.loads((ctx.out_dir / "report.json").read_text()), pctx.summary, pctx.out_dir)
 
 
@@ -441,6 +450,24 @@ def test_stage_reports_every_metric_in_range(evaluated: EvalRun) -> None:
     assert {p.name for p, _ in evaluated.ctx.sink.artifacts} == {"niah.png", "loss_by_position.png", "report.json"}
     for name in ("niah.png", "loss_by_position.png"):
         assert (evaluated.ctx.out_dir / "plots" / name).stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_stage_eval_pass_rate_is_the_checkers_verdict_on_the_held_out_pool(evaluated: EvalRun) -> None:
+    from posttrain.verifiable import check
+
+    pool = [json.loads(x) for x in (evaluated.ctx.inputs["prompts"].path / "pools" / "eval.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (evaluated.ctx.out_dir / "pass_rate.jsonl").read_text().splitlines()]
+    n = min(10, len(pool))  # pass_rate_prompts=10
+    assert n >= 5 and [r["id"] for r in rows] == [r["id"] for r in pool[:n]]  # in pool order
+    for rec, row in zip(pool, rows, strict=False):
+        assert row["correct"] == check(rec, row["response"]).correct
+    s = evaluated.ctx.summary
+    assert s["eval_pass_rate"] == pytest.approx(sum(r["correct"] for r in rows) / n) and s["eval_pass_prompts"] == n
+    for t in {r["task_type"] for r in rows}:
+        typed = [r["correct"] for r in rows if r["task_type"] == t]
+        assert s[f"eval_pass_rate.{t}"] == pytest.approx(sum(typed) / len(typed))
+    assert evaluated.report["pass_rate"]["prompts"] == n
 
 
 @pytest.mark.slow
