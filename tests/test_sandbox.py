@@ -17,10 +17,21 @@ SQUARE = "def square(x):\n    return x * x\n"
 SQUARE_TESTS = ["assert square(3) == 9", "assert square(-2) == 4", "assert square(0) == 0"]
 
 
-def _sandbox_processes() -> set[int]:
-    """Live processes running the sandbox child (any run), for before/after comparisons."""
+@pytest.fixture(autouse=True)
+def own_temp_root(tmp_path, monkeypatch):
+    """Each test's sandbox runs get their work directories (and so their children's command lines) under this
+    test's own temp root, so the process scans below see this test's runs only, whatever else runs beside it."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _sandbox_processes(root) -> set[int]:
+    """Live processes running the sandbox child for a run under ``root``, for before/after comparisons."""
     return {p.pid for p in psutil.process_iter(["cmdline", "status"])
-            if "sandbox_child.py" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE}
+            if "sandbox_child.py" in " ".join(p.info["cmdline"] or []) and str(root) in " ".join(p.info["cmdline"])
+            and p.info["status"] != psutil.STATUS_ZOMBIE}
 
 
 def test_correct_code_passes_every_test():
@@ -72,8 +83,8 @@ def test_cpu_limit_stops_a_busy_loop_before_the_wall_limit():
 
 
 @pytest.mark.parametrize("use_cgroup", [True, False], ids=["cgroup", "no-cgroup"])
-def test_fork_bomb_is_stopped_and_no_process_survives(use_cgroup):
-    before = _sandbox_processes()
+def test_fork_bomb_is_stopped_and_no_process_survives(use_cgroup, own_temp_root):
+    before = _sandbox_processes(own_temp_root)
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     r = run_python(bomb, [], SandboxLimits(wall_seconds=5.0, max_processes=16, use_cgroup=use_cgroup))
     assert r.status == "killed", (r.status, r.error, r.process_limit)
@@ -82,22 +93,22 @@ def test_fork_bomb_is_stopped_and_no_process_survives(use_cgroup):
         assert r.peak_processes == 16  # the cgroup refuses the 17th task outright
     assert r.leftover_processes == 0
     time.sleep(0.2)
-    assert _sandbox_processes() - before == set(), "a process of the fork bomb survived"
+    assert _sandbox_processes(own_temp_root) - before == set(), "a process of the fork bomb survived"
 
 
-def test_watchdog_alone_stops_a_spawner_when_no_kernel_cap_applies():
+def test_watchdog_alone_stops_a_spawner_when_no_kernel_cap_applies(own_temp_root):
     if os.geteuid() != 0:
         pytest.skip("without root the rlimit always applies")
     # root keeps root and no cgroup: only the watchdog counts (a linear spawner, gentle on a shared machine)
     spawner = "import os, time\nfor _ in range(40):\n    if os.fork() == 0:\n        time.sleep(30)\n" \
               "        os._exit(0)\n    time.sleep(0.02)\ntime.sleep(30)\n"
-    before = _sandbox_processes()
+    before = _sandbox_processes(own_temp_root)
     r = run_python(spawner, [], SandboxLimits(wall_seconds=5.0, max_processes=8, use_cgroup=False,
                                               drop_privileges=False))
     assert (r.process_limit, r.status) == ("watchdog", "killed")
     assert 8 <= r.peak_processes <= 12 and r.leftover_processes == 0
     time.sleep(0.2)
-    assert _sandbox_processes() - before == set()
+    assert _sandbox_processes(own_temp_root) - before == set()
 
 
 def test_memory_hog_gets_memory_status():
