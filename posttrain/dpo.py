@@ -1,0 +1,465 @@
+"""Stage ``dpo``: offline RL by Direct Preference Optimization (report §5.4.1) on TRL's ``DPOTrainer``; with a short
+``max_length`` it is Table 7's stage III, with a long one (and long prompts) stage IV. Produces a checkpoint.
+
+Pairs (§5.4.1: "generating responses with varying temperature parameters for each prompt, followed by systematic
+evaluation using the reward models ... the best and the worst responses"): for each prompt of the ``dpo`` pool (SFT
+prompts, which §5.4.1 found as good as unseen ones) the input policy samples ``samples_per_temperature`` responses
+at each of ``temperatures`` (:func:`posttrain.policy.sample_responses`); :class:`posttrain.rewards.RewardHierarchy`
+scores each (exact checker, optional reward model, rule checks); chosen = the best total, rejected = the worst
+(:func:`select_pair`). Every prompt of the pool is accounted for: a pair, or skipped with one of
+:data:`SKIP_REASONS`. Pairs are split train / held out by a hash of (seed, the prompt's group) (:func:`is_heldout`):
+a prompt, and a group of prompts sharing a passage or code function, is on one side only.
+
+Training: ``DPOTrainer`` with the policy and a frozen reference, both loaded by :func:`posttrain.policy.load_policy`,
+so both run the MoE **dropless** — with capacity drop a sequence's log-probs would depend on the other sequences of
+its batch (tests/test_dpo.py shows it) and π/π_ref would be compared on different routings. Loss ``loss_type``
+(default TRL's ``sigmoid``: -log σ(β·((log π_c − log π_ref,c) − (log π_r − log π_ref,r)))), the router aux loss
+added by TRL from the config's ``router_aux_loss_coef``. Schedule: Table 7 (stage III cosine 5e-7 → 5e-8, stage IV
+constant 5e-7; batch 64 pairs; one epoch).
+
+Metrics: ``loss`` (every step), ``train_preference_accuracy`` / ``reward_margin`` (TRL's ``rewards/accuracies`` /
+``rewards/margins`` on the training batch), ``eval_preference_accuracy`` on every held-out pair at step 0, every
+``eval_every`` steps and at the last step: the share of pairs whose implicit reward β·(log π − log π_ref) is higher
+for chosen, **ties counting 1/2** — at step 0 π = π_ref, every implicit reward is exactly 0 (the same function on
+the same weights) and the accuracy is exactly 0.5. ``eval_pass_rate`` (the ``eval`` pool, greedy) before (step 0)
+and after (last step), ``dpo_pairs``, ``generation_tokens_per_second``, ``skipped.<reason>``.
+
+Output: the checkpoint (``model/``, ``minimax/``, tokenizer, the base ``packing.json``: :func:`save_policy`),
+``pairs/{train,heldout}.jsonl`` (prompt, both responses, their temperatures and reward components),
+``pairs/skipped.jsonl`` (id and reason of every prompt without a pair), ``dpo_report.json``, ``plots/loss.png``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, split_group
+from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE, pairwise_accuracy
+from posttrain.rewards import RewardComponents
+from pretrain.stage import CHECKPOINT_TYPE
+
+PAIRS_DIR = "pairs"
+REPORT_FILE = "dpo_report.json"
+SKIP_REASONS = {
+    "over_max_prompts": "beyond max_prompts (the pool is sampled in a seeded hash order)",
+    "prompt_too_long": "the chat-formatted prompt alone has max_length tokens or more: no room for a response",
+    "prompt_too_short": "fewer than min_prompt_tokens tokens (stage IV keeps long-context prompts only)",
+    "identical_responses": "every sampled response has the same text: nothing to prefer",
+    "margin_below_min": "best and worst reward totals differ by min_margin or less",
+}
+
+
+class DPOParams(StageParams):
+    seed: int = Field(0, description="Seed of prompt order, sampling, the held-out split and the data order.")
+    max_prompts: int = Field(24, ge=1, description=(
+        "dpo-pool prompts sampled (the rest are counted as skipped over_max_prompts). Sized for the tiny DAG."))
+    temperatures: list[float] = Field(default_factory=lambda: [0.3, 0.7, 1.1], description=(
+        "Sampling temperatures (§5.4.1 'varying temperature parameters'); 0 = one greedy response."))
+    samples_per_temperature: int = Field(2, ge=1, description="Responses per prompt at each temperature.")
+    max_new_tokens: int = Field(24, ge=1, description="Response length cap when sampling. Sized for the tiny DAG.")
+    sample_batch_size: int = Field(16, ge=1, description="Prompts per generate() batch.")
+    min_margin: float = Field(0.0, ge=0, description=(
+        "Prompts whose best and worst reward totals differ by this much or less make no pair."))
+    min_prompt_tokens: int = Field(0, ge=0, description=(
+        "Prompts shorter than this (chat-formatted tokens) are skipped: stage IV trains on long-context prompts."))
+    heldout_fraction: float = Field(0.25, gt=0, lt=1, description="Share of prompt groups whose pairs are held out.")
+    beta: float = Field(0.1, gt=0, description="DPO β (TRL's default; the report gives none).")
+    loss_type: str = Field("sigmoid", description="TRL DPO loss_type (sigmoid = the DPO paper's loss).")
+    learning_rate: float = Field(5e-7, gt=0, description="Peak learning rate (Table 7: 5e-7 for stages III and IV).")
+    lr_schedule: Literal["cosine", "constant"] = Field("cosine", description=(
+        "Table 7: stage III cosine, stage IV constant."))
+    min_learning_rate: float = Field(5e-8, ge=0, description="Floor of the cosine schedule (Table 7 stage III: 5e-8).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    max_length: int = Field(256, ge=8, description=(
+        "Tokens of prompt + response in training (Table 7: 8192 in stage III, 1032192 in stage IV); longer pairs "
+        "are cut at the end (counted as truncated_pairs)."))
+    max_steps: int = Field(8, ge=1, description="Optimizer steps (Table 7: one epoch of the pairs).")
+    batch_pairs: int = Field(4, ge=1, description="Pairs per device per micro-batch.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per step (Table 7 batch: 64 pairs).")
+    eval_every: int = Field(4, ge=1, description="Steps between held-out preference accuracy evaluations.")
+    eval_batch_sequences: int = Field(16, ge=1, description="Sequences per forward when scoring held-out pairs.")
+    eval_prompts: int = Field(16, ge=1, description="eval-pool prompts of eval_pass_rate. Sized for the tiny DAG.")
+    eval_max_new_tokens: int = Field(24, ge=1, description="Greedy response cap of eval_pass_rate.")
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, v: list[float]) -> list[float]:
+        if not v or any(t < 0 for t in v):
+            raise ValueError(f"temperatures {v}: give one or more temperatures >= 0")
+        return v
+
+
+# --- pairs --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairChoice:
+    """The outcome for one prompt: the chosen and rejected sample indices, or the reason there is no pair."""
+
+    chosen: int | None
+    rejected: int | None
+    skip: str | None = None
+
+
+def select_pair(texts: Sequence[str], rewards: Sequence[RewardComponents], min_margin: float) -> PairChoice:
+    """Best total = chosen, worst total = rejected (the first sample of each on ties); no pair when all texts are
+    identical or ``best - worst <= min_margin`` (so equal totals never make a pair)."""
+    if len(texts) != len(rewards) or not texts:
+        raise ValueError(f"select_pair: {len(texts)} responses and {len(rewards)} rewards")
+    if len(set(texts)) == 1:
+        return PairChoice(None, None, "identical_responses")
+    totals = [r.total for r in rewards]
+    best = max(range(len(totals)), key=lambda i: (totals[i], -i))
+    worst = min(range(len(totals)), key=lambda i: (totals[i], i))
+    if totals[best] - totals[worst] <= min_margin:
+        return PairChoice(None, None, "margin_below_min")
+    return PairChoice(best, worst)
+
+
+def _unit_hash(*parts: Any) -> float:
+    h = hashlib.sha256("\0".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+def is_heldout(record: dict[str, Any], seed: int, fraction: float) -> bool:
+    """Deterministic held-out membership of a prompt, by its group (posttrain.prompts.split_group: the prompt id, or
+    the passage / code function it shares with others), so no group has pairs on both sides."""
+    return _unit_hash("dpo-heldout", seed, split_group(record)) < fraction
+
+
+def prompt_order(records: Sequence[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """The pool in a seeded hash order (max_prompts takes a prefix: a uniform, reproducible subset)."""
+    return sorted(records, key=lambda r: (_unit_hash("dpo-order", seed, r["id"]), r["id"]))
+
+
+# --- sequence log-probs and the implicit reward -------------------------------------------------------------------
+def encode_pair_side(tokenizer: Any, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) as TRL's DPOTrainer tokenizes a conversational example: the prompt with the
+    assistant header, and the rest of the full conversation after their common prefix."""
+    user = [{"role": "user", "content": prompt}]
+    p = list(tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True, return_dict=True)
+             ["input_ids"])
+    full = list(tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=True,
+                                              return_dict=True)["input_ids"])
+    n = 0
+    while n < min(len(p), len(full)) and p[n] == full[n]:
+        n += 1
+    return p[:n], full[n:]
+
+
+def completion_logps(model: Any, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
+                     batch_size: int = 16, max_length: int | None = None) -> list[float]:
+    """Σ log π(completion token | prefix) of each (prompt ids, completion ids), cut to ``max_length`` tokens as TRL
+    cuts (keep the start). Right-padded batches of similar length, no gradient, the model's current mode."""
+    import torch
+
+    seqs = [(list(p) + list(c), len(p)) for p, c in sequences]
+    if max_length is not None:
+        seqs = [(ids[:max_length], n) for ids, n in seqs]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    out = [0.0] * len(seqs)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            width = max(len(seqs[i][0]) for i in idx)
+            ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, :len(seqs[i][0])] = torch.tensor(seqs[i][0])
+                mask[row, :len(seqs[i][0])] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+            for row, i in enumerate(idx):
+                n_prompt, n = seqs[i][1], len(seqs[i][0])
+                out[i] = float(logp[row, n_prompt - 1:n - 1].sum()) if n > n_prompt else 0.0
+    return out
+
+
+def implicit_rewards(beta: float, policy_logps: Sequence[float], ref_logps: Sequence[float]) -> list[float]:
+    """β·(log π − log π_ref) of each sequence (the DPO implicit reward)."""
+    return [beta * (p - r) for p, r in zip(policy_logps, ref_logps, strict=True)]
+
+
+def preference_accuracy(beta: float, chosen_logps: Sequence[float], rejected_logps: Sequence[float],
+                        ref_chosen_logps: Sequence[float], ref_rejected_logps: Sequence[float]) -> float:
+    """``eval_preference_accuracy``: the share of pairs whose implicit reward ranks chosen above rejected, ties 1/2
+    (so π = π_ref gives exactly 0.5; TRL's training ``rewards/accuracies`` counts ties as 0)."""
+    return pairwise_accuracy(implicit_rewards(beta, chosen_logps, ref_chosen_logps),
+                             implicit_rewards(beta, rejected_logps, ref_rejected_logps))
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _pool(ctx: StageContext, name: str) -> list[dict[str, Any]]:
+    path = ctx.input("prompts").path / POOLS_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"dpo: the prompts artifact has no {POOLS_DIR}/{name}.jsonl ({path}); is the 'prompts' "
+                                "input a prompts stage's output?")
+    return _read_jsonl(path)
+
+
+def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any, scorer: Any,
+                stats: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pairs, skipped): one pair row or one skipped row for every dpo-pool prompt."""
+    from posttrain.policy import chat_prompt, sample_responses
+
+    records = prompt_order(_pool(ctx, "dpo"), params.seed)
+    skipped = [{"id": r["id"], "reason": "over_max_prompts"} for r in records[params.max_prompts:]]
+    candidates = []
+    for rec in records[:params.max_prompts]:
+        n = len(tokenizer(chat_prompt(tokenizer, rec["prompt"]), add_special_tokens=False).input_ids)
+        if n >= params.max_length:
+            skipped.append({"id": rec["id"], "reason": "prompt_too_long", "prompt_tokens": n})
+        elif n < params.min_prompt_tokens:
+            skipped.append({"id": rec["id"], "reason": "prompt_too_short", "prompt_tokens": n})
+        else:
+            candidates.append(rec)
+    ctx.progress(f"sampling {len(candidates)} prompts x {len(params.temperatures)} temperatures x "
+                 f"{params.samples_per_temperature} (max {params.max_new_tokens} new tokens)")
+    samples = sample_responses(model, tokenizer, [r["prompt"] for r in candidates], temperatures=params.temperatures,
+                               samples_per_temperature=params.samples_per_temperature,
+                               max_new_tokens=params.max_new_tokens, batch_size=params.sample_batch_size,
+                               seed=params.seed, stats=stats, progress=ctx.progress)
+    flat_records = [rec for rec, ss in zip(candidates, samples, strict=True) for _ in ss]
+    rewards = scorer.score(flat_records, [s.text for ss in samples for s in ss])
+    pairs, at = [], 0
+    for rec, ss in zip(candidates, samples, strict=True):
+        rw, at = rewards[at:at + len(ss)], at + len(ss)
+        choice = select_pair([s.text for s in ss], rw, params.min_margin)
+        if choice.skip:
+            skipped.append({"id": rec["id"], "reason": choice.skip, "totals": [r.total for r in rw]})
+            continue
+        c, r = ss[choice.chosen], ss[choice.rejected]
+        pairs.append({
+            "id": rec["id"], "prompt": rec["prompt"], "task_type": rec.get("task_type"),
+            "split": "heldout" if is_heldout(rec, params.seed, params.heldout_fraction) else "train",
+            "chosen": c.text, "rejected": r.text, "chosen_temperature": c.temperature,
+            "rejected_temperature": r.temperature, "chosen_finished": c.finished, "rejected_finished": r.finished,
+            "chosen_reward": rw[choice.chosen].as_json(), "rejected_reward": rw[choice.rejected].as_json(),
+            "margin": rw[choice.chosen].total - rw[choice.rejected].total, "samples": len(ss)})
+    if len(pairs) + len(skipped) != len(records):  # every prompt is a pair or a counted skip
+        raise AssertionError(f"dpo: {len(records)} prompts but {len(pairs)} pairs + {len(skipped)} skipped")
+    return pairs, skipped
+
+
+def run(params: DPOParams, ctx: StageContext) -> None:
+    start = time.monotonic()
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from posttrain.policy import MODEL_DIR, SamplingStats, load_policy, pass_rate, save_policy
+    from posttrain.rewards import RewardHierarchy
+
+    torch.manual_seed(params.seed)
+    ckpt = ctx.input("checkpoint").path
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model, tok = load_policy(ckpt, device=device)
+    rm = ctx.inputs.get("reward_model")
+    scorer = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None)
+
+    # 1. pairs (§5.4.1): sample at several temperatures, score, best vs worst
+    stats = SamplingStats()
+    pairs, skipped = build_pairs(params, ctx, model, tok, scorer, stats)
+    split = {s: [p for p in pairs if p["split"] == s] for s in ("train", "heldout")}
+    (ctx.out_dir / PAIRS_DIR).mkdir(exist_ok=True)
+    for s, rows in split.items():
+        _write_jsonl(ctx.out_dir / PAIRS_DIR / f"{s}.jsonl", rows)
+        ctx.set_rows(f"{s}_pairs", len(rows))
+    _write_jsonl(ctx.out_dir / PAIRS_DIR / "skipped.jsonl", skipped)
+    skip_counts = Counter(s["reason"] for s in skipped)
+    ctx.log_metrics({"dpo_pairs": len(pairs), "dpo_pairs_train": len(split["train"]),
+                     "dpo_pairs_heldout": len(split["heldout"]),
+                     "generation_tokens_per_second": stats.tokens_per_second,
+                     **{f"skipped.{k}": skip_counts.get(k, 0) for k in SKIP_REASONS}})
+    ctx.progress(f"pairs: {len(split['train'])} train, {len(split['heldout'])} held out; skipped {dict(skip_counts)}; "
+                 f"{stats.tokens} tokens sampled at {stats.tokens_per_second:.0f} tokens/s")
+    if not split["train"] or not split["heldout"]:
+        raise ValueError(f"dpo: {len(split['train'])} train and {len(split['heldout'])} held-out pairs from "
+                         f"{len(pairs) + len(skipped)} dpo-pool prompts (skipped: {dict(skip_counts)}); both must be "
+                         "non-empty: raise max_prompts or samples_per_temperature, lower min_margin, or change "
+                         "heldout_fraction")
+
+    # every pair tokenized as TRL tokenizes it (checked against TRL's own below); held-out reference log-probs once
+    encoded = {p["id"]: (encode_pair_side(tok, p["prompt"], p["chosen"]), encode_pair_side(tok, p["prompt"], p["rejected"]))
+               for p in pairs}
+    truncated = sum(len(c[0]) + max(len(c[1]), len(r[1])) > params.max_length for c, r in encoded.values())
+    held = split["heldout"]
+    held_c = [encoded[p["id"]][0] for p in held]
+    held_r = [encoded[p["id"]][1] for p in held]
+    model.eval()
+
+    def heldout_logps(m: Any) -> tuple[list[float], list[float]]:
+        lp = completion_logps(m, held_c + held_r, tok.pad_token_id, params.eval_batch_sequences, params.max_length)
+        return lp[:len(held)], lp[len(held):]
+
+    ref_c, ref_r = heldout_logps(model)
+
+    def heldout_accuracy(m: Any) -> tuple[float, float]:
+        was_training = m.training
+        m.eval()
+        c, r = heldout_logps(m)
+        m.train(was_training)
+        margins = [a - b for a, b in zip(implicit_rewards(params.beta, c, ref_c),
+                                         implicit_rewards(params.beta, r, ref_r), strict=True)]
+        return preference_accuracy(params.beta, c, r, ref_c, ref_r), sum(margins) / len(margins)
+
+    eval_records = _pool(ctx, "eval")[:params.eval_prompts]
+    pass_before, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
+                               batch_size=params.sample_batch_size)
+    acc0, margin0 = heldout_accuracy(model)
+    ctx.log_metrics({"eval_preference_accuracy": acc0, "eval_reward_margin": margin0,
+                     "eval_pass_rate": pass_before}, step=0)
+
+    # 2. DPO with TRL: a frozen reference copy, dropless like the policy (load_policy)
+    ref_model, _ = load_policy(ckpt)
+    relayed = {"loss": "loss", "rewards/accuracies": "train_preference_accuracy", "rewards/margins": "reward_margin",
+               "grad_norm": "grad_norm", "learning_rate": "learning_rate"}
+    losses: list[tuple[int, float]] = []
+
+    class MetricRelay(TrainerCallback):
+        """TRL's per-step logs -> the stage's metrics; the held-out preference accuracy every eval_every steps."""
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
+            out = {relayed[k]: v for k, v in (logs or {}).items() if k in relayed and isinstance(v, (int, float))}
+            if out:
+                ctx.log_metrics(out, step=state.global_step)
+            if "loss" in out:
+                losses.append((state.global_step, float(out["loss"])))
+                ctx.progress(f"step {state.global_step}/{state.max_steps} loss {out['loss']:.4f}")
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            if state.global_step % params.eval_every == 0 and state.global_step != state.max_steps:
+                acc, margin = heldout_accuracy(kw["model"])
+                ctx.log_metrics({"eval_preference_accuracy": acc, "eval_reward_margin": margin},
+                                step=state.global_step)
+
+    schedule = ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": params.min_learning_rate}}
+                if params.lr_schedule == "cosine" else
+                {"lr_scheduler_type": "constant_with_warmup" if params.warmup_steps else "constant"})
+    config = DPOConfig(
+        output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps, beta=params.beta,
+        loss_type=[params.loss_type], learning_rate=params.learning_rate, warmup_steps=params.warmup_steps, **schedule,
+        per_device_train_batch_size=params.batch_pairs, gradient_accumulation_steps=params.gradient_accumulation_steps,
+        max_length=params.max_length, logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
+        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
+        seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}],
+                                  "chosen": [{"role": "assistant", "content": p["chosen"]}],
+                                  "rejected": [{"role": "assistant", "content": p["rejected"]}]}
+                                 for p in split["train"]])
+    model.train()
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=config, train_dataset=dataset, processing_class=tok,
+                         callbacks=[MetricRelay()])
+    trainer.remove_callback(PrinterCallback)  # the relay reports
+    trl_rows = trainer.train_dataset
+    if len(trl_rows) != len(split["train"]):
+        raise RuntimeError(f"dpo: TRL kept {len(trl_rows)} of {len(split['train'])} train pairs (prompts that fill "
+                           "max_length should have been skipped as prompt_too_long)")
+    for p, row in zip(split["train"], trl_rows, strict=True):  # the held-out metric scores what TRL trains on
+        (cp, cc), (_, rc) = encoded[p["id"]]
+        if (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) != (cp, cc, rc):
+            raise RuntimeError(f"dpo: pair {p['id']!r} tokenizes differently in TRL than in encode_pair_side; the "
+                               "held-out preference accuracy would score other sequences than training uses")
+    train_start = time.monotonic()
+    trainer.train()
+    train_seconds = time.monotonic() - train_start
+    steps = trainer.state.global_step
+
+    # 3. after: held-out preference accuracy and pass rate at the last step, the checkpoint, the report
+    policy = trainer.model.eval()
+    acc1, margin1 = heldout_accuracy(policy)
+    pass_after, _ = pass_rate(policy, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
+                              batch_size=params.sample_batch_size)
+    ctx.log_metrics({"eval_preference_accuracy": acc1, "eval_reward_margin": margin1, "eval_pass_rate": pass_after},
+                    step=steps)
+    tmp = ctx.out_dir / ".policy.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(policy, ckpt / MODEL_DIR, ckpt, tmp)
+    for entry in sorted(tmp.iterdir()):
+        dest = ctx.out_dir / entry.name
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        os.replace(entry, dest)
+    tmp.rmdir()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([s for s, _ in losses], [v for _, v in losses], marker="o")
+    ax.set(xlabel="step", ylabel="DPO loss", title=f"{ctx.stage_name}: DPO loss (β={params.beta})")
+    ctx.log_figure(fig, "loss.png")
+
+    seconds = time.monotonic() - start
+    final_loss = losses[-1][1] if losses else math.nan
+    summary = {"eval_preference_accuracy": acc1, "eval_preference_accuracy_untrained": acc0,
+               "eval_pass_rate": pass_after, "eval_pass_rate_before": pass_before, "loss": final_loss,
+               "dpo_pairs": len(pairs), "truncated_pairs": truncated,
+               "generation_tokens_per_second": stats.tokens_per_second, "train_seconds": train_seconds,
+               "stage_seconds": seconds, "steps": steps}
+    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+    report = {"params": params.model_dump(), "prompts": len(pairs) + len(skipped),
+              "pairs": {s: len(v) for s, v in split.items()}, "truncated_pairs": truncated,
+              "skipped": {k: skip_counts.get(k, 0) for k in SKIP_REASONS}, "skip_reasons": SKIP_REASONS,
+              "generation": {"tokens": stats.tokens, "seconds": round(stats.seconds, 3), "sequences": stats.sequences,
+                             "finished": stats.finished, "tokens_per_second": stats.tokens_per_second},
+              "eval_preference_accuracy": {"before": acc0, "after": acc1},
+              "eval_reward_margin": {"before": margin0, "after": margin1},
+              "eval_pass_rate": {"before": pass_before, "after": pass_after, "prompts": len(eval_records)},
+              "final_loss": None if math.isnan(final_loss) else final_loss, "steps": steps,
+              "train_seconds": round(train_seconds, 2), "stage_seconds": round(seconds, 2),
+              "notes": {"eval_preference_accuracy": "held-out pairs whose implicit reward beta*(log pi - log pi_ref) "
+                                                    "is higher for chosen; ties 1/2 (0.5 at step 0, pi = pi_ref)"}}
+    tmp_report = ctx.out_dir / f".{REPORT_FILE}.tmp"
+    tmp_report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_report, ctx.out_dir / REPORT_FILE)
+    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "dpo")
+    ctx.progress(f"held-out preference accuracy {acc0:.3f} -> {acc1:.3f}, pass rate {pass_before:.3f} -> "
+                 f"{pass_after:.3f}, {steps} steps in {train_seconds:.1f} s; stage {seconds:.1f} s")
+
+
+STAGE = StageKind(
+    name="dpo",
+    params=DPOParams,
+    run=run,
+    produces=CHECKPOINT_TYPE,
+    inputs={
+        "checkpoint": InputSpec(CHECKPOINT_TYPE, doc="the policy to optimize (an SFT stage's, or any checkpoint)"),
+        "prompts": InputSpec(PROMPTS_TYPE, doc="the prompts stage's pools: 'dpo' makes pairs, 'eval' the pass rate"),
+        "reward_model": InputSpec(REWARD_MODEL_TYPE, required=False,
+                                  doc="a reward_model stage's model: the helpfulness term of the reward hierarchy"),
+    },
+    doc="§5.4.1 offline RL (Table 7 stages III/IV): responses sampled at several temperatures, scored by the reward "
+        "hierarchy, best vs worst as pairs; TRL DPOTrainer with a frozen dropless reference; logs loss, "
+        "train_preference_accuracy, reward_margin, held-out eval_preference_accuracy (implicit reward, ties 1/2) and "
+        "eval_pass_rate before and after.",
+)
