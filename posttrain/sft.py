@@ -88,8 +88,8 @@ class SFTParams(StageParams):
         "Sampling temperatures (§5.3: 'different temperature settings'); 0 = one greedy response."))
     samples_per_temperature: int = Field(2, ge=1, description="Samples per prompt at each temperature (k = this x "
                                                               "the number of temperatures).")
-    max_new_tokens: int = Field(32, ge=1, description="Token budget of a sampled response (tiny-sized default).")
-    max_prompts: int | None = Field(32, ge=1, description=(
+    max_new_tokens: int = Field(24, ge=1, description="Token budget of a sampled response (tiny-sized default).")
+    max_prompts: int | None = Field(24, ge=1, description=(
         "Sample a seeded subset of N prompts of the sft pool (the rest are dropped as over_max_prompts); None = all. "
         "Tiny-sized default."))
     sampling_batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
@@ -125,7 +125,7 @@ class SFTParams(StageParams):
     gradient_accumulation_steps: int = Field(1, ge=1)
     weight_decay: float = Field(0.0, ge=0)
     # --- evaluation
-    eval_max_new_tokens: int = Field(32, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
+    eval_max_new_tokens: int = Field(24, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
     eval_prompts: int | None = Field(None, ge=1, description="First N records of the eval pool; None = all.")
 
     @field_validator("temperatures")
@@ -408,9 +408,11 @@ def run(params: SFTParams, ctx: StageContext) -> None:
 
     stats = SamplingStats()
     eval_stats = SamplingStats()
+    eval_start = time.monotonic()
     before, _ = pass_rate(model, tok, eval_pool, max_new_tokens=params.eval_max_new_tokens,
                           batch_size=params.sampling_batch_size, stats=eval_stats)
     ctx.log_metrics({"eval_pass_rate": before}, step=0)
+    eval_seconds = time.monotonic() - eval_start
     ctx.progress(f"eval_pass_rate before SFT: {before:.3f} on {len(eval_pool)} held-out prompts")
 
     t0 = time.monotonic()
@@ -476,9 +478,11 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     model = trainer.model.eval()
     tok.padding_side = "left"  # sampling pads left (the collator may have changed it)
 
+    eval_start = time.monotonic()
     after, eval_rows = pass_rate(model, tok, eval_pool, max_new_tokens=params.eval_max_new_tokens,
                                  batch_size=params.sampling_batch_size, stats=eval_stats)
     ctx.log_metrics({"eval_pass_rate": after}, step=steps)
+    eval_seconds += time.monotonic() - eval_start
     ctx.progress(f"eval_pass_rate after SFT: {after:.3f} (before {before:.3f}) after {steps} steps")
 
     tmp = ctx.out_dir / ".policy.tmp"
@@ -502,7 +506,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                "generation_tokens_per_second": stats.tokens_per_second,
                "samples_finished_share": stats.finished / stats.sequences if stats.sequences else 0.0,
                "steps": steps, "sampling_seconds": sampling_seconds, "train_seconds": train_seconds,
-               "stage_seconds": seconds}
+               "eval_seconds": eval_seconds, "stage_seconds": seconds}
     summary |= {f"sft_source.{s}": sources[s] for s in SOURCES}
     summary |= {f"dropped.{metric_key(r)}": reasons[r] for r in DROP_REASONS}
     ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})

@@ -207,29 +207,36 @@ def test_stage_logs_the_interface_metrics_and_runs_the_configured_steps(stages) 
 
 @pytest.mark.slow
 def test_stage_accounts_for_every_sft_prompt(stages) -> None:
-    tiny, first, _ = stages
+    tiny, first, second = stages
     pool = [json.loads(x) for x in (tiny.prompts / "pools" / "sft.jsonl").read_text().splitlines()]
-    data = [json.loads(x) for x in (first.out_dir / "sft_data.jsonl").read_text().splitlines()]
-    dropped = [json.loads(x) for x in (first.out_dir / "dropped.jsonl").read_text().splitlines()]
-    assert sorted(r["id"] for r in data + dropped) == sorted(r["id"] for r in pool)
-    assert sum(r["reason"] == "over_max_prompts" for r in dropped) == len(pool) - 14
-    assert all(r["reason"] in DROP_REASONS for r in dropped)
-    for reason in DROP_REASONS:
-        assert first.summary[f"dropped.{reason}"] == sum(r["reason"] == reason for r in dropped)
-    assert first.summary["sft_examples"] == len(data) > 0
     by_id = {r["id"]: r for r in pool}
-    for row in data:
-        assert row["source"] in SOURCES and set(row["reward"]) >= {"total", "correct", "constraints"}
-        assert "<|end|>" not in row["response"]  # sampled text stops at the end of turn
-        if row["source"] == "reference":
-            assert row["response"] == reference_response(by_id[row["id"]]) and row["reward"]["correct"]
-        elif by_id[row["id"]].get("checker"):
-            assert row["reward"]["correct"]  # a verifiable prompt's sampled target is always a correct one
-    sampled = sum(r["source"] == "sampled" for r in data)
-    assert first.summary["rejection_acceptance"] == pytest.approx(sampled / 14)
-    assert first.summary["response_length"] == pytest.approx(sum(r["tokens"] for r in data) / len(data))
-    report = json.loads((first.out_dir / "sft_report.json").read_text())
-    assert report["prompts"] == len(pool) and report["kept"] == len(data)
+    sources = set()
+    for ctx, max_length in ((first, STAGE_I["max_length"]), (second, STAGE_II["max_length"])):
+        data = [json.loads(x) for x in (ctx.out_dir / "sft_data.jsonl").read_text().splitlines()]
+        dropped = [json.loads(x) for x in (ctx.out_dir / "dropped.jsonl").read_text().splitlines()]
+        assert sorted(r["id"] for r in data + dropped) == sorted(r["id"] for r in pool)
+        assert sum(r["reason"] == "over_max_prompts" for r in dropped) == len(pool) - 14
+        assert all(r["reason"] in DROP_REASONS for r in dropped)
+        for reason in DROP_REASONS:
+            assert ctx.summary[f"dropped.{reason}"] == sum(r["reason"] == reason for r in dropped)
+        assert all(int(r["detail"].split()[0]) > max_length for r in dropped if r["reason"] == "too_long")
+        assert ctx.summary["sft_examples"] == len(data) > 0
+        for row in data:
+            assert row["source"] in SOURCES and set(row["reward"]) >= {"total", "correct", "constraints"}
+            assert "<|end|>" not in row["response"]  # sampled text stops at the end of turn
+            if row["source"] == "reference":
+                assert row["response"] == reference_response(by_id[row["id"]]) and row["reward"]["correct"]
+            elif by_id[row["id"]].get("checker"):
+                assert row["reward"]["correct"]  # a verifiable prompt's sampled target is always a correct one
+        sources |= {r["source"] for r in data}
+        sampled = sum(r["source"] == "sampled" for r in data)
+        assert ctx.summary["rejection_acceptance"] == pytest.approx(sampled / 14)
+        assert ctx.summary["response_length"] == pytest.approx(sum(r["tokens"] for r in data) / len(data))
+        report = json.loads((ctx.out_dir / "sft_report.json").read_text())
+        assert report["prompts"] == len(pool) and report["kept"] == len(data)
+    assert sources == set(SOURCES)  # both paths ran: references, and sampled targets of open-ended prompts
+    # Stage I (§5.6: long prompts removed) drops the open-ended excerpts its 128 tokens cannot hold
+    assert first.summary["dropped.too_long"] > 0
 
 
 @pytest.mark.slow
