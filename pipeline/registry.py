@@ -31,6 +31,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "prompts": "posttrain.prompts",
     "reward_model": "posttrain.reward_model",
     "dpo": "posttrain.dpo",
+    "sft": "posttrain.sft",
 }
 
 

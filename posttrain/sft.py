@@ -1,0 +1,548 @@
+"""Stage ``sft``: supervised fine-tuning on rejection-sampled responses (report §5.3) with TRL's ``SFTTrainer``; one
+stage kind serves Table 7's Stage I (short sequences, cosine LR) and Stage II (long sequences, constant LR) as two DAG
+stages with their own params (produces a ``checkpoint``).
+
+Inputs: ``checkpoint`` (pretrain, long_context or another sft stage: the policy that samples and is trained),
+``prompts`` (the prompts stage; this stage reads ``pools/sft.jsonl`` and measures on ``pools/eval.jsonl``), optional
+``reward_model`` (its ``reward_model/`` gives the hierarchy's helpfulness term).
+
+1. **Rejection sampling** (§5.3: "sampling multiple variations per prompt across different temperature settings to
+   select optimal demonstrations measured by the reward hierarchy"): ``samples_per_temperature`` responses at each of
+   ``temperatures`` per prompt (:func:`posttrain.policy.sample_responses`; the policy samples itself — the report's
+   samplers are domain expert models, which this project does not have). Every sample is scored by
+   :class:`posttrain.rewards.RewardHierarchy`. Per prompt (:func:`select_target`): a verifiable prompt takes its best
+   *correct* sample; with none, the reference answer (``posttrain.preference_pairs.reference_response``) when
+   ``reference_fallback`` is on, else the prompt is dropped. An open-ended prompt takes its best sample by total.
+   Samples cut at ``max_new_tokens`` are no candidates when ``require_finished`` (a target must end its turn).
+2. **Diversity** (§5.3: "both n-gram and semantic similarity filters"), over the selected set in pool order
+   (:func:`diversity_filter`): a target whose word n-gram Jaccard with an already kept target exceeds
+   ``ngram_jaccard_max`` is dropped, then one whose embedding cosine similarity with a kept one exceeds
+   ``embedding_cosine_max``. Embeddings: the mean-pooled last hidden state of the POLICY ITSELF over the response
+   tokens (the project loads no separate sentence encoder here). Targets shorter than ``diversity_min_words`` words
+   (``Answer: 42``) are not compared: their diversity is their prompt's.
+3. **Training**: conversational ``messages`` (user prompt, assistant target) in the tokenizer's chat template,
+   ``assistant_only_loss=True``: the template's ``{% generation %}`` block spans the assistant content and its
+   ``<|end|>``, so the loss covers exactly the target and the end-of-turn marker the policy must learn to stop at.
+   Examples over ``max_length`` tokens are dropped (``too_long``), never truncated (a truncated target would lose its
+   end-of-turn). The saved policy's generation config lists ``<|end|>`` as an eos (``save_policy``).
+
+Every ``sft`` pool prompt is accounted for: kept, or dropped with a reason in :data:`DROP_REASONS` (counted, logged as
+``dropped.<reason>``, each listed in ``dropped.jsonl``).
+
+Metrics: ``eval_pass_rate`` (held-out eval pool, greedy) at step 0 for the input policy and at the last step for the
+trained one; ``loss`` (and ``learning_rate``, ``grad_norm``) every step; ``sft_examples``, ``rejection_acceptance``
+(share of sampled prompts whose target is a sampled response), ``response_length`` (mean target tokens, end marker
+included), ``generation_tokens_per_second``, ``dropped.<reason>``. ``plots/loss.png``: the loss curve.
+
+Output: ``model/`` + ``minimax/`` + ``packing.json`` (``save_policy``: the checkpoint layout every training stage
+writes), ``sft_data.jsonl`` (prompt, response, source, reward components), ``dropped.jsonl``, ``sft_report.json``.
+
+Defaults are sized for the tiny CPU DAG (few prompts, short responses); NOTES-sft.md gives GPU-size settings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from data.documents import unit_hash
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
+from posttrain.policy import SamplingStats, load_policy, pass_rate, sample_responses, save_policy
+from posttrain.preference_pairs import chat_messages, reference_response
+from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE
+from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE
+from posttrain.rewards import RewardComponents, RewardHierarchy
+from posttrain.verifiable import CHECKERS
+from pretrain.stage import CHECKPOINT_TYPE
+
+DATA_FILE = "sft_data.jsonl"
+DROPPED_FILE = "dropped.jsonl"
+REPORT_FILE = "sft_report.json"
+SOURCES = ("sampled", "reference")
+DROP_REASONS = {
+    "over_max_prompts": "not in the seeded subset of max_prompts prompts of the sft pool (not sampled)",
+    "no_correct_sample": "verifiable prompt with no correct finished sample, and reference_fallback is off",
+    "reference_incorrect": "verifiable prompt, no correct sample, and its reference fails its own checker",
+    "no_finished_sample": "open-ended prompt whose samples were all cut at max_new_tokens (require_finished) or empty",
+    "below_min_reward": "open-ended prompt whose best sample's total is below min_open_ended_reward",
+    "too_long": "the chat-formatted example exceeds max_length tokens",
+    "ngram_duplicate": "word n-gram Jaccard with an already kept target above ngram_jaccard_max",
+    "embedding_duplicate": "embedding cosine similarity with an already kept target above embedding_cosine_max",
+}
+
+
+class SFTParams(StageParams):
+    seed: int = Field(0, description="Seed of sampling and of the training data order.")
+    # --- rejection sampling (§5.3)
+    temperatures: list[float] = Field(default_factory=lambda: [0.6, 1.0], description=(
+        "Sampling temperatures (§5.3: 'different temperature settings'); 0 = one greedy response."))
+    samples_per_temperature: int = Field(2, ge=1, description="Samples per prompt at each temperature (k = this x "
+                                                              "the number of temperatures).")
+    max_new_tokens: int = Field(24, ge=1, description="Token budget of a sampled response (tiny-sized default).")
+    max_prompts: int | None = Field(24, ge=1, description=(
+        "Sample a seeded subset of N prompts of the sft pool (the rest are dropped as over_max_prompts); None = all. "
+        "Tiny-sized default."))
+    sampling_batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
+    require_finished: bool = Field(True, description=(
+        "Only samples that ended their turn (end-of-turn / eos before max_new_tokens) are candidates."))
+    reference_fallback: bool = Field(False, description=(
+        "A verifiable prompt with no correct sample takes its reference answer as target (source 'reference'); "
+        "off: the prompt is dropped (no_correct_sample)."))
+    min_open_ended_reward: float | None = Field(None, description=(
+        "Open-ended prompts whose best sample's hierarchy total is below this are dropped; None = keep the best."))
+    # --- diversity filters (§5.3)
+    ngram_size: int = Field(3, ge=1, description="Word n-gram size of the n-gram diversity filter.")
+    ngram_jaccard_max: float = Field(0.7, gt=0, le=1, description=(
+        "Drop a target whose n-gram Jaccard with a kept one is above this (1.0: filter off)."))
+    embedding_cosine_max: float = Field(0.98, gt=0, le=1, description=(
+        "Drop a target whose embedding cosine with a kept one is above this (1.0: filter off). Embeddings: "
+        "mean-pooled last hidden state of the policy itself."))
+    diversity_min_words: int = Field(6, ge=1, description=(
+        "Targets with fewer words are not compared by the diversity filters (short answers differ by their prompt)."))
+    # --- training (Table 7)
+    max_length: int = Field(256, ge=16, description=(
+        "Longest chat-formatted example in tokens (Table 7: 8192 in Stage I, 1032192 in Stage II); longer "
+        "examples are dropped."))
+    learning_rate: float = Field(1e-4, gt=0, description="Peak LR (Table 7: 1e-5 Stage I, 3e-6 Stage II).")
+    min_learning_rate: float | None = Field(None, gt=0, description=(
+        "Floor of the cosine schedule (Table 7: 1e-6 in Stage I); None: cosine decays to 0."))
+    lr_scheduler_type: str = Field("cosine", description=(
+        "transformers scheduler name (Table 7: 'cosine' in Stage I, 'constant' in Stage II)."))
+    warmup_ratio: float = Field(0.1, ge=0, lt=1, description="Share of the steps spent in linear warmup.")
+    epochs: float = Field(2.0, gt=0, description="Passes over the SFT data (Table 7: 2 in Stages I and II).")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
+    batch_size: int = Field(4, ge=1, description="Examples per device step (Table 7: 128 / 80 global).")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    weight_decay: float = Field(0.0, ge=0)
+    # --- evaluation
+    eval_max_new_tokens: int = Field(24, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
+    eval_prompts: int | None = Field(None, ge=1, description="First N records of the eval pool; None = all.")
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, v: list[float]) -> list[float]:
+        if not v or any(t < 0 for t in v):
+            raise ValueError(f"temperatures {v}: give one or more temperatures >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _schedule(self) -> SFTParams:
+        if self.min_learning_rate is not None and self.lr_scheduler_type != "cosine":
+            raise ValueError(f"min_learning_rate is the floor of the cosine schedule; lr_scheduler_type is "
+                             f"{self.lr_scheduler_type!r} (drop min_learning_rate or use 'cosine')")
+        if self.min_learning_rate is not None and self.min_learning_rate > self.learning_rate:
+            raise ValueError(f"min_learning_rate {self.min_learning_rate} exceeds learning_rate {self.learning_rate}")
+        return self
+
+
+# --- selection ------------------------------------------------------------------------------------------------------
+@dataclass
+class Target:
+    """The SFT target chosen for one prompt."""
+
+    record: dict[str, Any]
+    response: str
+    source: str  # one of SOURCES
+    components: RewardComponents
+    temperature: float | None  # the sample's temperature; None for a reference
+
+
+def select_target(record: dict[str, Any], texts: Sequence[str], components: Sequence[RewardComponents], *,
+                  reference_fallback: bool, reference_components: RewardComponents | None = None,
+                  min_open_ended_reward: float | None = None,
+                  temperatures: Sequence[float] | None = None) -> tuple[Target | None, str]:
+    """(target, '') or (None, drop reason) for one prompt from its candidate samples (already filtered: finished,
+    non-empty) and their hierarchy components. Ties go to the earlier candidate."""
+    temps = list(temperatures) if temperatures is not None else [None] * len(texts)
+
+    def best(idx: list[int]) -> int:
+        return max(idx, key=lambda i: (components[i].total, -i))
+
+    if record.get("checker") in CHECKERS:
+        correct = [i for i, c in enumerate(components) if c.correct]
+        if correct:
+            i = best(correct)
+            return Target(record, texts[i], "sampled", components[i], temps[i]), ""
+        if not reference_fallback:
+            return None, "no_correct_sample"
+        if reference_components is None or not reference_components.correct:
+            return None, "reference_incorrect"
+        return Target(record, reference_response(record), "reference", reference_components, None), ""
+    if not texts:
+        return None, "no_finished_sample"
+    i = best(list(range(len(texts))))
+    if min_open_ended_reward is not None and components[i].total < min_open_ended_reward:
+        return None, "below_min_reward"
+    return Target(record, texts[i], "sampled", components[i], temps[i]), ""
+
+
+def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    """Casefolded word n-grams of ``text`` (its words as one gram when it has fewer than n)."""
+    words = text.casefold().split()
+    if len(words) < n:
+        return {tuple(words)} if words else set()
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def ngram_jaccard(a: set, b: set) -> float:
+    return len(a & b) / len(a | b) if a or b else 0.0
+
+
+def diversity_filter(texts: Sequence[str], embeddings: Sequence[Sequence[float]] | None, *, ngram_size: int,
+                     ngram_jaccard_max: float, embedding_cosine_max: float,
+                     min_words: int) -> list[str]:
+    """One verdict per text, in order: '' (kept), 'ngram_duplicate' or 'embedding_duplicate'. Each text is compared
+    with the texts KEPT before it (a dropped one blocks nothing); texts under ``min_words`` words are kept and not
+    compared. ``embeddings`` (one vector per text; None: no embedding filter) need not be normalised."""
+    import torch
+
+    verdicts: list[str] = []
+    kept_grams: list[set] = []
+    kept_vecs: list[Any] = []
+    for i, text in enumerate(texts):
+        if len(text.split()) < min_words:
+            verdicts.append("")
+            continue
+        grams = word_ngrams(text, ngram_size)
+        if any(ngram_jaccard(grams, g) > ngram_jaccard_max for g in kept_grams):
+            verdicts.append("ngram_duplicate")
+            continue
+        vec = None
+        if embeddings is not None:
+            vec = torch.nn.functional.normalize(torch.as_tensor(embeddings[i], dtype=torch.float32), dim=0)
+            if kept_vecs and float((torch.stack(kept_vecs) @ vec).max()) > embedding_cosine_max:
+                verdicts.append("embedding_duplicate")
+                continue
+            kept_vecs.append(vec)
+        kept_grams.append(grams)
+        verdicts.append("")
+    return verdicts
+
+
+def policy_embeddings(model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int = 16) -> list[list[float]]:
+    """Mean over a text's tokens of the policy's last hidden state (the backbone's output, before the LM head).
+    Right-padded batches: the model is causal, so the pads after a text do not change its states."""
+    import torch
+
+    out: list[list[float]] = [[] for _ in texts]
+    device = next(model.parameters()).device
+    encoded = [tokenizer(t, add_special_tokens=False).input_ids or [tokenizer.pad_token_id] for t in texts]
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            chunk = encoded[start:start + batch_size]
+            width = max(len(e) for e in chunk)
+            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, e in enumerate(chunk):
+                ids[row, :len(e)] = torch.tensor(e)
+                mask[row, :len(e)] = 1
+            hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 use_cache=False).last_hidden_state.float()
+            m = mask.to(device).unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1)
+            for row in range(len(chunk)):
+                out[start + row] = pooled[row].cpu().tolist()
+    model.train(was_training)
+    return out
+
+
+# --- the stage ------------------------------------------------------------------------------------------------------
+def _read_pool(prompts_dir: Path, pool: str) -> list[dict[str, Any]]:
+    path = prompts_dir / POOLS_DIR / f"{pool}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"sft: the prompts artifact {prompts_dir} has no {POOLS_DIR}/{pool}.jsonl; is the "
+                                "'prompts' input a prompts stage's output?")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def example_messages(target: Target) -> list[dict[str, str]]:
+    return chat_messages(target.record["prompt"], target.response)
+
+
+def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: Any, hierarchy: RewardHierarchy,
+                   records: list[dict[str, Any]], stats: SamplingStats
+                   ) -> tuple[list[Target], list[dict[str, Any]], Counter]:
+    """Rejection sampling + length and diversity filters over the sft pool: (kept targets in pool order, one
+    dropped row per dropped prompt, candidate-level counts)."""
+    dropped: list[dict[str, Any]] = []
+    if params.max_prompts is not None and params.max_prompts < len(records):
+        # a seeded subset, not the pool's head (the pool lists verifiable prompts before open-ended ones)
+        order = sorted(range(len(records)),
+                       key=lambda i: unit_hash(params.seed, "sft_prompts", str(records[i].get("id", i))))
+        chosen = set(order[:params.max_prompts])
+        dropped += [{"id": r.get("id"), "reason": "over_max_prompts"} for i, r in enumerate(records)
+                    if i not in chosen]
+        records = [r for i, r in enumerate(records) if i in chosen]
+    samples = sample_responses(model, tokenizer, [r["prompt"] for r in records], temperatures=params.temperatures,
+                               samples_per_temperature=params.samples_per_temperature,
+                               max_new_tokens=params.max_new_tokens, batch_size=params.sampling_batch_size,
+                               seed=params.seed, stats=stats, progress=ctx.progress)
+    cand: Counter = Counter()
+    flat_rec, flat_text, owner = [], [], []
+    for i, (rec, ss) in enumerate(zip(records, samples, strict=True)):
+        for s in ss:
+            cand["samples"] += 1
+            if params.require_finished and not s.finished:
+                cand["unfinished"] += 1
+            elif not s.text.strip():
+                cand["empty"] += 1
+            else:
+                flat_rec.append(rec)
+                flat_text.append(s.text)
+                owner.append((i, s.temperature))
+    # references are scored too: the fallback's reward components, and a check that the reference is correct
+    refs = [i for i, r in enumerate(records) if params.reference_fallback and r.get("checker") in CHECKERS]
+    ref_texts = [reference_response(records[i]) for i in refs]
+    ctx.progress(f"scoring {len(flat_text)} candidate samples and {len(ref_texts)} references with the reward "
+                 "hierarchy")
+    scored = hierarchy.score(flat_rec + [records[i] for i in refs], flat_text + ref_texts)
+    per_prompt: list[tuple[list[str], list[RewardComponents], list[float]]] = [([], [], []) for _ in records]
+    for (i, temp), text, comp in zip(owner, flat_text, scored[:len(flat_text)], strict=True):
+        per_prompt[i][0].append(text)
+        per_prompt[i][1].append(comp)
+        per_prompt[i][2].append(temp)
+    ref_comp = dict(zip(refs, scored[len(flat_text):], strict=True))
+    cand["correct"] = sum(1 for c in scored[:len(flat_text)] if c.correct)
+
+    selected: list[Target] = []
+    for i, rec in enumerate(records):
+        texts, comps, temps = per_prompt[i]
+        target, reason = select_target(rec, texts, comps, reference_fallback=params.reference_fallback,
+                                       reference_components=ref_comp.get(i),
+                                       min_open_ended_reward=params.min_open_ended_reward, temperatures=temps)
+        if target is None:
+            dropped.append({"id": rec.get("id"), "reason": reason})
+            continue
+        n_tokens = len(tokenizer.apply_chat_template(example_messages(target), tokenize=True, return_dict=True)
+                       ["input_ids"])
+        if n_tokens > params.max_length:
+            dropped.append({"id": rec.get("id"), "reason": "too_long", "detail": f"{n_tokens} tokens"})
+            continue
+        selected.append(target)
+
+    texts = [t.response for t in selected]
+    use_embeddings = params.embedding_cosine_max < 1.0
+    long_idx = [i for i, t in enumerate(texts) if len(t.split()) >= params.diversity_min_words]
+    embeddings = None
+    if use_embeddings and long_idx:
+        vecs = policy_embeddings(model, tokenizer, [texts[i] for i in long_idx], params.sampling_batch_size)
+        embeddings = [[0.0] for _ in texts]
+        for i, v in zip(long_idx, vecs, strict=True):
+            embeddings[i] = v
+    verdicts = diversity_filter(texts, embeddings, ngram_size=params.ngram_size,
+                                ngram_jaccard_max=params.ngram_jaccard_max,
+                                embedding_cosine_max=params.embedding_cosine_max,
+                                min_words=params.diversity_min_words)
+    kept = []
+    for target, verdict in zip(selected, verdicts, strict=True):
+        if verdict:
+            dropped.append({"id": target.record.get("id"), "reason": verdict})
+        else:
+            kept.append(target)
+    cand["diversity_compared"] = len(long_idx)
+    return kept, dropped, cand
+
+
+def _target_row(t: Target, tokens: int) -> dict[str, Any]:
+    return {"id": t.record.get("id"), "task_type": t.record.get("task_type"), "prompt": t.record["prompt"],
+            "response": t.response, "source": t.source, "temperature": t.temperature, "tokens": tokens,
+            "reward": t.components.as_json()}
+
+
+def _loss_figure(history: list[tuple[int, float]], name: str) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([s for s, _ in history], [v for _, v in history], marker=".")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (assistant tokens)")
+    ax.set_title(f"SFT loss: {name}")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def run(params: SFTParams, ctx: StageContext) -> None:
+    start = time.monotonic()
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    ckpt = ctx.input("checkpoint").path
+    rm = ctx.inputs.get("reward_model")
+    hierarchy = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None)
+    sft_pool = _read_pool(ctx.input("prompts").path, "sft")
+    eval_pool = _read_pool(ctx.input("prompts").path, "eval")[:params.eval_prompts]
+    if not sft_pool:
+        raise ValueError(f"sft: the sft pool of {ctx.input('prompts').path} is empty; give the prompts stage more "
+                         "prompts or a larger sft share")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model, tok = load_policy(ckpt, device=device)
+    if not tok.chat_template or "generation" not in tok.chat_template:
+        raise ValueError(f"sft: the tokenizer of {ckpt} has no chat template with {{% generation %}} markers, which "
+                         "assistant_only_loss needs (the project's tokenizer stage, data/tokenizer.py, writes one)")
+
+    stats = SamplingStats()
+    eval_stats = SamplingStats()
+    eval_start = time.monotonic()
+    before, _ = pass_rate(model, tok, eval_pool, max_new_tokens=params.eval_max_new_tokens,
+                          batch_size=params.sampling_batch_size, stats=eval_stats)
+    ctx.log_metrics({"eval_pass_rate": before}, step=0)
+    eval_seconds = time.monotonic() - eval_start
+    ctx.progress(f"eval_pass_rate before SFT: {before:.3f} on {len(eval_pool)} held-out prompts")
+
+    t0 = time.monotonic()
+    targets, dropped, cand = build_sft_data(params, ctx, model, tok, hierarchy, sft_pool, stats)
+    sampling_seconds = time.monotonic() - t0
+    reasons = Counter(d["reason"] for d in dropped)
+    if len(targets) + len(dropped) != len(sft_pool):  # every prompt is accounted for
+        raise RuntimeError(f"sft: {len(sft_pool)} prompts but {len(targets)} kept + {len(dropped)} dropped")
+    if not targets:
+        raise ValueError(f"sft: no SFT example survived selection ({dict(reasons)} of {len(sft_pool)} prompts; "
+                         f"samples: {dict(cand)}). A policy that never ends its turn within max_new_tokens has no "
+                         "finished samples: raise max_new_tokens, set require_finished: false, or allow "
+                         "reference_fallback for verifiable prompts")
+    masks = [tok.apply_chat_template(example_messages(t), tokenize=True, return_assistant_tokens_mask=True,
+                                     return_dict=True)["assistant_masks"] for t in targets]
+    token_counts = [len(m) for m in masks]  # the whole example
+    target_tokens = [sum(m) for m in masks]  # what the loss covers: the response and its <|end|>
+    _write_jsonl(ctx.out_dir / DATA_FILE, [_target_row(t, n) for t, n in zip(targets, target_tokens, strict=True)])
+    _write_jsonl(ctx.out_dir / DROPPED_FILE, dropped)
+    sampled_prompts = min(len(sft_pool), params.max_prompts or len(sft_pool))
+    sources = Counter(t.source for t in targets)
+    acceptance = sources["sampled"] / sampled_prompts
+    ctx.set_rows("sft_examples", len(targets))
+    ctx.progress(f"{len(targets)} SFT examples from {len(sft_pool)} prompts ({dict(sources)}); dropped "
+                 f"{dict(reasons)}; {stats.tokens} tokens sampled at {stats.tokens_per_second:.0f} tokens/s")
+
+    # --- training (Table 7)
+    history: list[tuple[int, float]] = []
+    relayed = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"}
+
+    class MetricRelay(TrainerCallback):
+        """TRL's per-step logs -> the stage's metrics and progress lines."""
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
+            out = {relayed[k]: v for k, v in (logs or {}).items() if k in relayed and isinstance(v, int | float)}
+            if out:
+                ctx.log_metrics(out, step=state.global_step)
+                if "loss" in out:
+                    history.append((state.global_step, float(out["loss"])))
+                    ctx.progress(f"step {state.global_step}/{state.max_steps} loss {out['loss']:.4f}")
+
+    scheduler, scheduler_kwargs = params.lr_scheduler_type, {}
+    if params.min_learning_rate is not None:  # Table 7's Min LR: cosine to a floor
+        scheduler, scheduler_kwargs = "cosine_with_min_lr", {"min_lr": params.min_learning_rate}
+    config = SFTConfig(
+        output_dir=str(ctx.work_dir / "trainer"), assistant_only_loss=True, max_length=params.max_length,
+        packing=False, learning_rate=params.learning_rate, lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs=scheduler_kwargs, warmup_steps=params.warmup_ratio, num_train_epochs=params.epochs,
+        max_steps=params.max_steps or -1, per_device_train_batch_size=params.batch_size,
+        gradient_accumulation_steps=params.gradient_accumulation_steps, weight_decay=params.weight_decay,
+        logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
+        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
+        gradient_checkpointing=False, seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
+    dataset = Dataset.from_dict({"messages": [example_messages(t) for t in targets]})
+    model.train()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                         callbacks=[MetricRelay()])
+    trainer.remove_callback(PrinterCallback)
+    train_start = time.monotonic()
+    trainer.train()
+    train_seconds = time.monotonic() - train_start
+    steps = trainer.state.global_step
+    model = trainer.model.eval()
+    tok.padding_side = "left"  # sampling pads left (the collator may have changed it)
+
+    eval_start = time.monotonic()
+    after, eval_rows = pass_rate(model, tok, eval_pool, max_new_tokens=params.eval_max_new_tokens,
+                                 batch_size=params.sampling_batch_size, stats=eval_stats)
+    ctx.log_metrics({"eval_pass_rate": after}, step=steps)
+    eval_seconds += time.monotonic() - eval_start
+    ctx.progress(f"eval_pass_rate after SFT: {after:.3f} (before {before:.3f}) after {steps} steps")
+
+    tmp = ctx.out_dir / ".policy.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(model, ckpt / "model", ckpt, tmp)
+    for child in tmp.iterdir():
+        dest = ctx.out_dir / child.name
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        os.replace(child, dest)
+    tmp.rmdir()
+    if history:
+        ctx.log_figure(_loss_figure(history, ctx.stage_name), "loss.png")
+
+    seconds = time.monotonic() - start
+    final_loss = history[-1][1] if history else math.nan
+    summary = {"eval_pass_rate": after, "eval_pass_rate_before": before, "loss": final_loss,
+               "sft_examples": len(targets), "rejection_acceptance": acceptance,
+               "response_length": sum(target_tokens) / len(target_tokens),
+               "example_length": sum(token_counts) / len(token_counts),
+               "generation_tokens_per_second": stats.tokens_per_second,
+               "samples_finished_share": stats.finished / stats.sequences if stats.sequences else 0.0,
+               "steps": steps, "sampling_seconds": sampling_seconds, "train_seconds": train_seconds,
+               "eval_seconds": eval_seconds, "stage_seconds": seconds}
+    summary |= {f"sft_source.{s}": sources[s] for s in SOURCES}
+    summary |= {f"dropped.{metric_key(r)}": reasons[r] for r in DROP_REASONS}
+    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+    report = {"params": params.model_dump(), "prompts": len(sft_pool), "kept": len(targets),
+              "sources": dict(sources), "dropped": {r: reasons[r] for r in DROP_REASONS},
+              "drop_reasons": DROP_REASONS, "candidates": dict(cand),
+              "sampling": {"tokens": stats.tokens, "seconds": round(stats.seconds, 3), "sequences": stats.sequences,
+                           "finished": stats.finished, "tokens_per_second": stats.tokens_per_second},
+              "eval": {"before": before, "after": after, "records": len(eval_pool),
+                       "after_rows": eval_rows[:20]},
+              "training": {"steps": steps, "final_loss": final_loss, "loss_history": history,
+                           "seconds": round(train_seconds, 2)},
+              "stage_seconds": round(seconds, 2),
+              "embeddings": "mean-pooled last hidden state of the policy itself (no separate encoder)"}
+    tmp_report = ctx.out_dir / f".{REPORT_FILE}.tmp"
+    tmp_report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_report, ctx.out_dir / REPORT_FILE)
+    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "sft")
+    ctx.progress(f"done in {seconds:.1f} s: {steps} steps, loss {final_loss:.4f}, eval_pass_rate {before:.3f} -> "
+                 f"{after:.3f}")
+
+
+STAGE = StageKind(
+    name="sft",
+    params=SFTParams,
+    run=run,
+    produces=CHECKPOINT_TYPE,
+    inputs={
+        "checkpoint": InputSpec(CHECKPOINT_TYPE, doc="the policy: pretrain, long_context or an earlier sft stage"),
+        "prompts": InputSpec(PROMPTS_TYPE, doc="the prompts stage's pools (sft: training prompts; eval: held out)"),
+        "reward_model": InputSpec(REWARD_MODEL_TYPE, required=False,
+                                  doc="the helpfulness reward model of the reward hierarchy (§5.2)"),
+    },
+    doc="§5.3 SFT with rejection sampling: k samples per sft-pool prompt at several temperatures, the best by the "
+        "reward hierarchy (correct first), n-gram and policy-embedding diversity filters, then TRL SFTTrainer with "
+        "assistant-only loss in the chat template; one kind for Table 7's Stage I (short, cosine) and Stage II "
+        "(long, constant LR). Logs loss, eval_pass_rate before/after, sft_examples, rejection_acceptance, "
+        "response_length, generation_tokens_per_second and drops by reason.",
+)
