@@ -30,6 +30,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "eval": "pretrain.evaluation",
     "prompts": "posttrain.prompts",
     "reward_model": "posttrain.reward_model",
+    "grpo": "posttrain.rl",
 }
 
 
