@@ -32,6 +32,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "reward_model": "posttrain.reward_model",
     "dpo": "posttrain.dpo",
     "sft": "posttrain.sft",
+    "grpo": "posttrain.rl",
 }
 
 

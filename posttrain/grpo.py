@@ -4,6 +4,8 @@ TRL does the rollout (generation, rewards, group-normalised advantages, referenc
 iteration reuse, logging). This module changes only:
   - ``_generate_and_score_completions``: §5.4.2 (c) balanced advantages on top of TRL's group advantages, and the
     interface metrics ``reward_mean`` / ``response_length``;
+  - ``_generate_single_turn``: run in eval mode (the hybrid model's decode cache), and timed, for the metric ``generation_tokens_per_second`` (generated tokens up to each
+    completion's first EOS / wall seconds of TRL's rollout generation, this process);
   - ``_compute_loss``: the loss of ``posttrain.grpo_loss.grpo_loss`` — (a) the extra clip of large-ratio
     negative-advantage tokens, (b) the stop-gradient KL term, CISPO as ``loss_type="cispo"`` — and the metrics
     ``kl`` and ``clip_fraction``.
@@ -12,6 +14,7 @@ Entry points for a stage: ``select_prompts_by_pass_rate`` and ``train_grpo``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +29,8 @@ RewardFunc = Callable[..., list[float]]  # TRL's signature: f(prompts, completio
 
 # The interface metrics (issue 12): names a stage and MLflow read.
 INTERFACE_METRICS = ("reward_mean", "kl", "clip_fraction", "response_length")
+# Logged with the rollout metrics (steps that generate), by HylightGRPOTrainer._generate_single_turn.
+GENERATION_THROUGHPUT_METRIC = "generation_tokens_per_second"
 
 
 @dataclass
@@ -84,6 +89,21 @@ class HylightGRPOTrainer(GRPOTrainer):
         if not isinstance(config, HylightGRPOConfig):
             raise TypeError(f"HylightGRPOTrainer needs args=HylightGRPOConfig(...); got {type(config).__name__}")
         super().__init__(*args, **kwargs)
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        mode = "train" if self.model.training else "eval"
+        # Generate in eval mode: HybridModel keeps no decode cache in training mode (model/modeling.py), so TRL's
+        # generate on the training model would feed each new token without its context.
+        self.model.eval()
+        start = time.perf_counter()
+        try:
+            completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+        finally:
+            self.model.train(mode == "train")
+        seconds = time.perf_counter() - start
+        tokens = sum(len(ids) for ids in completion_ids)  # TRL cut each completion after its first EOS
+        self._metrics[mode][GENERATION_THROUGHPUT_METRIC].append(tokens / seconds if seconds > 0 else 0.0)
+        return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
@@ -190,7 +210,10 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
                          f"k={k}")
     if tokenizer.pad_token_id is None:
         raise ValueError("select_prompts_by_pass_rate: the tokenizer has no pad token (batched sampling pads left)")
-    eos = tokenizer.eos_token_id
+    # stop where TRL's rollout stops: the tokenizer's eos and the generation config's (e.g. a chat end-of-turn)
+    eos_cfg = getattr(model.generation_config, "eos_token_id", None)
+    stops = [tokenizer.eos_token_id] + [t for t in ([eos_cfg] if isinstance(eos_cfg, int) else eos_cfg or [])
+                                        if t != tokenizer.eos_token_id]
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
@@ -204,14 +227,17 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
                 out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                                      max_new_tokens=max_new_tokens, num_return_sequences=k,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
                 completions = out[:, enc["input_ids"].shape[1] :]
                 for i, prompt in enumerate(chunk):
                     ids = []
                     for row in completions[i * k : (i + 1) * k].tolist():  # up to and including the first EOS
-                        ids.append(row[: row.index(eos) + 1] if eos in row else row)
+                        end = next((j for j, t in enumerate(row) if t in stops), None)
+                        ids.append(row[: end + 1] if end is not None else row)
                     texts_i = tokenizer.batch_decode(ids, skip_special_tokens=True)
                     total = [0.0] * k
+                    if not isinstance(prompt, str):  # conversational, as TRL hands completions of chat prompts
+                        texts_i = [[{"role": "assistant", "content": t}] for t in texts_i]
                     for f in reward_funcs:
                         values = f(prompts=[prompt] * k, completions=texts_i, completion_ids=ids)
                         total = [t + (0.0 if v is None else float(v)) for t, v in zip(total, values, strict=True)]
@@ -247,6 +273,10 @@ def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs:
     trainer = HylightGRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=config,
                                  train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
                                  processing_class=tokenizer, callbacks=list(callbacks) or None)
+    if config.disable_tqdm:  # no bar and no printed log dicts: the caller relays logs through its callbacks
+        from transformers import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
     result = trainer.train()
     policy_dir = output_dir / "policy"
     trainer.save_model(str(policy_dir))

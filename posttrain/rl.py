@@ -1,0 +1,391 @@
+"""Stage ``grpo``: online reinforcement learning (report §5.4.2; Table 7 stage V) with the modified GRPO of
+:mod:`posttrain.grpo` on TRL's ``GRPOTrainer`` (artifact type ``checkpoint``).
+
+Inputs: ``checkpoint`` (the policy: a DPO, SFT or pretraining checkpoint with ``model/``), ``prompts`` (the prompts
+stage's ``rl`` pool: verifiable prompts SFT never saw; its ``eval`` pool gives ``eval_pass_rate``), optionally
+``reward_model`` (the helpfulness RM of §5.2).
+
+1. **Rewards** (§5.2 hierarchy, :class:`posttrain.rewards.RewardHierarchy`): one TRL reward function returning each
+   completion's ``total`` — the exact checker's correctness first (a correct answer always outranks a wrong one),
+   then the constraint rules and the RM's score. The components' batch means are logged as ``reward_correctness``,
+   ``reward_constraints`` and (with an RM) ``reward_rm``.
+2. **Prompt selection** (§5.4.2 "prioritizes prompts with moderate success rates"): ``selection_k`` samples per
+   prompt; a pass is a total ≥ the correctness weight C, i.e. a correct response; prompts with a pass rate in
+   ``[pass_rate_lo, pass_rate_hi]`` are kept, the others counted as too easy / too hard. A weak policy (the tiny
+   random model passes nothing) would leave no prompt: below ``min_prompts`` kept the stage fails with the counts,
+   unless ``keep_unsolved`` is set, which trains on the too-hard prompts too (logged as ``prompts_kept_unsolved``).
+   On those, every group's correctness is 0 and only the secondary terms (constraint rules, RM) vary: GRPO then
+   learns format and length, not correctness — said in the report file.
+3. **Training**: :func:`posttrain.grpo.train_grpo` with the §5.4.2 switches as params. TRL's logs are relayed per
+   optimizer step as ``loss``, ``kl``, ``clip_fraction`` (every step) and ``reward_mean``, ``response_length``,
+   ``generation_tokens_per_second`` and the reward components (the steps that generate a rollout: every
+   ``num_iterations`` steps; TRL reuses a rollout for ``num_iterations`` optimizer steps, the off-policy steps
+   where the IS-ratio clipping (a) acts).
+4. ``eval_pass_rate``: greedy responses to the held-out ``eval`` pool, exact checkers, at step 0 (the input
+   policy), every ``eval_every`` steps and at the last step. Plot ``plots/rl_curves.png``: reward and pass rate.
+
+Output: ``model/`` + ``minimax/`` + ``packing.json`` (:func:`posttrain.policy.save_policy`, the layout of every
+training stage), ``rl_report.json`` (prompt accounting, selection pass rates, metrics by step, times, params).
+
+Defaults are sized for the tiny CPU DAG (a few prompts, 4 generations of 16 tokens, 4 steps); NOTES-rl.md gives
+GPU-size settings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from posttrain.grpo import GENERATION_THROUGHPUT_METRIC, INTERFACE_METRICS
+from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE
+from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE, _read_pools
+from posttrain.rewards import RewardHierarchy, RewardWeights
+from pretrain.stage import CHECKPOINT_TYPE
+
+REPORT_FILE = "rl_report.json"
+COMPONENT_METRICS = {"correctness": "reward_correctness", "constraints": "reward_constraints",
+                     "helpfulness_rm": "reward_rm"}
+# TRL log key -> the stage's metric name (issue 12's interface names)
+RELAYED = {"loss": "loss", **{m: m for m in INTERFACE_METRICS}, GENERATION_THROUGHPUT_METRIC:
+           GENERATION_THROUGHPUT_METRIC, **{m: m for m in COMPONENT_METRICS.values()}, "entropy": "entropy",
+           "policy_loss": "policy_loss", "kl_loss": "kl_loss", "grad_norm": "grad_norm",
+           "learning_rate": "learning_rate"}
+
+
+class GRPOParams(StageParams):
+    seed: int = Field(0, description="Seed of prompt subsampling, selection sampling and training.")
+    max_prompts: int = Field(16, ge=1, description=(
+        "RL-pool prompts considered (a seeded sample; the rest are counted as over_max_prompts). Tiny-DAG size."))
+    eval_prompts: int = Field(16, ge=1, description=(
+        "Held-out eval-pool prompts scored for eval_pass_rate (the first ones; the rest counted, not scored)."))
+    eval_every: int = Field(0, ge=0, description="Steps between eval_pass_rate measurements (0: first and last only).")
+    # prompt selection (§5.4.2: moderate success rates)
+    selection_k: int = Field(4, ge=1, description="Samples per prompt in the selection pass.")
+    pass_rate_lo: float = Field(0.1, ge=0, le=1, description="Keep prompts whose pass rate is at least this...")
+    pass_rate_hi: float = Field(0.9, ge=0, le=1, description="...and at most this.")
+    min_prompts: int = Field(1, ge=1, description="Fewer prompts selected than this: fail, or see keep_unsolved.")
+    keep_unsolved: bool = Field(False, description=(
+        "Below min_prompts, train on the too-hard prompts too (logged; only the constraint/RM terms then vary "
+        "within a group). Set for a random tiny policy, which solves nothing."))
+    # rollout and optimisation
+    num_generations: int = Field(4, ge=2, description="Completions per prompt (the GRPO group).")
+    prompts_per_step: int = Field(2, ge=1, description="Prompts per rollout batch (x num_generations completions).")
+    max_completion_length: int = Field(16, ge=1, description="Generated tokens per completion (tiny-DAG size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts and the selection pass.")
+    num_iterations: int = Field(2, ge=1, description=(
+        "Optimizer steps per rollout (GRPO's mu): steps after the first are off-policy, where (a) acts."))
+    max_steps: int = Field(4, ge=1, description="Optimizer steps.")
+    learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate (TRL's default schedule).")
+    # the §5.4.2 switches (posttrain/grpo.py, NOTES-grpo.md)
+    loss_type: Literal["dapo", "cispo"] = Field("dapo", description=(
+        "'dapo': the clipped IS objective, token-level; 'cispo': clipped IS-weight policy optimisation."))
+    epsilon: float = Field(0.2, gt=0, description="Lower clip edge 1 - epsilon (and upper, unless epsilon_high).")
+    epsilon_high: float | None = Field(None, description=(
+        "Upper clip edge 1 + epsilon_high (dapo); CISPO's absolute IS-weight cap (None: 5.0 with cispo)."))
+    clip_large_ratio_negative_advantage: bool = Field(True, description=(
+        "§5.4.2 (a): drop tokens with a negative advantage and an IS ratio above the clip edge."))
+    kl_estimator: Literal["stop_gradient", "k3"] = Field("stop_gradient", description="§5.4.2 (b): the KL term.")
+    beta: float = Field(0.04, ge=0, description="KL coefficient (0: no reference model, no KL term).")
+    balance_advantages: bool = Field(True, description="§5.4.2 (c): balance positive and negative advantages.")
+    # reward weights (§5.2 hierarchy; correctness/2 must exceed 2*rm + constraints)
+    weight_correctness: float = Field(8.0, gt=0)
+    weight_rm: float = Field(1.0, ge=0)
+    weight_constraints: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOParams:
+        if self.pass_rate_lo > self.pass_rate_hi:
+            raise ValueError(f"pass_rate_lo={self.pass_rate_lo} > pass_rate_hi={self.pass_rate_hi}")
+        if self.loss_type == "cispo" and self.epsilon_high is not None and self.epsilon_high <= 1:
+            raise ValueError(f"loss_type cispo reads epsilon_high as the absolute cap of the IS weight; "
+                             f"{self.epsilon_high} <= 1 (use e.g. 5.0, or leave it unset)")
+        RewardWeights(self.weight_correctness, self.weight_rm, self.weight_constraints)  # the hierarchy holds
+        return self
+
+
+# --- rewards for TRL ----------------------------------------------------------------------------------------------
+def _text(x: Any) -> str:
+    """A prompt or completion as TRL hands it: a string, or (conversational) a list of messages -> the last one's
+    content."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and x and isinstance(x[-1], dict):
+        return str(x[-1].get("content", ""))
+    raise TypeError(f"grpo reward: cannot read a prompt/completion of type {type(x).__name__}")
+
+
+class HierarchyReward:
+    """A TRL reward function (``f(prompts, completions, completion_ids, **kw) -> list[float]``) scoring each
+    completion with the §5.2 hierarchy's ``total``. Prompts are looked up by text in the records given (their
+    checker and reference); the components' means go to TRL's ``log_metric`` when TRL passes it."""
+
+    __name__ = "hierarchy"  # TRL names the per-function reward metric after it: rewards/hierarchy/mean
+
+    def __init__(self, records: Sequence[dict[str, Any]], hierarchy: RewardHierarchy) -> None:
+        self.by_prompt: dict[str, dict[str, Any]] = {}
+        for r in records:
+            if r["prompt"] in self.by_prompt and self.by_prompt[r["prompt"]] is not r:
+                raise ValueError(f"grpo: two prompt records share one prompt text (ids {self.by_prompt[r['prompt']].get('id')}"
+                                 f", {r.get('id')}); the prompts stage deduplicates: is the pool edited by hand?")
+            self.by_prompt[r["prompt"]] = r
+        self.hierarchy = hierarchy
+        self.last: list[Any] = []  # the components of the last call (tests, debugging)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None,
+                 log_metric: Any = None, **_: Any) -> list[float]:
+        texts = [_text(p) for p in prompts]
+        missing = sorted({t for t in texts if t not in self.by_prompt})
+        if missing:
+            raise KeyError(f"grpo reward: {len(missing)} prompts have no record (first: {missing[0][:80]!r})")
+        comps = self.hierarchy.score([self.by_prompt[t] for t in texts], [_text(c) for c in completions])
+        self.last = comps
+        if log_metric is not None:
+            for attr, name in COMPONENT_METRICS.items():
+                values = [getattr(c, attr) for c in comps if getattr(c, attr) is not None]
+                if values:
+                    log_metric(name, sum(values) / len(values))
+        return [c.total for c in comps]
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    """A prompt as TRL's conversational format (TRL applies the tokenizer's chat template)."""
+    return [{"role": "user", "content": prompt}]
+
+
+# --- selection ----------------------------------------------------------------------------------------------------
+def resolve_selection(records: Sequence[dict[str, Any]], pass_rates: Sequence[float], lo: float, hi: float,
+                      min_prompts: int, keep_unsolved: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The records to train on and the count of each outcome (``selected``, ``too_easy``, ``too_hard``,
+    ``kept_unsolved``; they sum to ``len(records)``). Fewer than ``min_prompts`` selected: ``keep_unsolved`` adds the
+    too-hard ones back, else a ValueError says what happened and what to change."""
+    selected = [r for r, p in zip(records, pass_rates, strict=True) if lo <= p <= hi]
+    too_hard = [r for r, p in zip(records, pass_rates, strict=True) if p < lo]
+    counts = {"selected": len(selected), "too_easy": sum(p > hi for p in pass_rates), "too_hard": len(too_hard),
+              "kept_unsolved": 0}
+    if len(selected) >= min_prompts:
+        return selected, counts
+    if keep_unsolved and len(selected) + len(too_hard) >= min_prompts:
+        counts["kept_unsolved"], counts["too_hard"] = len(too_hard), 0
+        return selected + too_hard, counts
+    raise ValueError(
+        f"grpo: {len(selected)} of {len(records)} prompts have a pass rate in [{lo}, {hi}] (too easy: "
+        f"{counts['too_easy']}, too hard: {counts['too_hard']}), fewer than min_prompts={min_prompts}. Give a "
+        "stronger policy or more rl prompts (max_prompts), widen [pass_rate_lo, pass_rate_hi], or set "
+        "keep_unsolved: true to train on unsolved prompts (then only the constraint/RM reward terms vary)")
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
+    os.replace(tmp, path)
+
+
+def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name in ("reward_mean", "reward_correctness", "reward_constraints", "reward_rm"):
+        if series.get(name):
+            a.plot(*zip(*series[name], strict=True), marker="o", label=name)
+    a.set(xlabel="step", ylabel="reward", title="rollout rewards")
+    a.legend(fontsize=8)
+    if series.get("eval_pass_rate"):
+        b.plot(*zip(*series["eval_pass_rate"], strict=True), marker="o")
+    b.set(xlabel="step", ylabel="eval_pass_rate", ylim=(-0.05, 1.05), title="held-out pass rate (greedy)")
+    ctx.log_figure(fig, "rl_curves.png")
+
+
+def run(params: GRPOParams, ctx: StageContext) -> None:
+    start = time.monotonic()
+    import torch
+    from transformers import TrainerCallback
+
+    from posttrain.grpo import HylightGRPOConfig, select_prompts_by_pass_rate, train_grpo
+    from posttrain.policy import MODEL_DIR, SamplingStats, load_policy, pass_rate, save_policy
+
+    checkpoint = ctx.input("checkpoint").path
+    prompts_dir = ctx.input("prompts").path
+    rm_art = ctx.inputs.get("reward_model")
+    rm_dir = rm_art.path / REWARD_MODEL_DIR if rm_art is not None and not isinstance(rm_art, list) else None
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda") if on_gpu else torch.device("cpu")
+
+    # prompts: every rl-pool record is used, or dropped with a counted reason
+    pool = _read_pools(prompts_dir, ["rl"])
+    dropped: dict[str, int] = defaultdict(int)
+    verifiable = [r for r in pool if r.get("checker")]
+    dropped["no_checker"] = len(pool) - len(verifiable)
+    rng = random.Random(params.seed)
+    considered = sorted(rng.sample(range(len(verifiable)), min(params.max_prompts, len(verifiable))))
+    records = [verifiable[i] for i in considered]
+    dropped["over_max_prompts"] = len(verifiable) - len(records)
+    eval_pool = _read_pools(prompts_dir, ["eval"])
+    eval_records = eval_pool[:params.eval_prompts]
+    if not records or not eval_records:
+        raise ValueError(f"grpo: {len(records)} verifiable rl prompts and {len(eval_records)} eval prompts in "
+                         f"{prompts_dir / POOLS_DIR}; both must be non-empty (prompts stage: verifiable counts, "
+                         "rl_fraction, eval_fraction)")
+    ctx.set_rows("rl_pool_prompts", len(pool))
+    ctx.set_rows("eval_prompts", len(eval_records))
+
+    policy, tok = load_policy(checkpoint, device=device)  # fp32 master weights; bf16 autocast on GPU (TRL)
+    weights = RewardWeights(params.weight_correctness, params.weight_rm, params.weight_constraints)
+    reward = HierarchyReward(records, RewardHierarchy(weights, reward_model_dir=rm_dir))
+    eval_stats = SamplingStats()
+
+    def eval_pass_rate(model: Any) -> float:
+        was = model.training
+        model.eval()
+        try:
+            rate, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.max_completion_length,
+                                stats=eval_stats)
+        finally:
+            model.train(was)
+        return rate
+
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        ctx.log_metrics(metrics, step=step)
+        for k, v in metrics.items():
+            series[k].append((step, float(v)))
+
+    before = eval_pass_rate(policy)
+    log({"eval_pass_rate": before}, 0)
+    ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(eval_records)} held-out prompts")
+
+    # §5.4.2 prompt selection by a sampling pass
+    t0 = time.monotonic()
+    sel = select_prompts_by_pass_rate(policy, tok, [chat(r["prompt"]) for r in records], [reward],
+                                      k=params.selection_k, lo=params.pass_rate_lo, hi=params.pass_rate_hi,
+                                      pass_threshold=weights.correctness, max_new_tokens=params.max_completion_length,
+                                      temperature=params.temperature, seed=params.seed)
+    selection_seconds = time.monotonic() - t0
+    train_records, counts = resolve_selection(records, sel.pass_rates, params.pass_rate_lo, params.pass_rate_hi,
+                                              params.min_prompts, params.keep_unsolved)
+    counts_log = {f"prompts_{k}": v for k, v in counts.items()} | {f"prompts_dropped_{k}": v
+                                                                   for k, v in dropped.items()}
+    ctx.log_metrics(counts_log)
+    for k, v in counts_log.items():
+        ctx.set_rows(k, v)
+    assert sum(counts.values()) + sum(dropped.values()) == len(pool), (counts, dropped, len(pool))
+    ctx.progress(f"selection ({params.selection_k} samples/prompt, {selection_seconds:.1f} s): {counts}; "
+                 f"dropped before selection: {dict(dropped)}")
+
+    class MetricRelay(TrainerCallback):
+        """TRL's per-step logs -> the stage's metrics; eval_pass_rate every eval_every steps; progress lines."""
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' signature
+            out = {RELAYED[k]: float(v) for k, v in (logs or {}).items()
+                   if k in RELAYED and isinstance(v, int | float)}
+            if out:
+                log(out, state.global_step)
+                shown = ", ".join(f"{k} {out[k]:.4g}" for k in ("loss", "reward_mean", "kl", "clip_fraction")
+                                  if k in out)
+                ctx.progress(f"step {state.global_step}/{state.max_steps}: {shown}")
+
+        def on_step_end(self, args, state, control, model=None, **kw):  # noqa: ANN001
+            if params.eval_every and state.global_step % params.eval_every == 0 \
+                    and state.global_step < state.max_steps:
+                log({"eval_pass_rate": eval_pass_rate(model)}, state.global_step)
+
+    eps_high = params.epsilon_high if params.epsilon_high is not None else (5.0 if params.loss_type == "cispo"
+                                                                              else params.epsilon)
+    config = HylightGRPOConfig(
+        output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps, learning_rate=params.learning_rate,
+        per_device_train_batch_size=params.prompts_per_step * params.num_generations,
+        num_generations=params.num_generations, max_completion_length=params.max_completion_length,
+        temperature=params.temperature, num_iterations=params.num_iterations, loss_type=params.loss_type,
+        epsilon=params.epsilon, epsilon_high=eps_high, beta=params.beta, kl_estimator=params.kl_estimator,
+        clip_large_ratio_negative_advantage=params.clip_large_ratio_negative_advantage,
+        balance_advantages=params.balance_advantages, seed=params.seed, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, use_cpu=not on_gpu, bf16=on_gpu,  # the stage's GPU when it has one
+        gradient_checkpointing=False, dataloader_num_workers=0)
+    t0 = time.monotonic()
+    result = train_grpo(policy, tok, [chat(r["prompt"]) for r in train_records], [reward], config,
+                        ctx.work_dir / "grpo", callbacks=[MetricRelay()])
+    train_seconds = time.monotonic() - t0
+    steps = result["steps"]
+
+    trained, _ = load_policy(result["policy_dir"], device=device)
+    after = eval_pass_rate(trained)
+    log({"eval_pass_rate": after}, steps)
+    ctx.progress(f"eval_pass_rate after {steps} steps: {after:.3f} (before {before:.3f})")
+
+    tmp = ctx.out_dir / ".policy.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(trained, checkpoint / MODEL_DIR, checkpoint, tmp)
+    for child in tmp.iterdir():
+        dest = ctx.out_dir / child.name
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(child, dest)
+    tmp.rmdir()
+    _plot(ctx, series)
+
+    def last(name: str) -> float:
+        return series[name][-1][1] if series.get(name) else math.nan
+
+    gen = [v for _, v in series.get(GENERATION_THROUGHPUT_METRIC, [])]
+    seconds = time.monotonic() - start
+    summary = {"eval_pass_rate": after, "eval_pass_rate_before": before, "loss": last("loss"),
+               "reward_mean": last("reward_mean"), "kl": last("kl"), "clip_fraction": last("clip_fraction"),
+               "response_length": last("response_length"),
+               "generation_tokens_per_second_mean": sum(gen) / len(gen) if gen else math.nan,
+               "eval_tokens_per_second": eval_stats.tokens_per_second, "train_prompts": len(train_records),
+               "steps": steps, "selection_seconds": selection_seconds, "train_seconds": train_seconds,
+               "stage_seconds": seconds}
+    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+    report = {
+        "params": params.model_dump(), "steps": steps, "summary": summary,
+        "prompts": {"rl_pool": len(pool), "dropped_before_selection": dict(dropped), "selection": counts,
+                    "pass_rates": {r.get("id", str(i)): p for i, (r, p) in enumerate(zip(records, sel.pass_rates,
+                                                                                          strict=True))},
+                    "trained_on": [r.get("id") for r in train_records], "eval_scored": len(eval_records),
+                    "eval_not_scored": len(eval_pool) - len(eval_records)},
+        "metrics_by_step": {k: v for k, v in series.items()},
+        "reward_weights": {"correctness": weights.correctness, "rm": weights.helpfulness_rm,
+                           "constraints": weights.constraints, "pass_threshold": weights.correctness},
+        "reward_model": str(rm_dir) if rm_dir else None,
+        "notes": {
+            "kept_unsolved": "prompts no selection sample solved, trained on because keep_unsolved is set: their "
+                             "groups' correctness is all 0, so only the constraint/RM terms give advantages",
+            "generation_tokens_per_second": "generated tokens (to each completion's first EOS) / wall seconds of "
+                                            "TRL's rollout generate (HylightGRPOTrainer._generate_single_turn)",
+            "eval_pass_rate": "greedy responses to the first eval_prompts eval-pool prompts, exact checkers"},
+    }
+    _write_json(ctx.out_dir / REPORT_FILE, report)
+    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "grpo")
+    ctx.progress(f"done in {seconds:.1f} s (selection {selection_seconds:.1f} s, training {train_seconds:.1f} s)")
+
+
+STAGE = StageKind(
+    name="grpo",
+    params=GRPOParams,
+    run=run,
+    produces=CHECKPOINT_TYPE,
+    inputs={
+        "checkpoint": InputSpec(CHECKPOINT_TYPE, doc="the policy to train (DPO, SFT or pretraining checkpoint)"),
+        "prompts": InputSpec(PROMPTS_TYPE, doc="the prompts stage: rl pool (training) and eval pool (pass rate)"),
+        "reward_model": InputSpec(REWARD_MODEL_TYPE, required=False,
+                                  doc="the §5.2 helpfulness reward model (the reward_rm term)"),
+    },
+    doc="§5.4.2 online RL (Table 7 stage V): the modified GRPO on TRL (IS-ratio clipping of negative-advantage "
+        "tokens, stop-gradient KL, balanced advantages; CISPO as loss_type) on rl-pool prompts of moderate pass "
+        "rate, rewarded by the §5.2 hierarchy (exact checkers first, constraint rules, optional RM); logs loss, "
+        "reward_mean, kl, clip_fraction, response_length, generation_tokens_per_second and eval_pass_rate.",
+)
