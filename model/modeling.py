@@ -554,11 +554,14 @@ class HybridModel(HybridPreTrainedModel):
             raise TypeError(
                 f"past_key_values must be a model.modeling.HybridCache, got {type(past_key_values).__name__}"
             )
+        # training forwards build no cache unless the caller asks for one (generate does, e.g. GRPO rollouts with the
+        # policy in training mode: without the cache each decode step would see only its newest token)
+        asked = use_cache is True or past_key_values is not None
         use_cache = self.config.use_cache if use_cache is None else use_cache
         past = 0 if past_key_values is None else past_key_values.get_seq_length()
         layout = SequenceLayout.build(B, T, past, x.device, attention_mask, position_ids, cu_seqlens)
-        if self.training or layout.cu_seqlens is not None:
-            use_cache = False  # no cache in training; packed documents have no single state to continue
+        if (self.training and not asked) or layout.cu_seqlens is not None:
+            use_cache = False  # packed documents have no single state to continue
         if use_cache and past_key_values is None:
             past_key_values = HybridCache()
         cache = past_key_values if use_cache else None

@@ -138,3 +138,22 @@ def test_beam_search_reorders_the_cache():
     with_cache = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False)
     without = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, use_cache=False)
     assert torch.equal(with_cache, without)
+
+
+def test_generate_in_training_mode_keeps_the_cache_and_equals_eval_mode():
+    """TRL generates rollouts with the policy in training mode: generate asks for the cache explicitly, so the
+    decode steps still see the whole context (a dropless model: training mode then changes nothing else)."""
+    model = _model("hybrid", moe_token_drop=False)
+    ids = torch.randint(3, 512, (2, 9))
+    ids[1, :3] = 2  # left padding
+    mask = (ids != 2).long()
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+        model.train()
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+        model.eval()
+    assert torch.equal(got, ref)
+    model.train()
+    out = model(ids, attention_mask=mask)  # a plain training forward still builds no cache
+    model.eval()
+    assert out.past_key_values is None
