@@ -143,11 +143,17 @@ def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldO
             f"eval: mixture {mixture} has {len(table.ids)} documents / {mixture_tokens} tokens but checkpoint "
             f"{checkpoint} was trained on one of {packing['mixture_documents']} / {packing['mixture_tokens']}: bind the "
             "eval stage to the mix (and quality) stages the pretrain stage read")
-    chosen = _choose_eval(table, packing["seed"], packing["eval"]["documents"])
-    if int(table.tokens[chosen].sum()) != packing["eval"]["tokens"]:
-        raise ValueError(f"eval: the held-out documents recomputed from {mixture} do not have the "
-                         f"{packing['eval']['tokens']} tokens {checkpoint}/{INFO_FILE} records: not the pretrain "
-                         "stage's held-out set")
+    # The pretraining run's held-out set: its seed and size, and the training tokens it took out. These fields are
+    # carried unchanged by the stages that continue a checkpoint (long_context, post-training), whose own `eval`
+    # block describes their own rows; pretrain's `eval` block counts exactly these documents.
+    count = int(packing["held_out_from_training"]) + int(packing["eval_from_unsampled"])
+    chosen = _choose_eval(table, packing["seed"], count)
+    taken = int((table.tokens[chosen] * table.counts[chosen]).sum())
+    own = packing["eval"]["documents"] == count and int(table.tokens[chosen].sum()) == packing["eval"]["tokens"]
+    if taken != packing["held_out_training_tokens"] or (packing["eval"]["documents"] == count and not own):
+        raise ValueError(f"eval: the held-out documents recomputed from {mixture} do not match what "
+                         f"{checkpoint}/{INFO_FILE} records ({packing['held_out_training_tokens']} training tokens "
+                         f"held out, {packing['eval']['tokens']} eval tokens): not the pretrain stage's held-out set")
     where = {int(i): k for k, i in enumerate(chosen)}
     texts: list[tuple[str, str] | None] = [None] * len(chosen)
     found = 0
@@ -162,7 +168,7 @@ def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldO
                 break
     if any(t is None for t in texts):
         raise ValueError(f"eval: documents {documents} end before the mixture's held-out documents")
-    info = {"documents": len(chosen), "tokens_with_bos_eos": packing["eval"]["tokens"],
+    info = {"documents": len(chosen), "tokens_with_bos_eos": int(table.tokens[chosen].sum()),
             "held_out_from_training": packing["held_out_from_training"],
             "never_sampled": packing["eval_from_unsampled"], "ids": [t[0] for t in texts]}
     return HeldOut([t for t in texts if t is not None], int(packing["seq_len"]), info)

@@ -379,6 +379,29 @@ def test_heldout_documents_refuse_a_mixture_the_checkpoint_was_not_trained_on(in
         heldout_documents(tmp_path, inputs.mixture.path, inputs.documents.path)
 
 
+def test_heldout_documents_of_a_continued_checkpoint_are_pretrains(inputs: PretrainInputs, tmp_path: Path) -> None:
+    """long_context and post-training checkpoints carry pretrain's held-out fields beside their own `eval` block:
+    the eval stage finds pretrain's held-out documents through them, and refuses a record that does not match."""
+    from pretrain.data import build_packed_dataset
+
+    packed = tmp_path / "packed"
+    build_packed_dataset(inputs.mixture.path, inputs.documents.path, inputs.tokenizer.path, packed, seq_len=128,
+                         seed=0, eval_documents=12)
+    base = heldout_documents(packed, inputs.mixture.path, inputs.documents.path)
+    packing = json.loads((packed / "packing.json").read_text())
+    continued = tmp_path / "continued"
+    continued.mkdir()
+    # a later stage's own rows: 3 long documents, another length
+    (continued / "packing.json").write_text(json.dumps({**packing, "seq_len": 512,
+                                                         "eval": {**packing["eval"], "documents": 3, "tokens": 999}}))
+    again = heldout_documents(continued, inputs.mixture.path, inputs.documents.path)
+    assert again.docs == base.docs and again.seq_len == 512
+    (continued / "packing.json").write_text(json.dumps({**packing, "seq_len": 512, "eval": {"documents": 3, "tokens": 9},
+                                                         "held_out_training_tokens": 1 + packing["held_out_training_tokens"]}))
+    with pytest.raises(ValueError, match="not the pretrain stage's held-out set"):
+        heldout_documents(continued, inputs.mixture.path, inputs.documents.path)
+
+
 # --- the stage on a tiny pretrained checkpoint ----------------------------------------------------------------------
 SEQ = 256  # a 512-token vocabulary spends ~170 tokens on a multi-round dialogue's template, requests and needles
 TASK_FILE_ITEMS = [
