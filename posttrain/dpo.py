@@ -91,7 +91,8 @@ class DPOParams(StageParams):
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per step (Table 7 batch: 64 pairs).")
     eval_every: int = Field(4, ge=1, description="Steps between held-out preference accuracy evaluations.")
     eval_batch_sequences: int = Field(16, ge=1, description="Sequences per forward when scoring held-out pairs.")
-    eval_prompts: int = Field(16, ge=1, description="eval-pool prompts of eval_pass_rate. Sized for the tiny DAG.")
+    eval_prompts: int | None = Field(None, ge=1, description=(
+        "First N records of the eval pool for eval_pass_rate; None = all (the same set every stage scores)."))
     eval_max_new_tokens: int = Field(24, ge=1, description="Greedy response cap of eval_pass_rate.")
 
     @field_validator("temperatures")

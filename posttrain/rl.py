@@ -67,8 +67,9 @@ class GRPOParams(StageParams):
     seed: int = Field(0, description="Seed of prompt subsampling, selection sampling and training.")
     max_prompts: int = Field(16, ge=1, description=(
         "RL-pool prompts considered (a seeded sample; the rest are counted as over_max_prompts). Tiny-DAG size."))
-    eval_prompts: int = Field(16, ge=1, description=(
-        "Held-out eval-pool prompts scored for eval_pass_rate (the first ones; the rest counted, not scored)."))
+    eval_prompts: int | None = Field(None, ge=1, description=(
+        "First N records of the eval pool for eval_pass_rate; None = all (the same set every stage scores)."))
+    eval_max_new_tokens: int = Field(24, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
     eval_every: int = Field(0, ge=0, description="Steps between eval_pass_rate measurements (0: first and last only).")
     # prompt selection (§5.4.2: moderate success rates)
     selection_k: int = Field(4, ge=1, description="Samples per prompt in the selection pass.")
@@ -252,7 +253,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
         was = model.training
         model.eval()
         try:
-            rate, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.max_completion_length,
+            rate, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
                                 stats=eval_stats)
         finally:
             model.train(was)

@@ -103,7 +103,8 @@ class EvalParams(StageParams):
     generate_batch: int = Field(8, ge=1, description="NIAH prompts decoded together (same length, no padding).")
     pass_rate_prompts: int = Field(0, ge=0, description=(
         "With a `prompts` input: how many of its held-out `eval` pool prompts eval_pass_rate uses (0: all)."))
-    pass_rate_max_new_tokens: int = Field(48, ge=1, description="Greedy tokens generated for an eval_pass_rate answer.")
+    pass_rate_max_new_tokens: int = Field(24, ge=1, description=(
+        "Greedy tokens generated for an eval_pass_rate answer (24, as the post-training stages' default)."))
     seed: int = Field(0, ge=0, description="Needles, haystack offsets, item choice and order.")
 
     @model_validator(mode="after")

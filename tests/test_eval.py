@@ -326,7 +326,7 @@ def test_tiny_dag_binds_eval_to_pretrain_mix_and_quality_and_checks_task_files(t
     repo = Path(__file__).resolve().parents[1]
     spec = load_spec(repo / "dags/tiny.yaml", overrides=[f"artifact_root={tmp_path}"])
     assert spec.stages["eval"].inputs == {"checkpoint": ["pretrain"], "mixture": ["mix"], "documents": ["quality"],
-                                          "prompts": []}
+                                          "prompts": ["prompts"]}
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(SpecError) as e:
         load_spec(repo / "dags/tiny.yaml", overrides=[f"artifact_root={tmp_path}", f"eval.task_files=[{missing}]"])
