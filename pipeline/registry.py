@@ -28,6 +28,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "pretrain": "pretrain.stage",
     "long_context": "pretrain.long_context",
     "eval": "pretrain.evaluation",
+    "compare": "pretrain.compare",
 }
 
 
