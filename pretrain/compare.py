@@ -224,6 +224,8 @@ def rows(variants: list[Variant]) -> list[tuple[str, str, list[Any]]]:
         ("train_loss", "final train loss (last logged window)", [_final_train_loss(v) for v in variants]),
         ("eval_loss", "held-out eval loss (pretrain, trained length)",
          [float(v.pretrain["summary"]["eval_loss"]) for v in variants]),
+        ("tokens_per_second", "training tokens/s, last logged window (Figure 8's TGS; noisy on a shared CPU)",
+         [v.pretrain["summary"].get("tokens_per_second") for v in variants]),
     ]
     prev = 1
     for L in lengths:
@@ -286,7 +288,7 @@ def _cell(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
-        return f"{v:.4f}" if abs(v) < 1000 else f"{v:,.0f}"
+        return f"{v:.4f}" if abs(v) < 100 else f"{v:,.0f}"  # losses, accuracies; else counts and rates
     return str(v)
 
 
@@ -327,7 +329,8 @@ def _plot(ctx: StageContext, variants: list[Variant]) -> Path:
     T = variants[0].report["trained_length"]
     fig, ax = plt.subplots(1, 3, figsize=(17, 4.2))
     for i, v in enumerate(variants):
-        label = f"{v.name} ({describe_pattern(v.pattern)})"
+        pattern = describe_pattern(v.pattern)
+        label = v.name if v.name in pattern else f"{v.name} ({pattern})"
         if v.train_curve:
             xs, ys = zip(*v.train_curve, strict=True)
             ax[0].plot(xs, ys, color=f"C{i}", label=label)
@@ -346,6 +349,9 @@ def _plot(ctx: StageContext, variants: list[Variant]) -> Path:
     for i, v in enumerate(variants):
         ax[2].bar(x + (i - (len(variants) - 1) / 2) * width, [v.metrics.get(k, 0.0) or 0.0 for k, _ in bars], width,
                   color=f"C{i}", label=v.name)
+    choices = variants[0].report.get("params", {}).get("mc_choices")
+    if choices and len(bars) > 4:  # chance level of the built multiple-choice tasks
+        ax[2].hlines(1 / choices, 3.5, len(bars) - 0.5, colors="k", linestyles=":", label=f"chance (1/{choices})")
     ax[2].set_xticks(x, [label for _, label in bars], rotation=30, ha="right")
     ax[2].set(ylim=(0, 1), ylabel="accuracy / recall / acc_norm", title="retrieval and multiple choice")
     ax[2].legend(fontsize=8)

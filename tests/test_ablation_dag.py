@@ -49,8 +49,9 @@ def test_a_misspelt_pattern_fails_spec_validation_naming_the_stage() -> None:
     assert "all-softmax" in str(e.value) and "all-softmx" in str(e.value)
 
 
-def test_ablation_spec_variants_differ_only_in_attention_pattern_and_share_data_and_eval() -> None:
-    spec = load_spec(DAG)
+@pytest.mark.parametrize("dag", [DAG, DAG.with_name("ablation-attention-gpu.yaml")], ids=["cpu", "gpu"])
+def test_ablation_spec_variants_differ_only_in_attention_pattern_and_share_data_and_eval(dag: Path) -> None:
+    spec = load_spec(dag)
     pretrain = {n: s.params.model_dump() for n, s in spec.stages.items() if s.uses == "pretrain"}
     assert set(pretrain) == set(VARIANTS)
     for name, pattern in VARIANTS.items():
@@ -63,15 +64,22 @@ def test_ablation_spec_variants_differ_only_in_attention_pattern_and_share_data_
     assert len({json.dumps(s.params.model_dump(), sort_keys=True) for s in evals.values()}) == 1
     compare = spec.stages["compare"]
     assert compare.inputs == {"reports": [f"eval-{v}" for v in VARIANTS], "checkpoints": list(VARIANTS)}
+    # the data stages are those of the DAG of the same size, params included: the same cache keys, so they reuse its
+    # artifacts under the same artifact_root
+    twin = load_spec(REPO / "dags" / ("tiny.yaml" if dag == DAG else "gpu-small.yaml"))
+    for name in ("ingest", "clean", "dedup", "tokenizer", "quality", "mix"):
+        assert spec.stages[name].params.model_dump() == twin.stages[name].params.model_dump(), name
+        assert spec.stages[name].inputs == twin.stages[name].inputs, name
 
 
 # --- end to end -------------------------------------------------------------------------------------------------
-# Sized for the 2-core CPU: 150 documents per corpus file, 20,480 tokens (10 steps) per variant, small eval grids.
-E2E_OVERRIDES = ["ingest.limit=150"]
+# Sized for the 2-core CPU: 100 documents per corpus file, 10,240 tokens (5 steps) per variant, small eval grids.
+E2E_OVERRIDES = ["ingest.limit=100"]
 for _v in VARIANTS:
-    E2E_OVERRIDES += [f"{_v}.train_tokens=20480", f"{_v}.checkpoint_every=10"]
+    E2E_OVERRIDES += [f"{_v}.train_tokens=10240", f"{_v}.checkpoint_every=5", f"{_v}.eval_documents=32"]
 for _v in VARIANTS:
-    E2E_OVERRIDES += [f"eval-{_v}.cloze_items=30", f"eval-{_v}.next_sentence_items=30", f"eval-{_v}.niah_trials=1"]
+    E2E_OVERRIDES += [f"eval-{_v}.{k}" for k in ("cloze_items=12", "next_sentence_items=12", "niah_trials=1",
+                                                  "needle_depths=[0.0,1.0]", "mr_niah_trials=1", "loss_windows=2")]
 
 
 @pytest.mark.slow
@@ -94,7 +102,7 @@ def test_ablation_dag_compares_three_variants_trained_on_the_same_data(tmp_path)
     assert [v["pattern"] for v in result["variants"]] == ["hybrid 7:1", "all-softmax", "all-lightning"]
     for v in result["variants"]:
         m = v["metrics"]
-        assert m["tokens"] == run["stages"]["hybrid"]["summary"]["tokens"] >= 20480
+        assert m["tokens"] == run["stages"]["hybrid"]["summary"]["tokens"] >= 10240
         for name in ("train_loss", "eval_loss", "eval_loss_at_256", "eval_loss_at_512", "params_total"):
             assert math.isfinite(m[name]) and m[name] > 0, (v["name"], name)
         for name in ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "mc_acc_norm.cloze",

@@ -60,7 +60,8 @@ def _variant(root: Path, name: str, pattern: str, report: dict[str, Any], *, par
     pretrain_params = {**PRETRAIN_PARAMS, "model_overrides": {"attention_pattern": pattern}, **(params or {})}
     manifest = {"type": "checkpoint", "digest": f"ckpt-{name}", "stage": name,
                 "key_material": {"params": pretrain_params, "inputs": inputs or INPUTS},
-                "summary": {"eval_loss": 6.25, "tokens": float(tokens), "loss": 8.0}}
+                "summary": {"eval_loss": 6.25, "tokens": float(tokens), "loss": 8.0,
+                            "tokens_per_second": 1234.4}}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     ev = root / f"eval-{name}"
     ev.mkdir()
@@ -109,6 +110,8 @@ def test_table_has_every_variant_side_by_side_with_the_exact_cells(three) -> Non
     assert "| tokens trained on | 20,480 | 20,480 | 20,480 |" in lines
     assert "| final train loss (last logged window) | 8.0000 | 8.0000 | 8.0000 |" in lines  # 9.0 - 10/10
     assert "| held-out eval loss (pretrain, trained length) | 6.2500 | 6.2500 | 6.2500 |" in lines
+    assert ("| training tokens/s, last logged window (Figure 8's TGS; noisy on a shared CPU) | 1,234 | 1,234 | 1,234 |"
+            in lines)
     assert "| loss at positions [1, 256) | 6.0000 | 5.9000 | 6.1000 |" in lines
     assert "| loss at positions [256, 512) (beyond trained length) | 6.5000 | 6.5000 | 6.5000 |" in lines
     assert "| NIAH accuracy at 256 | 0.5000 | 0.2500 | 0.0000 |" in lines
