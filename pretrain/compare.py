@@ -176,9 +176,6 @@ def fairness_problems(variants: list[Variant], varied: list[str]) -> list[str]:
         if len({json.dumps(v, sort_keys=True, default=str) for v in values.values()}) > 1:
             problems.append(f"{what} differs: " + ", ".join(f"{n}={v!r}" for n, v in values.items()))
 
-    names = [v.name for v in variants]
-    if len(set(names)) != len(names):
-        problems.append(f"two variants share a pretrain stage name ({names}): their metrics would collide")
     for v in variants:
         if "key_material" not in v.pretrain or "key_material" not in v.eval_manifest:
             problems.append(f"{v.name}: its checkpoint or eval manifest has no key_material (not produced by the "
@@ -361,6 +358,11 @@ def _plot(ctx: StageContext, variants: list[Variant]) -> Path:
 # --- the stage ----------------------------------------------------------------------------------------------------
 def compare(variants: list[Variant], params: CompareParams) -> dict[str, Any]:
     """The comparison of loaded variants: raises on an unfair one unless ``allow_unfair``."""
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"compare: two checkpoints come from pretrain stages of the same name ({names}; a cached "
+                         "artifact keeps the name of the stage that first produced it): their columns and metrics would "
+                         "collide; give the variants' pretrain stages distinct names")
     problems = fairness_problems(variants, params.varied)
     if problems and not params.allow_unfair:
         raise ValueError("compare: the variants differ in more than " + ", ".join(params.varied) + " — the "

@@ -191,6 +191,16 @@ def test_only_the_varied_param_and_run_mechanics_may_differ(three, tmp_path) -> 
     assert fairness_problems([load_variant(*a), load_variant(*b)], ["model_overrides.attention_pattern"]) == []
 
 
+def test_two_variants_of_one_stage_name_are_refused_even_when_unfairness_is_allowed(tmp_path) -> None:
+    a = _variant(tmp_path / "1", "hybrid", "hybrid", _report(0.0, 0.25, -1.3, 6.0))
+    b = _variant(tmp_path / "2", "hybrid", "all-softmax", _report(0.0, 0.25, -1.3, 6.0))
+    b[1].manifest["digest"] = "ckpt-other"
+    b[0].manifest["key_material"]["inputs"]["checkpoint"] = ["ckpt-other"]
+    variants = [load_variant(r, c) for r, c in pair_reports(*_unpair([a, b]))]
+    with pytest.raises(ValueError, match="pretrain stages of the same name"):
+        compare(variants, CompareParams(allow_unfair=True))
+
+
 def test_report_missing_a_metric_is_an_error_naming_it_and_the_file(tmp_path) -> None:
     report = _report(0.0, 0.25, -1.3, 6.0)
     del report["metrics"]["niah_accuracy_2x"]
