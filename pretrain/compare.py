@@ -237,15 +237,23 @@ def rows(variants: list[Variant]) -> list[tuple[str, str, list[Any]]]:
         ("multi_round_niah_recall_2x", f"multi-round NIAH recall at {2 * T}",
          [v.metrics["multi_round_niah_recall_2x"] for v in variants]),
     ]
-    for task in sorted(variants[0].report.get("multiple_choice", {})):
-        mc = [v.report["multiple_choice"][task] for v in variants]
+    for task in _mc_tasks(variants, every=False):  # a task some variant lacks (allow_unfair) shows "—" there
+        mc = [v.report.get("multiple_choice", {}).get(task) for v in variants]
+        items = "/".join(sorted({str(m["items"]) for m in mc if m}))
         key = metric_key(task)
-        out += [(f"mc_acc_norm.{key}", f"MC {task}: acc_norm ({mc[0]['items']} items)", [m["acc_norm"] for m in mc]),
-                (f"mc_log_acc_norm2.{key}", f"MC {task}: log acc_norm² (§4.1.3.1)", [m["log_acc_norm2"] for m in mc])]
-    if variants[0].report.get("multiple_choice"):
+        out += [(f"mc_acc_norm.{key}", f"MC {task}: acc_norm ({items} items)", [m and m["acc_norm"] for m in mc]),
+                (f"mc_log_acc_norm2.{key}", f"MC {task}: log acc_norm² (§4.1.3.1)",
+                 [m and m["log_acc_norm2"] for m in mc])]
+    if _mc_tasks(variants, every=False):
         out += [("mc_acc_norm", "MC mean acc_norm", [v.metrics.get("mc_acc_norm") for v in variants]),
                 ("mc_log_acc_norm2", "MC mean log acc_norm²", [v.metrics.get("mc_log_acc_norm2") for v in variants])]
     return out
+
+
+def _mc_tasks(variants: list[Variant], every: bool) -> list[str]:
+    """Multiple-choice task names of every variant (``every``) or of any."""
+    sets = [set(v.report.get("multiple_choice", {})) for v in variants]
+    return sorted(set.intersection(*sets) if every else set.union(*sets))
 
 
 def power_analysis(variants: list[Variant], alpha: float, power: float) -> list[dict[str, Any]]:
@@ -264,7 +272,7 @@ def power_analysis(variants: list[Variant], alpha: float, power: float) -> list[
     T = variants[0].report["trained_length"]
     trials = [t for t in variants[0].report["niah"]["trials"] if t["length"] == T]
     accuracy_gap(f"NIAH accuracy at {T}", {v.name: v.metrics["niah_accuracy"] for v in variants}, len(trials))
-    for task in sorted(variants[0].report.get("multiple_choice", {})):
+    for task in _mc_tasks(variants, every=True):
         mc = {v.name: v.report["multiple_choice"][task] for v in variants}
         used = min(m["items"] for m in mc.values())
         accuracy_gap(f"MC {task} acc_norm", {n: m["acc_norm"] for n, m in mc.items()}, used)
@@ -340,7 +348,7 @@ def _plot(ctx: StageContext, variants: list[Variant]) -> Path:
     ax[1].legend(fontsize=8)
     bars = [("niah_accuracy", "NIAH"), ("niah_accuracy_2x", "NIAH 2x"), ("multi_round_niah_recall", "MR-NIAH"),
             ("multi_round_niah_recall_2x", "MR-NIAH 2x")]
-    bars += [(f"mc_acc_norm.{metric_key(t)}", f"MC {t}") for t in sorted(variants[0].report.get("multiple_choice", {}))]
+    bars += [(f"mc_acc_norm.{metric_key(t)}", f"MC {t}") for t in _mc_tasks(variants, every=False)]
     x = np.arange(len(bars))
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):

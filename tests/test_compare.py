@@ -179,6 +179,21 @@ def test_unfair_comparisons_are_refused_naming_the_difference(tmp_path, change, 
     assert "**WARNING: UNFAIR COMPARISON**" in result["markdown"]
 
 
+def test_allowed_unfair_comparison_shows_a_task_one_variant_lacks_as_a_dash(tmp_path) -> None:
+    a = _variant(tmp_path, "a", "hybrid", _report(0.0, 0.25, -1.3, 6.0))
+    extra = _report(0.0, 0.25, -1.3, 6.0)
+    extra["multiple_choice"]["arc"] = {"items": 100, "acc": 0.4, "acc_norm": 0.45, "log_acc_norm2": -1.1,
+                                       "log_acc_norm2_sd": 0.3}
+    b = _variant(tmp_path, "b", "all-softmax", extra)
+    variants = [load_variant(r, c) for r, c in pair_reports(*_unpair([a, b]))]
+    with pytest.raises(ValueError, match=r"multiple-choice tasks differs: a=\['cloze'\], b=\['arc', 'cloze'\]"):
+        compare(variants, CompareParams())
+    result = compare(variants, CompareParams(allow_unfair=True))
+    assert "| MC arc: acc_norm (100 items) | — | 0.4500 |" in result["markdown"].splitlines()
+    assert [p["what"] for p in result["power_analysis"]] == ["NIAH accuracy at 256", "MC cloze acc_norm",
+                                                             "MC cloze log acc_norm²"]  # arc: only one variant has it
+
+
 def test_only_the_varied_param_and_run_mechanics_may_differ(three, tmp_path) -> None:
     variants = [load_variant(r, c) for r, c in pair_reports(*_unpair(three))]
     assert fairness_problems(variants, ["model_overrides.attention_pattern"]) == []
