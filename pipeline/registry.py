@@ -33,6 +33,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "dpo": "posttrain.dpo",
     "sft": "posttrain.sft",
     "grpo": "posttrain.rl",
+    "compare": "pretrain.compare",
 }
 
 

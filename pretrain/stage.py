@@ -42,13 +42,18 @@ from data.tokenizer import TOKENIZER_TYPE
 from pipeline.stage import InputSpec, Resources, StageContext, StageKind, StageParams
 
 CHECKPOINT_TYPE = "checkpoint"
+# model.configuration.PATTERN_SHORTHANDS and ATTENTION_KINDS (a test pins them equal): checked here, at spec validation,
+# where importing model/ (transformers, torch) would cost seconds for every `hylight validate`
+ATTENTION_PATTERNS = ("hybrid", "all-lightning", "all-softmax")
+ATTENTION_KINDS = ("lightning", "softmax")
 
 
 class PretrainParams(StageParams):
     size: str = Field("tiny", description="Named model size (model/sizes.py): tiny, cpu-small, gpu-300m, gpu-1b.")
     model_overrides: dict[str, Any] = Field(default_factory=dict, description=(
-        "HybridConfig fields to override (e.g. attention_pattern, num_hidden_layers); vocab_size and the "
-        "special token ids always come from the tokenizer."))
+        "HybridConfig fields to override (e.g. num_hidden_layers, or attention_pattern: hybrid (§2: a softmax layer "
+        "after every 7 lightning ones), all-lightning, all-softmax or a per-layer list, for the §2.2.2.3 ablation); "
+        "vocab_size and the special token ids always come from the tokenizer."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description="Rows per forward call on each rank.")
     batch_rows: int = Field(8, ge=1, description="Initial global batch in rows (gradient accumulation fills it).")
@@ -91,6 +96,20 @@ class PretrainParams(StageParams):
     processes: int | None = Field(None, ge=1, description=(
         "Training ranks to launch on each node; default one per GPU of the stage's resources (1 on CPU). Several "
         "CPU ranks train with gloo (tests of expert parallelism)."))
+
+    @model_validator(mode="after")
+    def _attention_pattern(self) -> PretrainParams:
+        pattern = self.model_overrides.get("attention_pattern")
+        if pattern is None:
+            return self
+        if isinstance(pattern, str):
+            if pattern not in ATTENTION_PATTERNS:
+                raise ValueError(f"model_overrides.attention_pattern={pattern!r}: expected one of "
+                                 f"{', '.join(ATTENTION_PATTERNS)} or a list of {'/'.join(ATTENTION_KINDS)} per layer")
+        elif not isinstance(pattern, list) or not pattern or any(k not in ATTENTION_KINDS for k in pattern):
+            raise ValueError(f"model_overrides.attention_pattern={pattern!r}: a per-layer pattern is a non-empty list of "
+                             f"{' and '.join(ATTENTION_KINDS)} (one entry per layer)")
+        return self
 
     @model_validator(mode="after")
     def _batches(self) -> PretrainParams:
