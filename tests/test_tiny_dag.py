@@ -102,6 +102,46 @@ def test_tiny_dag_eval_reports_every_metric_in_range_with_its_plots(tiny):
     assert report["held_out"]["documents"] == 64  # pretrain's eval_documents: taken out of training
 
 
+POLICY_STAGES = ("sft_short", "sft_long", "dpo_short", "dpo_long", "grpo")
+
+
+def test_tiny_dag_post_training_chain_logs_its_interface_metrics(tiny):
+    """prompts -> reward_model -> sft I/II -> dpo III/IV -> grpo, each policy a loadable checkpoint evaluated by its
+    own eval stage. The ~1M-parameter policy learns nothing the pass rate can see; the checks are that every stage
+    ran, accounted for its inputs and logged its metrics under the interface names, with values in range."""
+    from posttrain.policy import load_policy
+
+    first = tiny["first"]
+    st = first["stages"]
+    prompts = st["prompts"]["summary"]
+    assert prompts["prompts_in"] == prompts["prompts_kept"] + prompts["prompts_dropped"] and prompts["prompts_kept"] > 300
+    rm = st["reward_model"]["summary"]
+    assert 0.0 <= rm["eval_preference_accuracy"] <= 1.0 and rm["pairs_train"] > 100
+    c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
+    for name in POLICY_STAGES:
+        summary, run_id = st[name]["summary"], st[name]["run_id"]
+        assert 0.0 <= summary["eval_pass_rate"] <= 1.0, name
+        steps = [m.step for m in c.get_metric_history(run_id, "eval_pass_rate")]
+        assert steps[0] == 0 and len(steps) >= 2, (name, steps)  # the input policy, then the trained one
+        losses = c.get_metric_history(run_id, "loss")
+        assert losses and all(m.value == m.value for m in losses), name
+        art = Path(st[name]["artifact"])
+        for sub in ("model/config.json", "minimax/config.json", "packing.json"):
+            assert (art / sub).is_file(), (name, sub)
+        ev = st[f"eval_{name}"]["summary"]
+        assert 0.0 <= ev["eval_pass_rate"] <= 1.0 and ev["eval_pass_prompts"] > 20, name
+        assert 0 < ev["eval_loss_at_1024"] < 20, name  # trained length: long_context's 1024
+    for name in ("dpo_short", "dpo_long"):
+        assert 0.0 <= st[name]["summary"]["eval_preference_accuracy"] <= 1.0 and st[name]["summary"]["dpo_pairs"] > 0
+    grpo_run = st["grpo"]["run_id"]
+    for metric in ("reward_mean", "kl", "clip_fraction", "response_length"):
+        history = c.get_metric_history(grpo_run, metric)
+        assert [m.step for m in history] == [1, 2, 3, 4], metric  # every step of max_steps 4
+        assert all(m.value == m.value for m in history), metric
+    model, tok = load_policy(st["grpo"]["artifact"])
+    assert tok.convert_tokens_to_ids("<|end|>") in model.generation_config.eos_token_id
+
+
 def test_tiny_dag_tokenizer_loads_with_autotokenizer(tiny):
     from transformers import AutoTokenizer
 
