@@ -136,7 +136,10 @@ def test_tiny_dag_post_training_chain_logs_its_interface_metrics(tiny):
     grpo_run = st["grpo"]["run_id"]
     for metric in ("reward_mean", "kl", "clip_fraction", "response_length"):
         history = c.get_metric_history(grpo_run, metric)
-        assert [m.step for m in history] == [1, 2, 3, 4], metric  # every step of max_steps 4
+        steps = [m.step for m in history]
+        # kl and clip_fraction every step of max_steps 4; reward and length on the steps that generate (TRL reuses
+        # a rollout for num_iterations steps)
+        assert steps == [1, 2, 3, 4] if metric in ("kl", "clip_fraction") else steps[0] == 1 and set(steps) <= {1, 2, 3, 4}
         assert all(m.value == m.value for m in history), metric
     model, tok = load_policy(st["grpo"]["artifact"])
     assert tok.convert_tokens_to_ids("<|end|>") in model.generation_config.eos_token_id
