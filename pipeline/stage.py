@@ -228,17 +228,13 @@ class StageContext:
     def log_summary(self, metrics: dict[str, float]) -> None:
         """Final key numbers of the stage: logged as metrics and shown by ``hylight status``."""
         self.summary.update({k: float(v) for k, v in metrics.items()})
-        # A summary value of a metric that already has a step history (e.g. the final ``loss``) is that
-        # history's last point: log it only if it differs, at the last step, so that the curve in the
-        # MLflow UI does not get a stray point at step 0.
+        # A summary value equal to the last point of the metric's step history (e.g. the final ``loss``) is not
+        # logged again: a second entry at step 0 would be a stray point on the curve in the MLflow UI. A value that
+        # differs (e.g. a run-wide rate beside per-window ones) is a different quantity and is logged without a step.
         seen = self.sink.stepped
-        last_step = max((s for s, _ in seen.values()), default=None)
-        plain = {k: v for k, v in metrics.items() if k not in seen}
-        moved = {k: v for k, v in metrics.items() if k in seen and float(v) != seen[k][1]}
-        if plain:
-            self.sink.log_metrics(plain, None)
-        if moved:
-            self.sink.log_metrics(moved, last_step)
+        fresh = {k: v for k, v in metrics.items() if k not in seen or float(v) != seen[k][1]}
+        if fresh:
+            self.sink.log_metrics(fresh, None)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Searchable labels of this stage's run (e.g. which labeler produced the labels)."""

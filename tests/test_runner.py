@@ -118,9 +118,9 @@ def test_a_summary_value_of_a_stepped_metric_does_not_add_a_point_at_step_zero(t
     for step, loss in ((2, 5.0), (4, 4.0)):
         ctx.log_metrics({"loss": loss, "lr": 0.1}, step=step)
     ctx.log_summary({"loss": 4.0, "lr": 0.05, "tokens": 128})
-    logged = sorted((k, v, s) for k, v, s in ctx.sink.metrics)
-    # loss 4.0 is already the history's last point; lr changed, so it lands at the last step; tokens has no
-    # history and is logged without a step
-    assert logged == [("loss", 4.0, 4), ("loss", 5.0, 2), ("lr", 0.05, 4), ("lr", 0.1, 2), ("lr", 0.1, 4),
-                      ("tokens", 128.0, None)]
+    logged = sorted((k, v, -1 if s is None else s) for k, v, s in ctx.sink.metrics)
+    # loss 4.0 is already the history's last point; lr 0.05 is another quantity than the per-step lr, and tokens has
+    # no history: both are logged without a step
+    assert logged == [("loss", 4.0, 4), ("loss", 5.0, 2), ("lr", 0.05, -1), ("lr", 0.1, 2), ("lr", 0.1, 4),
+                      ("tokens", 128.0, -1)]
     assert ctx.summary == {"loss": 4.0, "lr": 0.05, "tokens": 128.0}
