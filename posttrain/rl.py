@@ -27,7 +27,7 @@ stage's ``rl`` pool: verifiable prompts SFT never saw; its ``eval`` pool gives `
 Output: ``model/`` + ``minimax/`` + ``packing.json`` (:func:`posttrain.policy.save_policy`, the layout of every
 training stage), ``rl_report.json`` (prompt accounting, selection pass rates, metrics by step, times, params).
 
-Defaults are sized for the tiny CPU DAG (a few prompts, 4 generations of 16 tokens, 4 steps); NOTES-rl.md gives
+Defaults are sized for the tiny CPU DAG (a few prompts, 4 generations of 16 tokens, 4 steps); docs/notes/rl.md gives
 GPU-size settings.
 """
 
@@ -88,7 +88,7 @@ class GRPOParams(StageParams):
         "Optimizer steps per rollout (GRPO's mu): steps after the first are off-policy, where (a) acts."))
     max_steps: int = Field(4, ge=1, description="Optimizer steps.")
     learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate (TRL's default schedule).")
-    # the §5.4.2 switches (posttrain/grpo.py, NOTES-grpo.md)
+    # the §5.4.2 switches (posttrain/grpo.py, docs/notes/grpo.md)
     loss_type: Literal["dapo", "cispo"] = Field("dapo", description=(
         "'dapo': the clipped IS objective, token-level; 'cispo': clipped IS-weight policy optimisation."))
     epsilon: float = Field(0.2, gt=0, description="Lower clip edge 1 - epsilon (and upper, unless epsilon_high).")

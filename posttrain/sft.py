@@ -37,7 +37,7 @@ included), ``generation_tokens_per_second``, ``dropped.<reason>``. ``plots/loss.
 Output: ``model/`` + ``minimax/`` + ``packing.json`` (``save_policy``: the checkpoint layout every training stage
 writes), ``sft_data.jsonl`` (prompt, response, source, reward components), ``dropped.jsonl``, ``sft_report.json``.
 
-Defaults are sized for the tiny CPU DAG (few prompts, short responses); NOTES-sft.md gives GPU-size settings.
+Defaults are sized for the tiny CPU DAG (few prompts, short responses); docs/notes/sft.md gives GPU-size settings.
 """
 
 from __future__ import annotations

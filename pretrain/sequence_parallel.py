@@ -511,7 +511,7 @@ def apply_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup | N
         else:
             raise TypeError(
                 f"apply_sequence_parallel: layer {i}'s feed-forward is {type(layer.moe).__name__}; only "
-                "model.moe.MoEFeedForward gets the global balance loss (DeepSpeed-MoE layers: see NOTES-lasp.md)"
+                "model.moe.MoEFeedForward gets the global balance loss (DeepSpeed-MoE layers: see docs/notes/lasp.md)"
             )
     return sp
 
