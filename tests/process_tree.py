@@ -17,9 +17,11 @@ if level == 2:
     os.setsid()
 if level == depth and ignore_term:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# the line first, in one write, then the pid: a reader that waits for the pids has every line already (a launcher
+# printing after that cannot interleave with a level's line on the shared pipe)
+os.write(1, f"level {level} pid {os.getpid()}\n".encode())
 with open(pid_file, "a") as f:
     f.write(f"{os.getpid()}\n")
-print(f"level {level} pid {os.getpid()}", flush=True)
 if level < depth:
     subprocess.Popen([sys.executable, __file__, str(level + 1), str(depth), pid_file, *sys.argv[4:]])
 time.sleep(600)
