@@ -40,13 +40,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
-from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, split_group
+from posttrain.prompts import PROMPTS_TYPE, read_pool, split_group
 from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE, pairwise_accuracy
 from posttrain.rewards import RewardComponents
 from pretrain.stage import CHECKPOINT_TYPE
@@ -203,33 +203,12 @@ def preference_accuracy(beta: float, chosen_logps: Sequence[float], rejected_log
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def _pool(ctx: StageContext, name: str) -> list[dict[str, Any]]:
-    path = ctx.input("prompts").path / POOLS_DIR / f"{name}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"dpo: the prompts artifact has no {POOLS_DIR}/{name}.jsonl ({path}); is the 'prompts' "
-                                "input a prompts stage's output?")
-    return _read_jsonl(path)
-
-
 def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any, scorer: Any,
                 stats: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pairs, skipped): one pair row or one skipped row for every dpo-pool prompt."""
     from posttrain.policy import chat_prompt, sample_responses
 
-    records = prompt_order(_pool(ctx, "dpo"), params.seed)
+    records = prompt_order(read_pool(ctx.input("prompts").path, "dpo", "dpo"), params.seed)
     skipped = [{"id": r["id"], "reason": "over_max_prompts"} for r in records[params.max_prompts:]]
     candidates = []
     for rec in records[:params.max_prompts]:
@@ -272,10 +251,17 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     start = time.monotonic()
     import torch
     from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
     from trl import DPOConfig, DPOTrainer
 
-    from posttrain.policy import MODEL_DIR, SamplingStats, load_policy, pass_rate, save_policy
+    from posttrain.policy import (
+        MODEL_DIR,
+        SamplingStats,
+        load_policy,
+        pass_rate,
+        save_policy,
+        trainer_log_relay,
+    )
     from posttrain.rewards import RewardHierarchy
 
     torch.manual_seed(params.seed)
@@ -291,9 +277,9 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     split = {s: [p for p in pairs if p["split"] == s] for s in ("train", "heldout")}
     (ctx.out_dir / PAIRS_DIR).mkdir(exist_ok=True)
     for s, rows in split.items():
-        _write_jsonl(ctx.out_dir / PAIRS_DIR / f"{s}.jsonl", rows)
+        write_jsonl_atomic(ctx.out_dir / PAIRS_DIR / f"{s}.jsonl", rows)
         ctx.set_rows(f"{s}_pairs", len(rows))
-    _write_jsonl(ctx.out_dir / PAIRS_DIR / "skipped.jsonl", skipped)
+    write_jsonl_atomic(ctx.out_dir / PAIRS_DIR / "skipped.jsonl", skipped)
     skip_counts = Counter(s["reason"] for s in skipped)
     ctx.log_metrics({"dpo_pairs": len(pairs), "dpo_pairs_train": len(split["train"]),
                      "dpo_pairs_heldout": len(split["heldout"]),
@@ -331,7 +317,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
                                          implicit_rewards(params.beta, r, ref_r), strict=True)]
         return preference_accuracy(params.beta, c, r, ref_c, ref_r), sum(margins) / len(margins)
 
-    eval_records = _pool(ctx, "eval")[:params.eval_prompts]
+    eval_records = read_pool(ctx.input("prompts").path, "eval", "dpo")[:params.eval_prompts]
     pass_before, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
                                batch_size=params.sample_batch_size)
     acc0, margin0 = heldout_accuracy(model)
@@ -342,24 +328,12 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     ref_model, _ = load_policy(ckpt)
     relayed = {"loss": "loss", "rewards/accuracies": "train_preference_accuracy", "rewards/margins": "reward_margin",
                "grad_norm": "grad_norm", "learning_rate": "learning_rate"}
-    losses: list[tuple[int, float]] = []
+    def heldout_every(state: Any, trained: Any) -> None:  # the held-out preference accuracy every eval_every steps
+        if state.global_step % params.eval_every == 0 and state.global_step != state.max_steps:
+            acc, margin = heldout_accuracy(trained)
+            ctx.log_metrics({"eval_preference_accuracy": acc, "eval_reward_margin": margin}, step=state.global_step)
 
-    class MetricRelay(TrainerCallback):
-        """TRL's per-step logs -> the stage's metrics; the held-out preference accuracy every eval_every steps."""
-
-        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
-            out = {relayed[k]: v for k, v in (logs or {}).items() if k in relayed and isinstance(v, (int, float))}
-            if out:
-                ctx.log_metrics(out, step=state.global_step)
-            if "loss" in out:
-                losses.append((state.global_step, float(out["loss"])))
-                ctx.progress(f"step {state.global_step}/{state.max_steps} loss {out['loss']:.4f}")
-
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
-            if state.global_step % params.eval_every == 0 and state.global_step != state.max_steps:
-                acc, margin = heldout_accuracy(kw["model"])
-                ctx.log_metrics({"eval_preference_accuracy": acc, "eval_reward_margin": margin},
-                                step=state.global_step)
+    relay = trainer_log_relay(ctx, relayed, on_step_end=heldout_every)
 
     schedule = ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": params.min_learning_rate}}
                 if params.lr_schedule == "cosine" else
@@ -377,7 +351,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
                                  for p in split["train"]])
     model.train()
     trainer = DPOTrainer(model=model, ref_model=ref_model, args=config, train_dataset=dataset, processing_class=tok,
-                         callbacks=[MetricRelay()])
+                         callbacks=[relay])
     trainer.remove_callback(PrinterCallback)  # the relay reports
     trl_rows = trainer.train_dataset
     if len(trl_rows) != len(split["train"]):
@@ -416,6 +390,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3))
+    losses = relay.losses
     ax.plot([s for s, _ in losses], [v for _, v in losses], marker="o")
     ax.set(xlabel="step", ylabel="DPO loss", title=f"{ctx.stage_name}: DPO loss (β={params.beta})")
     ctx.log_figure(fig, "loss.png")

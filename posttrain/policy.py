@@ -176,6 +176,40 @@ def pass_rate(model: Any, tokenizer: Any, records: Sequence[dict[str, Any]], *, 
     return sum(r["correct"] for r in rows) / len(rows), rows
 
 
+def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[str, float], int], None] | None = None,
+                      shown: Sequence[str] = ("loss",),
+                      on_step_end: Callable[[Any, Any], None] | None = None) -> Any:
+    """A ``TrainerCallback`` for the TRL trainers of the post-training stages: every logged value named in
+    ``renames`` goes to the stage's metrics under its interface name (``log(metrics, step)``, default
+    ``ctx.log_metrics``), with a progress line of the ``shown`` ones; ``on_step_end(state, model)`` runs after each
+    step (a stage's held-out evaluations). The relay keeps ``losses``: (step, loss) of every logged step."""
+    from transformers import TrainerCallback
+
+    emit = log or (lambda metrics, step: ctx.log_metrics(metrics, step=step))
+
+    class TrainerLogRelay(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[tuple[int, float]] = []
+
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
+            out = {renames[k]: float(v) for k, v in (logs or {}).items()
+                   if k in renames and isinstance(v, int | float)}
+            if not out:
+                return
+            emit(out, state.global_step)
+            if "loss" in out:
+                self.losses.append((state.global_step, out["loss"]))
+            text = ", ".join(f"{k} {out[k]:.4g}" for k in shown if k in out)
+            if text:
+                ctx.progress(f"step {state.global_step}/{state.max_steps}: {text}")
+
+        def on_step_end(self, args, state, control, model=None, **kw):  # noqa: ANN001
+            if on_step_end is not None:
+                on_step_end(state, model)
+
+    return TrainerLogRelay()
+
+
 def save_policy(model: Any, tokenizer_dir: str | Path, base_checkpoint: str | Path, out: str | Path) -> None:
     """``out/model`` + ``out/minimax`` (pretrain/export.py's layout, tokenizer included) and the base checkpoint's
     ``packing.json`` (the eval stage's held-out documents are the pretraining run's)."""

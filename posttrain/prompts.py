@@ -55,6 +55,7 @@ from pydantic import Field, field_validator, model_validator
 
 from data.documents import ANY_DOCUMENTS, iter_documents, unit_hash
 from data.minhash import jaccard, ngram_hashes
+from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from posttrain.verifiable import (
     ANSWER_INSTRUCTION,
@@ -345,12 +346,14 @@ def assign_pool(rec: dict[str, Any], params: PromptsParams) -> str:
     return "sft"
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+def read_pool(prompts_dir: Path, pool: str, stage: str) -> list[dict[str, Any]]:
+    """The records of one pool (``sft``, ``dpo``, ``rl``, ``eval``) of a prompts artifact, in their file order."""
+    path = Path(prompts_dir) / POOLS_DIR / f"{pool}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{stage}: the prompts artifact {prompts_dir} has no {POOLS_DIR}/{pool}.jsonl; is the "
+                                "'prompts' input a prompts stage's output?")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _tag_table(pools: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, dict[str, int]]]:
@@ -437,9 +440,9 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
     out = ctx.out_dir / POOLS_DIR
     out.mkdir(exist_ok=True)
     for pool, rows in pools.items():
-        _write_jsonl(out / f"{pool}.jsonl", [r | {"pool": pool} for r in rows])
+        write_jsonl_atomic(out / f"{pool}.jsonl", [r | {"pool": pool} for r in rows])
         ctx.set_rows(pool, len(rows))
-    _write_jsonl(ctx.out_dir / DROPPED_FILE, dropped)
+    write_jsonl_atomic(ctx.out_dir / DROPPED_FILE, dropped)
     tags = _tag_table(pools)
     reasons = Counter(d["reason"] for d in dropped)
     summary = {"prompts_in": n_in, "prompts_kept": n_kept, "prompts_dropped": len(dropped)}

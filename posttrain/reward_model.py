@@ -37,9 +37,11 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from data.documents import ANY_DOCUMENTS
+from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint
+from posttrain.policy import trainer_log_relay
 from posttrain.preference_pairs import PreferencePair, build_pairs, chat_messages, pair_file_problems
-from posttrain.prompts import POOLS, POOLS_DIR, PROMPTS_TYPE
+from posttrain.prompts import POOLS, PROMPTS_TYPE, read_pool
 from pretrain.stage import CHECKPOINT_TYPE
 
 REWARD_MODEL_TYPE = "reward_model"
@@ -152,26 +154,6 @@ class RewardModelScorer:
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def _read_pools(prompts_dir: Path, pools: list[str]) -> list[dict[str, Any]]:
-    records = []
-    for pool in pools:
-        path = prompts_dir / POOLS_DIR / f"{pool}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"reward_model: the prompts artifact {prompts_dir} has no {POOLS_DIR}/{pool}.jsonl; "
-                                    "is the 'prompts' input a prompts stage's output?")
-        with open(path, encoding="utf-8") as f:
-            records.extend(json.loads(line) for line in f if line.strip())
-    return records
-
-
 def _accuracies(pairs: list[PreferencePair], chosen: list[float], rejected: list[float],
                 prefix: str) -> dict[str, float]:
     """Overall, by source and by kind: ``<prefix>``, ``<prefix>.source.<s>``, ``<prefix>.kind.<k>``."""
@@ -193,7 +175,6 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         AutoModelForSequenceClassification,
         AutoTokenizer,
         PrinterCallback,
-        TrainerCallback,
     )
     from trl import RewardConfig, RewardTrainer
 
@@ -204,7 +185,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         raise FileNotFoundError(f"reward_model: {model_dir} holds no model: the checkpoint input must be a pretrain "
                                 "or long_context stage's artifact (with model/)")
     docs = ctx.inputs.get("documents")
-    pair_set = build_pairs(_read_pools(ctx.input("prompts").path, params.pools), seed=params.seed,
+    pair_set = build_pairs([r for pool in params.pools for r in read_pool(ctx.input("prompts").path, pool, "reward_model")], seed=params.seed,
                            heldout_fraction=params.heldout_fraction,
                            documents=docs.path if docs is not None and not isinstance(docs, list) else None,
                            continuation_words=params.continuation_words, user_files=params.user_pair_files,
@@ -231,7 +212,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         too_long[split] = len(pair_set.split(split)) - len(kept)
         splits[split] = (kept, c_ids, r_ids)
         (ctx.out_dir / PAIRS_DIR).mkdir(exist_ok=True)
-        _write_jsonl(ctx.out_dir / PAIRS_DIR / f"{split}.jsonl", [p.as_json() for p in kept])
+        write_jsonl_atomic(ctx.out_dir / PAIRS_DIR / f"{split}.jsonl", [p.as_json() for p in kept])
         ctx.set_rows(f"{split}_pairs", len(kept))
     train, heldout = splits["train"], splits["heldout"]
     if not train[0] or not heldout[0]:
@@ -257,18 +238,9 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
     relayed = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate",
                "accuracy": "train_preference_accuracy", "margin": "train_reward_margin"}
 
-    class MetricRelay(TrainerCallback):
-        """TRL's per-step training logs -> the stage's metrics; the exact held-out accuracy every eval_every steps."""
-
-        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
-            out = {relayed[k]: v for k, v in (logs or {}).items() if k in relayed and isinstance(v, (int, float))}
-            if out:
-                ctx.log_metrics(out, step=state.global_step)
-
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
-            if state.global_step % params.eval_every == 0 or state.global_step == state.max_steps:
-                acc = heldout_accuracy(kw["model"])[0]
-                ctx.log_metrics({"eval_preference_accuracy": acc}, step=state.global_step)
+    def heldout_every(state: Any, trained: Any) -> None:  # the exact held-out accuracy every eval_every steps
+        if state.global_step % params.eval_every == 0 or state.global_step == state.max_steps:
+            ctx.log_metrics({"eval_preference_accuracy": heldout_accuracy(trained)[0]}, step=state.global_step)
 
     config = RewardConfig(
         output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps,
@@ -280,7 +252,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         center_rewards_coefficient=params.center_rewards_coefficient, dataloader_num_workers=0)
     dataset = Dataset.from_dict({"chosen_ids": train[1], "rejected_ids": train[2]})
     trainer = RewardTrainer(model=rm, args=config, train_dataset=dataset, processing_class=tokenizer,
-                            callbacks=[MetricRelay()])
+                            callbacks=[trainer_log_relay(ctx, relayed, shown=(), on_step_end=heldout_every)])
     trainer.remove_callback(PrinterCallback)  # the relay reports; no log dict printed every step
     train_start = time.monotonic()
     trainer.train()

@@ -48,8 +48,8 @@ from pydantic import Field, model_validator
 
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from posttrain.grpo import GENERATION_THROUGHPUT_METRIC, INTERFACE_METRICS
-from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE
-from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE, _read_pools
+from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, read_pool
+from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE
 from posttrain.rewards import RewardHierarchy, RewardWeights
 from pretrain.stage import CHECKPOINT_TYPE
 
@@ -214,10 +214,16 @@ def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None
 def run(params: GRPOParams, ctx: StageContext) -> None:
     start = time.monotonic()
     import torch
-    from transformers import TrainerCallback
 
     from posttrain.grpo import HylightGRPOConfig, select_prompts_by_pass_rate, train_grpo
-    from posttrain.policy import MODEL_DIR, SamplingStats, load_policy, pass_rate, save_policy
+    from posttrain.policy import (
+        MODEL_DIR,
+        SamplingStats,
+        load_policy,
+        pass_rate,
+        save_policy,
+        trainer_log_relay,
+    )
 
     checkpoint = ctx.input("checkpoint").path
     prompts_dir = ctx.input("prompts").path
@@ -227,7 +233,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     device = torch.device("cuda") if on_gpu else torch.device("cpu")
 
     # prompts: every rl-pool record is used, or dropped with a counted reason
-    pool = _read_pools(prompts_dir, ["rl"])
+    pool = read_pool(prompts_dir, "rl", "grpo")
     dropped: dict[str, int] = defaultdict(int)
     verifiable = [r for r in pool if r.get("checker")]
     dropped["no_checker"] = len(pool) - len(verifiable)
@@ -235,7 +241,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     considered = sorted(rng.sample(range(len(verifiable)), min(params.max_prompts, len(verifiable))))
     records = [verifiable[i] for i in considered]
     dropped["over_max_prompts"] = len(verifiable) - len(records)
-    eval_pool = _read_pools(prompts_dir, ["eval"])
+    eval_pool = read_pool(prompts_dir, "eval", "grpo")
     eval_records = eval_pool[:params.eval_prompts]
     if not records or not eval_records:
         raise ValueError(f"grpo: {len(records)} verifiable rl prompts and {len(eval_records)} eval prompts in "
@@ -288,22 +294,12 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     ctx.progress(f"selection ({params.selection_k} samples/prompt, {selection_seconds:.1f} s): {counts}; "
                  f"dropped before selection: {dict(dropped)}")
 
-    class MetricRelay(TrainerCallback):
-        """TRL's per-step logs -> the stage's metrics; eval_pass_rate every eval_every steps; progress lines."""
+    def pass_rate_every(state: Any, model: Any) -> None:
+        if params.eval_every and state.global_step % params.eval_every == 0 and state.global_step < state.max_steps:
+            log({"eval_pass_rate": eval_pass_rate(model)}, state.global_step)
 
-        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' signature
-            out = {RELAYED[k]: float(v) for k, v in (logs or {}).items()
-                   if k in RELAYED and isinstance(v, int | float)}
-            if out:
-                log(out, state.global_step)
-                shown = ", ".join(f"{k} {out[k]:.4g}" for k in ("loss", "reward_mean", "kl", "clip_fraction")
-                                  if k in out)
-                ctx.progress(f"step {state.global_step}/{state.max_steps}: {shown}")
-
-        def on_step_end(self, args, state, control, model=None, **kw):  # noqa: ANN001
-            if params.eval_every and state.global_step % params.eval_every == 0 \
-                    and state.global_step < state.max_steps:
-                log({"eval_pass_rate": eval_pass_rate(model)}, state.global_step)
+    relay = trainer_log_relay(ctx, RELAYED, log=log, shown=("loss", "reward_mean", "kl", "clip_fraction"),
+                              on_step_end=pass_rate_every)
 
     eps_high = params.epsilon_high if params.epsilon_high is not None else (5.0 if params.loss_type == "cispo"
                                                                               else params.epsilon)
@@ -319,7 +315,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
         gradient_checkpointing=False, dataloader_num_workers=0)
     t0 = time.monotonic()
     result = train_grpo(policy, tok, [chat(r["prompt"]) for r in train_records], [reward], config,
-                        ctx.work_dir / "grpo", callbacks=[MetricRelay()])
+                        ctx.work_dir / "grpo", callbacks=[relay])
     train_seconds = time.monotonic() - t0
     steps = result["steps"]
 

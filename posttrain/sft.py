@@ -50,16 +50,23 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
 from data.documents import unit_hash
+from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
-from posttrain.policy import SamplingStats, load_policy, pass_rate, sample_responses, save_policy
+from posttrain.policy import (
+    SamplingStats,
+    load_policy,
+    pass_rate,
+    sample_responses,
+    save_policy,
+    trainer_log_relay,
+)
 from posttrain.preference_pairs import chat_messages, reference_response
-from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE
+from posttrain.prompts import PROMPTS_TYPE, read_pool
 from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE
 from posttrain.rewards import RewardComponents, RewardHierarchy
 from posttrain.verifiable import CHECKERS
@@ -259,23 +266,6 @@ def policy_embeddings(model: Any, tokenizer: Any, texts: Sequence[str], batch_si
 
 
 # --- the stage ------------------------------------------------------------------------------------------------------
-def _read_pool(prompts_dir: Path, pool: str) -> list[dict[str, Any]]:
-    path = prompts_dir / POOLS_DIR / f"{pool}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"sft: the prompts artifact {prompts_dir} has no {POOLS_DIR}/{pool}.jsonl; is the "
-                                "'prompts' input a prompts stage's output?")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 def example_messages(target: Target) -> list[dict[str, str]]:
     return chat_messages(target.record["prompt"], target.response)
 
@@ -389,14 +379,14 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     start = time.monotonic()
     import torch
     from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     ckpt = ctx.input("checkpoint").path
     rm = ctx.inputs.get("reward_model")
     hierarchy = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None)
-    sft_pool = _read_pool(ctx.input("prompts").path, "sft")
-    eval_pool = _read_pool(ctx.input("prompts").path, "eval")[:params.eval_prompts]
+    sft_pool = read_pool(ctx.input("prompts").path, "sft", "sft")
+    eval_pool = read_pool(ctx.input("prompts").path, "eval", "sft")[:params.eval_prompts]
     if not sft_pool:
         raise ValueError(f"sft: the sft pool of {ctx.input('prompts').path} is empty; give the prompts stage more "
                          "prompts or a larger sft share")
@@ -430,8 +420,8 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                                      return_dict=True)["assistant_masks"] for t in targets]
     token_counts = [len(m) for m in masks]  # the whole example
     target_tokens = [sum(m) for m in masks]  # what the loss covers: the response and its <|end|>
-    _write_jsonl(ctx.out_dir / DATA_FILE, [_target_row(t, n) for t, n in zip(targets, target_tokens, strict=True)])
-    _write_jsonl(ctx.out_dir / DROPPED_FILE, dropped)
+    write_jsonl_atomic(ctx.out_dir / DATA_FILE, [_target_row(t, n) for t, n in zip(targets, target_tokens, strict=True)])
+    write_jsonl_atomic(ctx.out_dir / DROPPED_FILE, dropped)
     sampled_prompts = min(len(sft_pool), params.max_prompts or len(sft_pool))
     sources = Counter(t.source for t in targets)
     acceptance = sources["sampled"] / sampled_prompts
@@ -440,19 +430,8 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                  f"{dict(reasons)}; {stats.tokens} tokens sampled at {stats.tokens_per_second:.0f} tokens/s")
 
     # --- training (Table 7)
-    history: list[tuple[int, float]] = []
-    relayed = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"}
-
-    class MetricRelay(TrainerCallback):
-        """TRL's per-step logs -> the stage's metrics and progress lines."""
-
-        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
-            out = {relayed[k]: v for k, v in (logs or {}).items() if k in relayed and isinstance(v, int | float)}
-            if out:
-                ctx.log_metrics(out, step=state.global_step)
-                if "loss" in out:
-                    history.append((state.global_step, float(out["loss"])))
-                    ctx.progress(f"step {state.global_step}/{state.max_steps} loss {out['loss']:.4f}")
+    relay = trainer_log_relay(ctx, {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"})
+    history = relay.losses
 
     scheduler, scheduler_kwargs = params.lr_scheduler_type, {}
     if params.min_learning_rate is not None:  # Table 7's Min LR: cosine to a floor
@@ -469,7 +448,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     dataset = Dataset.from_dict({"messages": [example_messages(t) for t in targets]})
     model.train()
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
-                         callbacks=[MetricRelay()])
+                         callbacks=[relay])
     trainer.remove_callback(PrinterCallback)
     train_start = time.monotonic()
     trainer.train()

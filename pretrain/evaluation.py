@@ -43,6 +43,7 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
+from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from posttrain.prompts import PROMPTS_TYPE
 from pretrain.eval_metrics import (
@@ -418,25 +419,19 @@ def _pass_rate(checkpoint: Path, params: EvalParams, ctx: StageContext) -> dict[
     """``eval_pass_rate`` (issue 12): greedy responses of the checkpoint to the prompts stage's held-out `eval` pool,
     scored by the exact checkers; one row per prompt in ``pass_rate.jsonl``."""
     from posttrain.policy import SamplingStats, load_policy, pass_rate
-    from posttrain.prompts import POOLS_DIR
+    from posttrain.prompts import read_pool
 
-    pool = ctx.input("prompts").path / POOLS_DIR / "eval.jsonl"
-    if not pool.is_file():
-        raise FileNotFoundError(f"eval: the prompts input {pool.parent.parent} has no {POOLS_DIR}/eval.jsonl; bind a "
-                                "prompts stage's artifact")
-    records = [json.loads(line) for line in pool.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = read_pool(ctx.input("prompts").path, "eval", "eval")
     if params.pass_rate_prompts:
         records = records[:params.pass_rate_prompts]
     if not records:
-        raise ValueError(f"eval: {pool} holds no prompts, so eval_pass_rate cannot be measured")
+        raise ValueError("eval: the prompts input's eval pool holds no prompts, so eval_pass_rate cannot be measured")
     model, tok = load_policy(checkpoint)
     stats = SamplingStats()
     ctx.progress(f"eval_pass_rate: greedy answers to {len(records)} held-out verifiable prompts")
     rate, rows = pass_rate(model, tok, records, max_new_tokens=params.pass_rate_max_new_tokens,
                            batch_size=params.generate_batch, stats=stats)
-    tmp = ctx.out_dir / f".{PASS_RATE_FILE}.tmp"
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, ctx.out_dir / PASS_RATE_FILE)
+    write_jsonl_atomic(ctx.out_dir / PASS_RATE_FILE, rows)
     by_type: dict[str, list[bool]] = {}
     for r in rows:
         by_type.setdefault(str(r["task_type"]), []).append(r["correct"])
