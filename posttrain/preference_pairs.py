@@ -32,8 +32,6 @@ the prompts of one code template or one retrieval document are never on both sid
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 import re
 from collections import Counter
@@ -45,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from data.documents import iter_documents, unit_hash
-from posttrain.prompts import OPEN_ENDED_TEMPLATES, split_group
+from posttrain.prompts import OPEN_ENDED_TEMPLATES, iter_checked_jsonl, jsonl_file_problems, split_group
 from posttrain.verifiable import CHECKERS, check
 
 PAIR_SOURCES = ("verifiable", "corpus", "user")
@@ -226,32 +224,12 @@ def pair_problem(obj: Any) -> str | None:
 
 def iter_pair_file(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed object or None, problem or None) for every non-blank line."""
-    path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield line_no, None, f"not valid JSON ({e.msg} at column {e.colno})"
-                continue
-            yield line_no, obj, pair_problem(obj)
+    return iter_checked_jsonl(path, pair_problem)
 
 
 def pair_file_problems(paths: Iterable[str], field: str = "user_pair_files") -> list[tuple[str, str]]:
     """(field, 'file:line: problem') for missing files and bad lines (first 5 a file)."""
-    problems = []
-    for i, p in enumerate(paths):
-        if not Path(p).is_file():
-            problems.append((f"{field}.{i}", f"pair file {p!r} does not exist"))
-            continue
-        bad = [(n, why) for n, _, why in iter_pair_file(p) if why]
-        problems += [(f"{field}.{i}", f"{p}:{n}: {why}") for n, why in bad[:5]]
-        if len(bad) > 5:
-            problems.append((f"{field}.{i}", f"{p}: {len(bad) - 5} more bad lines; fix the file"))
-    return problems
+    return jsonl_file_problems(paths, field, "pair file", pair_problem)
 
 
 def user_pairs(path: str | Path) -> list[PreferencePair]:

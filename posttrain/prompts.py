@@ -46,7 +46,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +154,10 @@ def record_problem(obj: Any) -> str | None:
     return None
 
 
-def iter_user_file(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
-    """(line number, parsed object or None, problem or None) for every non-blank line."""
+def iter_checked_jsonl(path: str | Path,
+                       problem: Callable[[Any], str | None]) -> Iterator[tuple[int, Any, str | None]]:
+    """(line number, parsed object or None, ``problem(obj)`` or why the line is no JSON) for every non-blank line
+    of a user's JSONL file (``.gz`` read as gzip)."""
     path = Path(path)
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
@@ -167,22 +169,31 @@ def iter_user_file(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
             except json.JSONDecodeError as e:
                 yield line_no, None, f"not valid JSON ({e.msg} at column {e.colno})"
                 continue
-            yield line_no, obj, record_problem(obj)
+            yield line_no, obj, problem(obj)
+
+
+def jsonl_file_problems(paths: Iterable[str], field: str, what: str,
+                        problem: Callable[[Any], str | None]) -> list[tuple[str, str]]:
+    """(field.i, 'file:line: problem') for missing files and bad lines (the first 5 a file), for spec validation."""
+    problems = []
+    for i, p in enumerate(paths):
+        if not Path(p).is_file():
+            problems.append((f"{field}.{i}", f"{what} {p!r} does not exist (resolved against {os.getcwd()})"))
+            continue
+        bad = [(n, why) for n, _, why in iter_checked_jsonl(p, problem) if why]
+        problems += [(f"{field}.{i}", f"{p}:{n}: {why}") for n, why in bad[:5]]
+        if len(bad) > 5:
+            problems.append((f"{field}.{i}", f"{p}: {len(bad) - 5} more bad lines; fix the file"))
+    return problems
+
+
+def iter_user_file(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
+    return iter_checked_jsonl(path, record_problem)
 
 
 def validate_external(params: PromptsParams) -> list[tuple[str, str]]:
     """At spec validation: every user file exists and each line is a prompt record (first 5 problems a file)."""
-    problems = []
-    for i, p in enumerate(params.user_files):
-        if not Path(p).is_file():
-            problems.append((f"user_files.{i}", f"prompt file {p!r} does not exist (resolved against {os.getcwd()})"))
-            continue
-        bad = [(n, why) for n, _, why in iter_user_file(p) if why]
-        for n, why in bad[:5]:
-            problems.append((f"user_files.{i}", f"{p}:{n}: {why}"))
-        if len(bad) > 5:
-            problems.append((f"user_files.{i}", f"{p}: {len(bad) - 5} more bad lines; fix the file"))
-    return problems
+    return jsonl_file_problems(params.user_files, "user_files", "prompt file", record_problem)
 
 
 def fingerprint(params: PromptsParams) -> list[dict[str, Any]]:

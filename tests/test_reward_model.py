@@ -5,6 +5,7 @@ project's BPE pipeline — the layout pretrain's export writes — and a real pr
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def test_user_pair_files_are_checked_with_file_and_line(tmp_path: Path) -> None:
         ("user_pair_files.1", f"{bad}:3: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
         ("user_pair_files.1", f"{bad}:4: 'chosen' and 'rejected' are the same text: a pair needs two different "
                               "responses"),
-        ("user_pair_files.2", f"pair file {str(tmp_path / 'missing.jsonl')!r} does not exist"),
+        ("user_pair_files.2", f"pair file {str(tmp_path / 'missing.jsonl')!r} does not exist (resolved against {os.getcwd()})"),
     ]
     with pytest.raises(ValueError, match=f"{bad}:2: needs a non-empty string field 'rejected'"):
         user_pairs(bad)
