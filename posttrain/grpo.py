@@ -4,8 +4,9 @@ TRL does the rollout (generation, rewards, group-normalised advantages, referenc
 iteration reuse, logging). This module changes only:
   - ``_generate_and_score_completions``: §5.4.2 (c) balanced advantages on top of TRL's group advantages, and the
     interface metrics ``reward_mean`` / ``response_length``;
-  - ``_generate_single_turn``: run in eval mode (the hybrid model's decode cache), and timed, for the metric ``generation_tokens_per_second`` (generated tokens up to each
-    completion's first EOS / wall seconds of TRL's rollout generation, this process);
+  - ``_generate_single_turn``: run in eval mode (dropless MoE routing), and timed, for the metric
+    ``generation_tokens_per_second`` (generated tokens up to each completion's first EOS / wall seconds of TRL's
+    rollout generation, this process);
   - ``_compute_loss``: the loss of ``posttrain.grpo_loss.grpo_loss`` — (a) the extra clip of large-ratio
     negative-advantage tokens, (b) the stop-gradient KL term, CISPO as ``loss_type="cispo"`` — and the metrics
     ``kl`` and ``clip_fraction``.
@@ -92,8 +93,8 @@ class HylightGRPOTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         mode = "train" if self.model.training else "eval"
-        # Generate in eval mode: HybridModel keeps no decode cache in training mode (model/modeling.py), so TRL's
-        # generate on the training model would feed each new token without its context.
+        # Generate in eval mode: the MoE routes without capacity drop there whatever the config, so a rollout's
+        # tokens never depend on the other sequences of its batch (the decode cache works in either mode).
         self.model.eval()
         start = time.perf_counter()
         try:
