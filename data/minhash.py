@@ -163,7 +163,7 @@ class Shingler:
                 hashes = [cache.get(w) for w in words]
                 for i, h in enumerate(hashes):
                     if h is None:
-                        hashes[i] = cache[words[i]] = xxhash64(words[i])
+                        hashes[i] = cache[words[i]] = xxhash64(words[i].encode())  # bytes: newer xxhash refuses str
                 parts.append(np.array(hashes, dtype=np.uint64))
             self._memo_text = text
             self._memo = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)

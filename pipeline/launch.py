@@ -55,6 +55,9 @@ class ProcessTreeError(RuntimeError):
         lines = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
         super().__init__(f"{name}: `{shown}` {how}; its last {len(tail)} line(s) of output:\n{lines}")
 
+    def __reduce__(self):  # Ray pickles a stage's exception to the driver: rebuild it from its fields
+        return (type(self), (self.name, self.cmd, self.returncode, self.tail))
+
 
 def run_process_tree(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
                      log: Callable[[str], None] = print, name: str = "job", grace_s: float = 5.0) -> None:

@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,22 @@ def compile_layers(model: torch.nn.Module, mode: str | None = None) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm | DeepSpeedMoEFeedForward):
             module.compile(dynamic=False, mode=mode)
+
+
+@contextlib.contextmanager
+def eager_layers(model: torch.nn.Module) -> Iterator[None]:
+    """Run the modules ``compile_layers`` compiled eagerly inside the block. The held-out evaluation needs this
+    under "reduce-overhead": without a pending backward, CUDA-graph trees replay one RMSNorm graph for the next
+    layer's norm and overwrite the output the residual still reads ("accessing tensor output of CUDAGraphs that has
+    been overwritten by a subsequent run", seen on the H100). Evaluation is a few calls; eager costs nothing."""
+    stashed = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+    for m, _ in stashed:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, impl in stashed:
+            m._compiled_call_impl = impl
 
 
 def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
@@ -574,7 +591,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
     # --- end: held-out loss, expert load, export -------------------------------------------------------------
     engine.eval()
-    eval_loss = evaluate(engine, eval_rows, make_batch, cfg, device)
+    with eager_layers(engine.module):
+        eval_loss = evaluate(engine, eval_rows, make_batch, cfg, device)
     uni = unigram_loss(eval_rows, np.load(Path(cfg.data_dir) / "unigram_counts.npy"))
     routed_all = _sum_over_data_parallel(routed_sum).cpu()
     dropped_all = _sum_over_data_parallel(dropped_sum).cpu()

@@ -8,6 +8,7 @@ The job is tests/process_tree.py: three levels of sleeping processes, the second
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -70,6 +71,10 @@ def test_non_zero_exit_raises_with_the_last_40_lines():
     msg = str(err)
     assert msg.startswith("trainer: `") and "exited with status 3" in msg and "last 40 line(s)" in msg
     assert "line 99" in msg and "line 59" not in msg
+    # a stage's exception crosses Ray by pickle: it must come back whole (an H100 run once got Ray's
+    # UnserializableException instead of the trainer's traceback)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ProcessTreeError and str(back) == msg and back.tail == err.tail and back.returncode == 3
 
 
 def test_a_job_killed_by_a_signal_is_reported_as_such():
