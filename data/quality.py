@@ -252,7 +252,7 @@ class EmbedShard:
     max_tokens: int
     batch_size: int
     threads: int
-    chunk_docs: int = EMBED_CHUNK_DOCS
+    chunk_docs: int
 
 
 def embed_shard(shard: EmbedShard, progress: Callable[[str], None]) -> int:
@@ -294,7 +294,8 @@ def _embed_all(docs_path: Path, n_docs: int, params: QualityParams, ctx: StageCo
     threads = max(1, int(ctx.resources.cpus)) if len(ranges) == 1 else 1
     file_counts = count_documents(docs_path)
     shards = [EmbedShard(str(docs_path), file_counts, a, b, str(ctx.work_dir / f"embeddings-{i:05d}.npy"),
-                         params.max_tokens, params.batch_size, threads) for i, (a, b) in enumerate(ranges)]
+                         params.max_tokens, params.batch_size, threads, EMBED_CHUNK_DOCS)
+              for i, (a, b) in enumerate(ranges)]
     embedded = ctx.map_shards(embed_shard, shards, what="embeddings")
     if sum(embedded) != n_docs:
         raise RuntimeError(f"quality: embedded {sum(embedded)} documents, expected {n_docs}")

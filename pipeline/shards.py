@@ -99,8 +99,8 @@ class RayShardRunner(ShardRunner):
 
         ref, env, cwd = _function_ref(fn), launched_worker_env(1, 0), os.getcwd()
         label = f"{ctx.stage_name} {what}"
-        remote = ray.remote(run_shard).options(num_cpus=1, num_gpus=0, max_calls=1, max_retries=0,
-                                               name=f"shard:{ctx.stage_name}:{what}")
+        remote = ray.remote(max_calls=1)(run_shard).options(num_cpus=1, num_gpus=0, max_retries=0,
+                                                            name=f"shard:{ctx.stage_name}:{what}")
         results: dict[int, ShardResult[R]] = {}
         running: dict[Any, int] = {}
         waiting = list(range(len(shards)))
