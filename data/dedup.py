@@ -42,6 +42,13 @@ CJK character a word) and n-gram hashes combined with numpy. ``spacy`` runs data
 Either way signatures are computed in bounded blocks (memory does not grow with document length beyond
 a few bytes per word).
 
+With ``resources.tasks`` = N (pipeline/shards.py) the signatures are computed by N Ray tasks, each over a
+contiguous range of the leaders and written as datatrove's rank files (as datatrove's own executors shard the
+signature step), and the LSH bands are bucketed by N tasks; exact groups, candidates, the exact Jaccard and the
+output are decided once over all of them, so a duplicate pair split across shards is found as within one and
+the artifact is the same for every N (tests/test_shards.py). Reading, exact grouping, decontamination and the
+exact-Jaccard check stay in the stage's own process.
+
 Input documents that already carry ``DUP_COUNT`` (from an earlier dedup) count with that weight, and
 their ``DUP_MEMBERS`` are carried to the representative, so deduping twice keeps the full count.
 """

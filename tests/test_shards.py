@@ -240,3 +240,21 @@ def test_dedup_as_a_ray_stage_with_2_tasks_equals_the_one_task_artifact(ray_2cpu
     out = ray.get(stage.remote(task), timeout=240)
     got = {k: v for k, v in _digests(Path(out.path)).items() if k != "manifest.json"}
     assert got == _digests(one.out_dir)
+
+
+# --- the spec -----------------------------------------------------------------------------------------
+def test_spec_takes_tasks_only_for_kinds_that_split_work_and_refuses_an_artifact_root_url():
+    from pipeline.spec import SpecError, build_spec
+
+    stages = {"ing": {"uses": "ingest", "resources": {"tasks": 2}},
+              "cl": {"uses": "clean", "needs": ["ing"], "resources": {"tasks": 3}}}
+    with pytest.raises(SpecError) as e:
+        build_spec({"name": "t", "artifact_root": "s3://bucket/runs", "stages": stages}, check_external=False)
+    problems = e.value.problems
+    assert len(problems) == 2, problems
+    assert any("stage 'ing', field resources.tasks: asks for 2 tasks but kind 'ingest' does not split" in p
+               for p in problems)
+    assert any("field artifact_root: 's3://bucket/runs' is a URL" in p and "shared filesystem" in p for p in problems)
+    stages["ing"]["resources"] = {}
+    spec = build_spec({"name": "t", "artifact_root": "/shared/runs", "stages": stages}, check_external=False)
+    assert spec.stages["cl"].resources.tasks == 3 and spec.stages["ing"].resources.tasks == 1
