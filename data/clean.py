@@ -51,6 +51,7 @@ import json
 import re
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -66,10 +67,21 @@ from data.documents import (
     LANGUAGE,
     LANGUAGE_SCORE,
     DocumentWriter,
-    iter_documents,
+    count_documents,
+    iter_document_range,
+    merge_document_shards,
     write_jsonl_gz,
 )
-from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
+from pipeline.shards import split_ranges
+from pipeline.stage import (
+    InputSpec,
+    StageContext,
+    StageKind,
+    StageParams,
+    file_fingerprint,
+    metric_key,
+    track,
+)
 
 REPORT_NAME = "clean_report.json"
 SAMPLES_DIR = "dropped_samples"
@@ -499,17 +511,56 @@ class DomainTally:
     dropped: Counter[str] = field(default_factory=Counter)  # step -> count
 
 
-def run(params: CleanParams, ctx: StageContext) -> None:
-    source = ctx.input("documents")
-    pipeline = Pipeline(params)
-    total = source.rows.get("documents")
-    ctx.progress(f"cleaning {total if total is not None else 'all'} documents through "
-                 f"{' -> '.join(pipeline.names) or 'no step'} (word tokenizer: {params.word_tokenizer})")
+@dataclass
+class CleanShard:
+    """One shard's work (plain data: it travels to a Ray task): documents [start, stop) of the input."""
 
-    tallies = {name: StepTally() for name in pipeline.names}
-    domains: dict[str, DomainTally] = defaultdict(DomainTally)
-    reasons: Counter[str] = Counter()
-    samples: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    params: dict[str, Any]
+    docs_path: str
+    start: int
+    stop: int
+    file_counts: list[int]
+    out_dir: str  # the shard's kept documents go to <out_dir>/documents/ (DocumentWriter's layout)
+
+
+@dataclass
+class CleanTally:
+    """What a shard counted; shards add up (:meth:`add`) in input order."""
+
+    tallies: dict[str, StepTally]
+    domains: dict[str, DomainTally] = field(default_factory=lambda: defaultdict(DomainTally))
+    reasons: Counter[str] = field(default_factory=Counter)
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    written: int = 0
+
+    def add(self, other: CleanTally, sample_cap: int) -> None:
+        for name, t in other.tallies.items():
+            mine = self.tallies[name]
+            mine.applied += t.applied
+            mine.skipped += t.skipped
+            mine.dropped += t.dropped
+            mine.modified += t.modified
+            mine.seconds += t.seconds
+        for name, d in other.domains.items():
+            mine_d = self.domains[name]
+            mine_d.docs += d.docs
+            mine_d.kept += d.kept
+            mine_d.chars_in += d.chars_in
+            mine_d.chars_kept += d.chars_kept
+            mine_d.bytes_in += d.bytes_in
+            mine_d.dropped.update(d.dropped)
+        self.reasons.update(other.reasons)
+        for reason, docs in other.samples.items():  # the first in input order: earlier shards first
+            self.samples[reason] += docs[: sample_cap - len(self.samples[reason])]
+        self.written += other.written
+
+
+def clean_shard(shard: CleanShard, progress: Callable[[str], None]) -> CleanTally:
+    """Clean documents [start, stop): kept ones to the shard's directory, drops counted (a Ray task's body)."""
+    params = CleanParams.model_validate(shard.params)
+    pipeline = Pipeline(params)
+    out = CleanTally({name: StepTally() for name in pipeline.names})
+    tallies, domains, reasons, samples = out.tallies, out.domains, out.reasons, out.samples
 
     def clean(record: dict[str, Any]) -> tuple[Document, str | None, Step | None]:
         """Runs one document through its domain's steps: (doc, drop reason or None, the dropping step)."""
@@ -539,9 +590,9 @@ def run(params: CleanParams, ctx: StageContext) -> None:
                 tally.modified += 1
         return doc, None, None
 
-    start = time.perf_counter()
-    with DocumentWriter(ctx.out_dir) as writer:
-        for record in ctx.track(iter_documents(source.path), total=total, what="documents"):
+    records = iter_document_range(shard.docs_path, shard.start, shard.stop, shard.file_counts)
+    with DocumentWriter(shard.out_dir) as writer:
+        for record in track(records, progress, total=shard.stop - shard.start, what="documents"):
             domain = domains[record["domain"]]
             domain.docs += 1
             domain.chars_in += len(record["text"])
@@ -565,9 +616,28 @@ def run(params: CleanParams, ctx: StageContext) -> None:
                     "id": record["id"], "domain": record["domain"], "source": record["source"],
                     "reason": reason, "detail": describe_drop(reason, step, doc),
                     "text": doc.text, "metadata": record["metadata"]})
-        written = writer.count
-    seconds = time.perf_counter() - start
+        out.written = writer.count
+    return out
 
+
+def run(params: CleanParams, ctx: StageContext) -> None:
+    source = ctx.input("documents")
+    pipeline = Pipeline(params)
+    file_counts = count_documents(source.path)
+    total = sum(file_counts)
+    ranges = split_ranges(total, ctx.resources.tasks)
+    ctx.progress(f"cleaning {total} documents through {' -> '.join(pipeline.names) or 'no step'} (word "
+                 f"tokenizer: {params.word_tokenizer}) in {len(ranges)} shard(s)")
+    work = ctx.work_dir / "clean"
+    shards = [CleanShard(params.model_dump(mode="json"), str(source.path), a, b, file_counts,
+                         str(work / f"shard-{i:05d}")) for i, (a, b) in enumerate(ranges)]
+    start = time.perf_counter()
+    merged = CleanTally({name: StepTally() for name in pipeline.names})
+    for part in ctx.map_shards(clean_shard, shards, what="documents"):
+        merged.add(part, params.sample_dropped)
+    tallies, domains, reasons, samples = merged.tallies, merged.domains, merged.reasons, merged.samples
+    written = merge_document_shards([Path(s.out_dir) for s in shards], ctx.out_dir)
+    seconds = time.perf_counter() - start  # wall, shards and merge
     n_in = sum(d.docs for d in domains.values())
     kept = sum(d.kept for d in domains.values())
     dropped = sum(reasons.values())
@@ -715,6 +785,7 @@ STAGE = StageKind(
     inputs={"documents": InputSpec(ANY_DOCUMENTS, doc="documents to clean (text, domain, metadata kept)")},
     fingerprint=fingerprint,
     validate_external=validate_external,
+    splits_work=True,
     doc=("Rule-based cleaning with datatrove blocks: ftfy mojibake repair, length bounds, offline fastText "
          "language ID, Gopher repetition/quality, C4 and FineWeb quality filters, each with its thresholds "
          "as params, and per-domain skips and overrides: domain web gets datatrove's web settings, domains "

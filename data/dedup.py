@@ -42,6 +42,13 @@ CJK character a word) and n-gram hashes combined with numpy. ``spacy`` runs data
 Either way signatures are computed in bounded blocks (memory does not grow with document length beyond
 a few bytes per word).
 
+With ``resources.tasks`` = N (pipeline/shards.py) the signatures are computed by N Ray tasks, each over a
+contiguous range of the leaders and written as datatrove's rank files (as datatrove's own executors shard the
+signature step), and the LSH bands are bucketed by N tasks; exact groups, candidates, the exact Jaccard and the
+output are decided once over all of them, so a duplicate pair split across shards is found as within one and
+the artifact is the same for every N (tests/test_shards.py). Reading, exact grouping, decontamination and the
+exact-Jaccard check stay in the stage's own process.
+
 Input documents that already carry ``DUP_COUNT`` (from an earlier dedup) count with that weight, and
 their ``DUP_MEMBERS`` are carried to the representative, so deduping twice keeps the full count.
 """
@@ -55,7 +62,7 @@ import re
 import shutil
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -80,11 +87,22 @@ from data.documents import (
     EVAL_CONTAMINATION,
     EVALSET_TYPE,
     DocumentWriter,
+    count_documents,
+    iter_document_range,
     iter_documents,
     write_jsonl_gz,
 )
 from data.minhash import BoundedMinhashSignature, FastMinhashSignature, Shingler, jaccard, quiet_datatrove
-from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
+from pipeline.shards import split_ranges
+from pipeline.stage import (
+    InputSpec,
+    StageContext,
+    StageKind,
+    StageParams,
+    file_fingerprint,
+    metric_key,
+    track,
+)
 
 REPORT_NAME = "dedup_report.json"
 CLUSTERS_NAME = "clusters.jsonl.gz"
@@ -216,6 +234,7 @@ class _Corpus:
     incoming_members: dict[int, list[str]] = field(default_factory=dict)
     group_of: list[int] = field(default_factory=list)
     leader: list[int] = field(default_factory=list)  # per group: its longest document (ties: smaller id)
+    first_of_group: list[int] = field(default_factory=list)  # per group: its first document (the one signed)
     group_size: list[int] = field(default_factory=list)
     minhash_groups: list[int] = field(default_factory=list)  # signature doc index -> group
     matches: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # group -> contamination
@@ -237,9 +256,9 @@ def _incoming(meta: dict[str, Any]) -> tuple[int, list[str]]:
 
 
 def _first_pass(params: DedupParams, ctx: StageContext, docs_path: Path, corpus: _Corpus,
-                index: ContaminationIndex | None) -> Iterator[Document]:
-    """Read every document once: exact groups, contamination per group, and the group leaders that go
-    on to MinHash (yielded to datatrove's signature step as it consumes them)."""
+                index: ContaminationIndex | None) -> None:
+    """Read every document once: exact groups, contamination per group, and the groups whose first document
+    goes on to MinHash (``corpus.minhash_groups``, in input order)."""
     groups: dict[bytes, int] = {}
     drop_contaminated = params.decontamination == "drop"
     for i, rec in enumerate(ctx.track(iter_documents(docs_path), what="documents read")):
@@ -263,13 +282,13 @@ def _first_pass(params: DedupParams, ctx: StageContext, docs_path: Path, corpus:
         gid = groups[key] = len(corpus.leader)
         corpus.group_of.append(gid)
         corpus.leader.append(i)
+        corpus.first_of_group.append(i)
         corpus.group_size.append(1)
         if index is not None and (found := index.check(text)):
             corpus.matches[gid] = found
             if drop_contaminated:
                 continue
         corpus.minhash_groups.append(gid)
-        yield Document(text=text, id=str(gid))
 
 
 def _shingle_sets(docs_path: Path, corpus: _Corpus, leaders: set[int], sig_step: MinhashDedupSignature,
@@ -289,34 +308,108 @@ class _MinhashResult:
     edges: set[tuple[int, int]]  # candidate pairs LSH wrote (signature doc indices), all bands
     band_groups: list[list[int]]  # per band, the signature docs that share that band's hashes (size >= 2)
     signed: int  # leaders that had a signature (the others have fewer than n_grams words)
+    offsets: list[int]  # per signature shard (datatrove rank): its first signature doc index
     cluster_of: dict[int, int] = field(default_factory=dict)  # verify: estimate: datatrove's clusters
 
 
-def _run_minhash(params: DedupParams, sig_step: MinhashDedupSignature, leaders: Iterator[Document],
+@dataclass
+class SignatureShard:
+    """Signature docs [start, stop) (documents ``signature_docs[start:stop]`` of the input), as datatrove's
+    signature step of rank ``rank`` (plain data: it travels to a Ray task)."""
+
+    params: dict[str, Any]
+    docs_path: str
+    file_counts: list[int]
+    signature_docs: str  # .npy of every signature doc's document position, in signature order
+    start: int
+    stop: int
+    rank: int
+    world_size: int
+    output_folder: str
+
+
+def signature_shard(shard: SignatureShard, progress: Callable[[str], None]) -> int:
+    """MinHash signatures of one shard's signature docs, written as datatrove rank ``shard.rank``'s files."""
+    params = DedupParams.model_validate(shard.params)
+    positions = np.load(shard.signature_docs, mmap_mode="r")[shard.start:shard.stop]
+    wanted = set(positions.tolist())
+
+    def leaders() -> Iterator[Document]:
+        if not len(positions):
+            return
+        records = iter_document_range(shard.docs_path, int(positions[0]), int(positions[-1]) + 1, shard.file_counts)
+        for i, rec in enumerate(records, int(positions[0])):
+            if i in wanted:
+                yield Document(text=rec["text"], id=str(i))
+
+    step = signature_step(params, shard.output_folder)
+    with quiet_datatrove():
+        step.run(track(leaders(), progress, total=len(positions), what="documents signed"), rank=shard.rank,
+                 world_size=shard.world_size)
+    return len(positions)
+
+
+@dataclass
+class BucketShard:
+    """LSH bands [start, stop): datatrove's bucket step, one band at a time, over every rank's signatures."""
+
+    params: dict[str, Any]
+    signatures: str
+    buckets: str
+    start: int
+    stop: int
+
+
+def bucket_shard(shard: BucketShard, progress: Callable[[str], None]) -> int:
+    params = DedupParams.model_validate(shard.params)
+    config = params.minhash_config()
+    with quiet_datatrove():
+        for band in range(shard.start, shard.stop):  # one task per band, as datatrove's executor would run them
+            MinhashDedupBuckets(shard.signatures, shard.buckets, config=config).run(rank=band, world_size=params.bands)
+    return shard.stop - shard.start
+
+
+def _run_minhash(params: DedupParams, ctx: StageContext, docs_path: Path, corpus: _Corpus,
                  work: Path) -> _MinhashResult:
-    """datatrove's MinHash stages on the leaders, run in-process one task at a time."""
+    """datatrove's MinHash stages on the signature docs: signatures in shards (datatrove ranks, contiguous in
+    input order), LSH buckets in shards of bands, clusters here. Every pair datatrove writes is (rank, doc in
+    rank); rank r's docs start at signature doc ``offsets[r]``, and ties in a band's sorted merge are broken by
+    (rank, doc), i.e. input order: the pairs, and all that follows, are those of one rank."""
     config = params.minhash_config()
     buckets, clusters = work / "buckets", work / "clusters"
-    with quiet_datatrove():
-        sig_step.run(leaders, rank=0, world_size=1)
-        for band in range(params.bands):  # one task per band, as datatrove's executor would run them
-            MinhashDedupBuckets(str(work / "signatures"), str(buckets), config=config).run(
-                rank=band, world_size=params.bands)
-        if params.verify == "estimate":
+    work.mkdir(parents=True, exist_ok=True)
+    np.save(work / "signature_docs.npy", np.array([corpus.first_of_group[g] for g in corpus.minhash_groups],
+                                                  dtype=np.int64))
+    tasks = ctx.resources.tasks
+    ranges = split_ranges(len(corpus.minhash_groups), tasks)
+    file_counts = count_documents(docs_path)
+    dump = params.model_dump(mode="json")
+    ctx.map_shards(signature_shard, [
+        SignatureShard(dump, str(docs_path), file_counts, str(work / "signature_docs.npy"), a, b, rank,
+                       len(ranges), str(work / "signatures")) for rank, (a, b) in enumerate(ranges)], what="signatures")
+    ctx.map_shards(bucket_shard, [BucketShard(dump, str(work / "signatures"), str(buckets), a, b)
+                                  for a, b in split_ranges(params.bands, tasks)], what="lsh_bands")
+    if params.verify == "estimate":
+        with quiet_datatrove():
             MinhashDedupCluster(str(buckets), str(clusters), config=config, save_cluster_id=True).run(world_size=1)
+    offsets = [a for a, _ in ranges]
     record = (params.rows * config.hash_config.precision // 8) + 4
-    signed = (work / "signatures" / "bucket_000" / "00000.minhash.sig").stat().st_size // record
+    signed = sum((work / "signatures" / "bucket_000" / f"{rank:05d}.minhash.sig").stat().st_size // record
+                 for rank in range(len(ranges)))
     edges: set[tuple[int, int]] = set()
     band_groups: list[list[int]] = []
     for dups in sorted(buckets.glob("*.dups")):  # one file per band
         with open(dups, "rb") as f:
-            pairs = [(a, b) for _, a, _, b in read_tuples_from_file(f, "4I", lines_to_buffer=-1)]
+            pairs = [(offsets[fa] + a, offsets[fb] + b)
+                     for fa, a, fb, b in read_tuples_from_file(f, "4I", lines_to_buffer=-1)]
         edges.update((min(a, b), max(a, b)) for a, b in pairs)
         band_groups += _components(pairs)
-    result = _MinhashResult(edges, band_groups, signed)
-    if (cluster_file := clusters / "000000.clusters").exists():  # absent when there is no pair at all
+    result = _MinhashResult(edges, band_groups, signed, offsets)
+    for cluster_file in sorted(clusters.glob("*.clusters")):  # none when there is no pair at all
+        rank = int(cluster_file.name.split(".")[0])
         with open(cluster_file, "rb") as f:
-            result.cluster_of = {doc: cid for doc, cid in read_tuples_from_file(f, "2I", lines_to_buffer=-1)}
+            result.cluster_of |= {offsets[rank] + doc: cid
+                                  for doc, cid in read_tuples_from_file(f, "2I", lines_to_buffer=-1)}
     return result
 
 
@@ -340,14 +433,15 @@ def _components(pairs: list[tuple[int, int]]) -> list[list[int]]:
     return [sorted(g) for _, g in sorted(groups.items())]
 
 
-def _read_signatures(work: Path, params: DedupParams, n_docs: int) -> np.ndarray:
-    """Every signature doc's hashes, [n_docs, bands * rows] uint64, from datatrove's signature files
-    (zeros for leaders without shingles; they are in no band group)."""
+def _read_signatures(work: Path, params: DedupParams, n_docs: int, offsets: list[int]) -> np.ndarray:
+    """Every signature doc's hashes, [n_docs, bands * rows] uint64, from datatrove's signature files of every
+    rank (zeros for leaders without shingles; they are in no band group)."""
     rec = np.dtype([("hashes", "<u8", (params.rows,)), ("doc", "<u4")])
     sigs = np.zeros((n_docs, params.bands, params.rows), dtype=np.uint64)
     for band in range(params.bands):
-        data = np.fromfile(work / "signatures" / f"bucket_{band:03d}" / "00000.minhash.sig", dtype=rec)
-        sigs[data["doc"], band] = data["hashes"]
+        for rank, offset in enumerate(offsets):
+            data = np.fromfile(work / "signatures" / f"bucket_{band:03d}" / f"{rank:05d}.minhash.sig", dtype=rec)
+            sigs[data["doc"].astype(np.int64) + offset, band] = data["hashes"]
     return sigs.reshape(n_docs, -1)
 
 
@@ -388,7 +482,7 @@ def _near_exact(params: DedupParams, ctx: StageContext, docs_path: Path, corpus:
     for g, members in enumerate(mh.band_groups):
         for s in members:
             groups_of[s].append(g)
-    sigs = _read_signatures(work, params, len(corpus.minhash_groups)) if groups_of else None
+    sigs = _read_signatures(work, params, len(corpus.minhash_groups), mh.offsets) if groups_of else None
     ctx.progress(f"checking LSH candidates of {len(groups_of)} leaders with the exact Jaccard (>= {t})")
     shingles = _shingle_sets(docs_path, corpus, {corpus.leader_of_signature(s) for s in groups_of}, sig_step)
     placed: set[int] = set()
@@ -497,10 +591,11 @@ def run(params: DedupParams, ctx: StageContext) -> None:
     ctx.progress(f"reading {docs_path} (MinHash {params.bands}x{params.rows}, {params.n_grams}-grams, "
                  f"{params.word_tokenizer} words, S-curve {params.s_curve_threshold:.3f}, verify: {params.verify} "
                  f"at Jaccard {params.jaccard_threshold})")
-    mh = _run_minhash(params, sig_step, _first_pass(params, ctx, docs_path, corpus, index), work)
+    _first_pass(params, ctx, docs_path, corpus, index)
     n_in = len(corpus.ids)
     if n_in == 0:
         raise ValueError(f"dedup: documents artifact {docs_path} holds no documents")
+    mh = _run_minhash(params, ctx, docs_path, corpus, work)
     t_minhash = time.perf_counter()
 
     # near duplicates (pass 2 over the candidates' documents for their exact shingle sets)
@@ -723,6 +818,7 @@ STAGE = StageKind(
     },
     fingerprint=fingerprint,
     validate_external=validate_external,
+    splits_work=True,
     doc=("Exact (normalized-text hash) and near-duplicate removal: datatrove MinHash-LSH candidates with a "
          "fast word tokenizer, then the exact shingle Jaccard decides (nothing below jaccard_threshold is "
          "dropped); one representative per cluster keeps dup_count and dup_members; n-gram-containment "

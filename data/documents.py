@@ -138,6 +138,61 @@ def iter_documents(artifact_path: str | Path, subdir: str = DOCUMENTS_DIR) -> It
         yield from read_jsonl_gz(path)
 
 
+def count_documents(artifact_path: str | Path, subdir: str = DOCUMENTS_DIR) -> list[int]:
+    """Documents (lines) in each file of :func:`document_files`, in order: decompressed, not parsed."""
+    counts = []
+    for path in document_files(artifact_path, subdir):
+        with gzip.open(path, "rb") as f:
+            counts.append(sum(1 for _ in f))
+    return counts
+
+
+def iter_document_range(artifact_path: str | Path, start: int, stop: int, file_counts: list[int] | None = None,
+                        subdir: str = DOCUMENTS_DIR) -> Iterator[DocumentRecord]:
+    """Records ``start`` to ``stop - 1`` (positions in :func:`iter_documents` order). Files wholly outside the
+    range are not opened when ``file_counts`` (:func:`count_documents`) is given; lines before ``start`` in a
+    file are skipped unparsed."""
+    files = document_files(artifact_path, subdir)
+    if file_counts is not None and len(file_counts) != len(files):
+        raise ValueError(f"{artifact_path}: {len(files)} document files but {len(file_counts)} counts given")
+    first = 0  # position of the current file's first document
+    for k, path in enumerate(files):
+        if first >= stop:
+            return
+        if file_counts is not None and first + file_counts[k] <= start:
+            first += file_counts[k]
+            continue
+        with gzip.open(path, "rb") as f:
+            for line in f:
+                if first >= stop:
+                    return
+                if first >= start:
+                    yield orjson.loads(line)
+                first += 1
+
+
+def merge_document_shards(shard_dirs: list[Path], out_dir: str | Path, subdir: str = DOCUMENTS_DIR) -> int:
+    """The documents that shards wrote (each with a :class:`DocumentWriter` under its directory), in shard order,
+    as one artifact's ``documents/``: the same files, byte for byte, as one writer given all of them in that
+    order. One shard's files are moved (they are that writer's output); several are read and written again.
+    Returns the number of documents."""
+    out = Path(out_dir) / subdir
+    if len(shard_dirs) == 1:
+        src = Path(shard_dirs[0]) / subdir
+        out.mkdir(parents=True, exist_ok=True)
+        n = 0
+        for path in sorted(src.glob("*.jsonl.gz")):
+            with gzip.open(path, "rb") as f:
+                n += sum(1 for _ in f)
+            path.replace(out / path.name)
+        return n
+    with DocumentWriter(out_dir, subdir) as writer:
+        for d in shard_dirs:
+            for rec in iter_documents(d, subdir):
+                writer.write(rec)
+        return writer.count
+
+
 def record_from_datatrove(doc: Any) -> DocumentRecord:
     """datatrove ``Document`` (as read by :func:`datatrove_reader`) -> our record."""
     meta = dict(doc.metadata)

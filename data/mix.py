@@ -21,8 +21,10 @@ bucket). Read the manifest with :func:`iter_mixture`.
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -37,7 +39,8 @@ from data.documents import (
     SCORE_MIN,
     SCORED_DOCUMENTS_TYPE,
     JsonlGzWriter,
-    iter_documents,
+    count_documents,
+    iter_document_range,
     read_jsonl_gz,
 )
 from data.mix_plan import (
@@ -57,7 +60,8 @@ from data.mix_plan import (
     plan_mixture,
 )
 from data.tokenizer import TOKENIZER_TYPE
-from pipeline.stage import InputSpec, StageContext, StageKind, metric_key
+from pipeline.shards import split_ranges
+from pipeline.stage import InputSpec, StageContext, StageKind, metric_key, track
 
 __all__ = [  # the planner's names, also importable from here (the stage's public surface)
     "DEFAULT_BUCKETS", "PAPER_LOW_QUALITY_MAX_EPOCHS", "PAPER_MAX_EPOCHS", "ZERO_REASONS", "AblationParams",
@@ -112,42 +116,80 @@ def _dup_count_of(rec: dict[str, Any], where: Path) -> int:
     return v
 
 
-def read_scored_documents(docs_path: Path, tokenizer_file: Path, ctx: StageContext | None = None) -> DocumentTable:
-    """Quality, dup_count, domain and token count (with the trained tokenizer, + BOS/EOS) per document."""
+@dataclass
+class ScoredShard:
+    """Documents [start, stop) of a scored documents artifact to read and count tokens of (plain data)."""
+
+    docs_path: str
+    tokenizer_file: str
+    file_counts: list[int] | None
+    start: int
+    stop: int
+
+
+@dataclass
+class ScoredColumns:
+    """Per document of a shard, in input order: what the mixture plan needs."""
+
+    ids: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    kd: list[float] = field(default_factory=list)
+    hp: list[float] = field(default_factory=list)
+    cats: list[str] = field(default_factory=list)
+    doms: list[str] = field(default_factory=list)
+    dups: list[int] = field(default_factory=list)
+
+    def extend(self, other: ScoredColumns) -> None:
+        for name in ("ids", "tokens", "kd", "hp", "cats", "doms", "dups"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+def read_scored_shard(shard: ScoredShard, progress: Callable[[str], None]) -> ScoredColumns:
+    """Quality, dup_count, domain and token count (trained tokenizer, + BOS/EOS) of documents [start, stop).
+    A document's count does not depend on the batch it is encoded in."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    ids: list[str] = []
-    tokens: list[int] = []
-    kd: list[float] = []
-    hp: list[float] = []
-    cats: list[str] = []
-    doms: list[str] = []
-    dups: list[int] = []
+    tok = Tokenizer.from_file(shard.tokenizer_file)
+    docs_path = Path(shard.docs_path)
+    out = ScoredColumns()
     texts: list[str] = []
 
     def flush() -> None:
         encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
-        tokens.extend(len(e.ids) + PACKING_TOKENS_PER_DOC for e in encodings)
+        out.tokens.extend(len(e.ids) + PACKING_TOKENS_PER_DOC for e in encodings)
         texts.clear()
 
-    records = iter_documents(docs_path)
-    if ctx is not None:
-        records = ctx.track(records, what="documents tokenized")
-    for rec in records:
+    records = iter_document_range(docs_path, shard.start, shard.stop, shard.file_counts)
+    for rec in track(records, progress, total=shard.stop - shard.start, what="documents tokenized"):
         k, h, c = _quality_of(rec, docs_path)
-        ids.append(rec["id"])
-        kd.append(k)
-        hp.append(h)
-        cats.append(c)
-        doms.append(rec.get("domain") or "unknown")
-        dups.append(_dup_count_of(rec, docs_path))
+        out.ids.append(rec["id"])
+        out.kd.append(k)
+        out.hp.append(h)
+        out.cats.append(c)
+        out.doms.append(rec.get("domain") or "unknown")
+        out.dups.append(_dup_count_of(rec, docs_path))
         texts.append(rec["text"])
         if len(texts) >= ENCODE_BATCH_DOCS:
             flush()
     if texts:
         flush()
-    return DocumentTable.from_columns(ids, tokens, kd, hp, cats, doms, dups)
+    return out
+
+
+def read_scored_documents(docs_path: Path, tokenizer_file: Path, ctx: StageContext | None = None) -> DocumentTable:
+    """Quality, dup_count, domain and token count (with the trained tokenizer, + BOS/EOS) per document; with a
+    ``ctx``, in ``resources.tasks`` shards (StageContext.map_shards)."""
+    if ctx is None:
+        cols = read_scored_shard(ScoredShard(str(docs_path), str(tokenizer_file), None, 0, sys.maxsize),
+                                 lambda _: None)
+    else:
+        file_counts = count_documents(docs_path)
+        shards = [ScoredShard(str(docs_path), str(tokenizer_file), file_counts, a, b)
+                  for a, b in split_ranges(sum(file_counts), ctx.resources.tasks)]
+        cols = ScoredColumns()
+        for part in ctx.map_shards(read_scored_shard, shards, what="tokenization"):
+            cols.extend(part)
+    return DocumentTable.from_columns(cols.ids, cols.tokens, cols.kd, cols.hp, cols.cats, cols.doms, cols.dups)
 
 
 # --- outputs ----------------------------------------------------------------------------------------
@@ -392,6 +434,7 @@ STAGE = StageKind(
         "documents": InputSpec(SCORED_DOCUMENTS_TYPE, doc="documents with metadata['quality'] (and dup_count from dedup)"),
         "tokenizer": InputSpec(TOKENIZER_TYPE, doc="the trained tokenizer: token counts per document (+2 BOS/EOS)"),
     },
+    splits_work=True,
     doc="Repetition-aware mixture (MiniMax-01 §4.1.1, §4.1.3.2): quality buckets with epoch caps (low <= 2, "
         "high <= 4), uniform start tilted toward quality with a per-category floor, integer sample counts "
         "within one document of the token budget, and an ablation mode that keeps the full run's repetition.",

@@ -44,7 +44,7 @@ import json
 import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -61,6 +61,8 @@ from data.documents import (
     SCORED_DOCUMENTS_TYPE,
     DocumentWriter,
     JsonlGzWriter,
+    count_documents,
+    iter_document_range,
     iter_documents,
     unit_hash,
 )
@@ -93,6 +95,7 @@ from data.quality_scorer import (
     evaluate,
     fit_scorer,
 )
+from pipeline.shards import split_ranges
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 
 REPORT_NAME = "quality_report.json"
@@ -234,12 +237,30 @@ def _negative_window(text: str, doc_id: str, length: int, seed: int) -> str:
     return text[start:start + length]
 
 
-def _embed_all(docs_path: Path, n_docs: int, encoder: SentenceEncoder, ctx: StageContext,
-               chunk_docs: int = 512) -> tuple[np.ndarray, float]:
-    """Embeddings [N, E] of every document into a memmap in ctx.work_dir; returns it and the seconds spent."""
-    ctx.work_dir.mkdir(parents=True, exist_ok=True)
-    emb = np.lib.format.open_memmap(ctx.work_dir / "embeddings.npy", mode="w+", dtype=np.float32,
-                                    shape=(n_docs, encoder.dim))
+EMBED_CHUNK_DOCS = 512  # documents encoded per call; shard boundaries are multiples of it (same batches)
+
+
+@dataclass
+class EmbedShard:
+    """Embed documents [start, stop) into an .npy at ``out`` (plain data: it travels to a Ray task)."""
+
+    docs_path: str
+    file_counts: list[int]
+    start: int
+    stop: int
+    out: str
+    max_tokens: int
+    batch_size: int
+    threads: int
+    chunk_docs: int
+
+
+def embed_shard(shard: EmbedShard, progress: Callable[[str], None]) -> int:
+    """A shard's embeddings, [stop - start, E] float32, encoded ``chunk_docs`` documents per call counted from
+    ``start`` (a multiple of ``chunk_docs``): every chunk is the one a single task would encode."""
+    encoder = SentenceEncoder(shard.max_tokens, shard.batch_size, shard.threads)
+    n = shard.stop - shard.start
+    emb = np.lib.format.open_memmap(shard.out, mode="w+", dtype=np.float32, shape=(n, encoder.dim))
     start = time.perf_counter()
     row = 0
     chunk: list[str] = []
@@ -249,16 +270,42 @@ def _embed_all(docs_path: Path, n_docs: int, encoder: SentenceEncoder, ctx: Stag
         emb[row:row + len(chunk)] = encoder.encode(chunk)
         row += len(chunk)
         chunk = []
-        elapsed = time.perf_counter() - start
-        ctx.progress(f"embedded {row}/{n_docs} documents ({row / elapsed:.1f} docs/s)")
+        progress(f"embedded {row}/{n} documents ({row / (time.perf_counter() - start):.1f} docs/s)")
 
-    for rec in iter_documents(docs_path):
+    for rec in iter_document_range(shard.docs_path, shard.start, shard.stop, shard.file_counts):
         chunk.append(rec["text"])
-        if len(chunk) >= chunk_docs:
+        if len(chunk) >= shard.chunk_docs:
             flush()
     if chunk:
         flush()
-    assert row == n_docs, f"embedded {row} documents, expected {n_docs}"
+    if row != n:
+        raise RuntimeError(f"quality: embedded {row} documents of {shard.docs_path}[{shard.start}:{shard.stop}], "
+                           f"expected {n} (the input changed while the stage ran)")
+    emb.flush()
+    return row
+
+
+def _embed_all(docs_path: Path, n_docs: int, params: QualityParams, ctx: StageContext) -> tuple[np.ndarray, float]:
+    """Embeddings [N, E] of every document into a memmap in ctx.work_dir, in ``resources.tasks`` shards; returns
+    it and the seconds spent. One shard encodes on ``cpus`` threads, several on one thread each."""
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    ranges = split_ranges(n_docs, ctx.resources.tasks, align=EMBED_CHUNK_DOCS)
+    threads = max(1, int(ctx.resources.cpus)) if len(ranges) == 1 else 1
+    file_counts = count_documents(docs_path)
+    shards = [EmbedShard(str(docs_path), file_counts, a, b, str(ctx.work_dir / f"embeddings-{i:05d}.npy"),
+                         params.max_tokens, params.batch_size, threads, EMBED_CHUNK_DOCS)
+              for i, (a, b) in enumerate(ranges)]
+    embedded = ctx.map_shards(embed_shard, shards, what="embeddings")
+    if sum(embedded) != n_docs:
+        raise RuntimeError(f"quality: embedded {sum(embedded)} documents, expected {n_docs}")
+    parts = [np.load(s.out, mmap_mode="r") for s in shards]
+    if len(parts) == 1:
+        return parts[0], time.perf_counter() - start
+    emb = np.lib.format.open_memmap(ctx.work_dir / "embeddings.npy", mode="w+", dtype=np.float32,
+                                    shape=(n_docs, parts[0].shape[1]))
+    for s, part in zip(shards, parts, strict=True):
+        emb[s.start:s.stop] = part
     emb.flush()
     return emb, time.perf_counter() - start
 
@@ -317,10 +364,10 @@ def run(params: QualityParams, ctx: StageContext) -> None:
                          ">= 5. Raise label_sample or heldout_fraction, or give more documents")
 
     # 3. embed everything once, fit the heads on the train split, check on held-out ----------------
-    encoder = SentenceEncoder(params.max_tokens, params.batch_size, threads)
     ctx.progress(f"embedding {n_docs} documents ({ENCODER_MODEL}, first {params.max_tokens} tokens, "
-                 f"{threads} threads)")
-    emb, embed_seconds = _embed_all(docs_path, n_docs, encoder, ctx)
+                 f"{ctx.resources.tasks} task(s))")
+    emb, embed_seconds = _embed_all(docs_path, n_docs, params, ctx)
+    encoder = SentenceEncoder(params.max_tokens, params.batch_size, threads)  # describes the scorer's encoder
 
     def label_arrays(rows: list[int]) -> tuple[np.ndarray, np.ndarray, list[str]]:
         labels = [outcome.labels[corpus.ids[n]] for n in rows]
@@ -568,6 +615,7 @@ STAGE = StageKind(
         doc="documents to score; a deterministic sample (by id hash) is labeled to train the scorer")},
     fingerprint=_fingerprint,
     validate_external=validate_external,
+    splits_work=True,
     doc="Quality scores (§4.1.1): a labeler rates a sample on knowledge depth, helpfulness and category "
         "-- the paper's reward labeler is kind causal_lm (a local LM with a rubric); the offline default, "
         "kind reference, is a reference-similarity heuristic, not a reward model -- then a frozen MiniLM "

@@ -511,6 +511,7 @@ class Orchestrator:
             res.state = "running"
             r = st.resources
             asked = f"cpus={r.cpus:g} gpus={r.gpus:g}" + (f" x {r.nodes} nodes" if r.nodes > 1 else "")
+            asked += f", {r.tasks} shard tasks" if r.tasks > 1 else ""
             say(f"▶ {name} started ({why}; {asked}{'' if reserved else ', for the workers it launches'})")
             ref = self._submit(task, st)
             running[ref] = (name, rid, time.monotonic())

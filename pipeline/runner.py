@@ -139,6 +139,13 @@ def _restore_env(saved: dict[str, str]) -> None:
             os.environ[k] = v
 
 
+def _ray_connected() -> bool:
+    """Whether this process runs under Ray (a stage task is always connected; an in-process call may not be)."""
+    if "ray" not in sys.modules:
+        return False
+    return bool(sys.modules["ray"].is_initialized())
+
+
 def execute_stage(task: StageTask) -> StageOutcome:
     saved_env, saved_cwd, saved_defaulted = dict(os.environ), os.getcwd(), set(_DEFAULTED)
     torch = sys.modules.get("torch")
@@ -178,6 +185,10 @@ def _execute(task: StageTask) -> StageOutcome:
     ctx = StageContext(tmp, inputs, stage_name=task.stage, sink=sink,
                        resources=Resources(**{k: v for k, v in task.resources.items() if v is not None}),
                        work_dir=tmp.with_name(tmp.name + ".work"), resume_dir=store.resume_dir(kind.name, task.key))
+    if kind.splits_work and ctx.resources.tasks > 1 and _ray_connected():
+        from pipeline.shards import RayShardRunner
+
+        ctx.shard_runner = RayShardRunner(ctx.resources.tasks)
     start = time.monotonic()
     try:
         kind.run(params, ctx)

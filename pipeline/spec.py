@@ -34,6 +34,7 @@ from pipeline.registry import UnknownStageKind, resolve
 from pipeline.stage import StageKind, StageParams
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
+URL_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")  # s3://, gs://, file://: not an artifact root
 
 
 class SpecError(Exception):
@@ -52,6 +53,10 @@ class ResourcesSpec(BaseModel):
     gpus: float = Field(0, ge=0)
     memory_gb: float | None = Field(None, gt=0)
     nodes: int = Field(1, ge=1)
+    # Ray tasks a kind that splits its work (StageKind(splits_work=True)) runs over shards of its input, one
+    # CPU each, anywhere in the cluster (not per node). Not in the cache key: such a kind's output does not
+    # depend on it (pipeline/shards.py).
+    tasks: int = Field(1, ge=1)
 
 
 class StageSpec(BaseModel):
@@ -396,6 +401,12 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
 
     order = _topological_order(specs, needs, problems, lambda n: at("stages", n, "needs"))
 
+    if model is not None and model.artifact_root and URL_SCHEME_RE.match(model.artifact_root):
+        problems.append(
+            f"{at('artifact_root')}: field artifact_root: {model.artifact_root!r} is a URL; artifact roots are "
+            "filesystem paths only (fsspec URLs such as s3:// are not implemented). On a Ray cluster use a "
+            "shared filesystem mounted at the same path on every node (NFS, Lustre, a FUSE mount of the bucket)")
+
     for name in resources_ok:
         if name in kinds:
             _check_resources(name, specs[name].resources, kinds[name], capacity, problem)
@@ -437,6 +448,10 @@ def _check_resources(name: str, r: ResourcesSpec, kind: StageKind, capacity: Clu
                 f"asks for {r.nodes} nodes but kind {kind.name!r} runs in one process on one node; only a "
                 "kind that launches its own workers (StageKind(launches_workers=True)) can span nodes")
         return
+    if r.tasks > 1 and not kind.splits_work:
+        problem(("stages", name, "resources", "tasks"), name, "resources.tasks",
+                f"asks for {r.tasks} tasks but kind {kind.name!r} does not split its work into Ray tasks; "
+                "kinds that do: clean, dedup, quality, mix (StageKind(splits_work=True))")
     if capacity is None:
         return
     over = False

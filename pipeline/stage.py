@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -74,6 +75,9 @@ class StageKind(Generic[P]):
     # kind may ask for resources.nodes > 1; when it spans nodes or asks for GPUs on a Ray cluster its
     # own task reserves (almost) nothing, so the workers it starts can be given the resources.
     launches_workers: bool = False
+    # The stage splits its work into shards and runs them as `resources.tasks` Ray tasks through
+    # StageContext.map_shards; its output must not depend on the number of tasks (that is not in the cache key).
+    splits_work: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,19 @@ def file_fingerprint(path: str | Path, hash_below_bytes: int = 256 << 20) -> dic
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def track(items: Iterable[Any], progress: Callable[[str], None], total: int | None = None, what: str = "items",
+          every_s: float = 5.0) -> Iterator[Any]:
+    """Yield from ``items``, calling ``progress`` with the count and rate every ``every_s`` seconds."""
+    start = last = time.monotonic()
+    for n, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            of = f"/{total}" if total else ""
+            progress(f"{n}{of} {what} ({n / (now - start):,.0f}/s)")
+
+
 class MetricSink:
     """Where a stage's measurements go. The default keeps them in memory (tests, notebooks)."""
 
@@ -173,10 +190,65 @@ class Resources:
     gpus: float = 0
     memory_gb: float | None = None
     nodes: int = 1
+    tasks: int = 1  # shards of work run as this many Ray tasks (StageContext.map_shards)
     # True: this process was granted the resources (Ray set CUDA_VISIBLE_DEVICES to its GPUs; run on them,
     # e.g. with a launcher on this node). False: nothing is reserved for this process and it sees no GPU;
     # start workers that ask for `nodes` x (cpus, gpus) themselves (Ray Train's ScalingConfig).
     reserved_for_task: bool = True
+
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """What one shard's task measured: wall seconds and the peak resident memory of its process."""
+
+    index: int
+    seconds: float
+    peak_rss_mib: float
+    host: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class ShardResult(Generic[R]):
+    value: R
+    stats: ShardStats
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (ru_maxrss: KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class ShardRunner:
+    """Runs a stage's shards (StageContext.map_shards)."""
+
+    def map(self, fn: Callable[[Any, Callable[[str], None]], R], shards: list[Any], ctx: StageContext,
+            what: str) -> list[ShardResult[R]]:
+        raise NotImplementedError
+
+
+class InProcessShardRunner(ShardRunner):
+    """Shards one after the other in the stage's own process (no Ray: tests, notebooks, tasks=1). Peak memory
+    is the process's, which includes the stage's own."""
+
+    def map(self, fn: Callable[[Any, Callable[[str], None]], R], shards: list[Any], ctx: StageContext,
+            what: str) -> list[ShardResult[R]]:
+        import socket
+
+        out: list[ShardResult[R]] = []
+        for i, shard in enumerate(shards):
+            start = time.monotonic()
+            tag = f"{what} {i + 1}/{len(shards)}: " if len(shards) > 1 else ""
+            value = fn(shard, lambda msg, tag=tag: ctx.progress(tag + msg))
+            out.append(ShardResult(value, ShardStats(i, time.monotonic() - start, peak_rss_mib(),
+                                                     socket.gethostname(), os.getpid())))
+        ctx.record_shards([r.stats for r in out], what)
+        return out
 
 
 class StageContext:
@@ -207,6 +279,10 @@ class StageContext:
         self.rows: dict[str, int] = {}
         self.summary: dict[str, float] = {}
         self.logger = logging.getLogger(f"hylight.stage.{stage_name}")
+        # how map_shards runs shards: one after the other in this process, unless the runner (inside a Ray
+        # task) gives a pipeline.shards.RayShardRunner
+        self.shard_runner: ShardRunner = InProcessShardRunner()
+        self.shard_stats: list[ShardStats] = []  # one per shard of every map_shards call
 
     # --- inputs -------------------------------------------------------------------------------
     def input(self, role: str) -> Artifact:
@@ -220,6 +296,26 @@ class StageContext:
     def input_list(self, role: str) -> list[Artifact]:
         art = self.inputs.get(role, [])
         return art if isinstance(art, list) else [art]
+
+    # --- work split into shards ----------------------------------------------------------------
+    def map_shards(self, fn: Callable[[Any, Callable[[str], None]], R], shards: Sequence[Any],
+                   what: str = "shard") -> list[R]:
+        """``[fn(shard, progress) for shard in shards]``, run as up to ``resources.tasks`` Ray tasks (one CPU and
+        one thread each) when the stage runs under Ray, else one after the other here. ``fn`` must be a
+        module-level function and ``shards`` plain data (they travel to other processes and nodes); results
+        come back in the order of ``shards``. Anything big goes through files under ``work_dir``, which is
+        under the artifact root: on a cluster every node must see it (a shared filesystem)."""
+        results = self.shard_runner.map(fn, list(shards), self, what)
+        return [r.value for r in results]
+
+    def record_shards(self, stats: list[ShardStats], what: str) -> None:
+        """Called by shard runners: keeps per-shard seconds and peak memory and logs their extremes."""
+        self.shard_stats += stats
+        if stats:
+            key = metric_key(what)
+            self.log_metrics({f"shards.{key}.count": len(stats),
+                              f"shards.{key}.max_seconds": max(s.seconds for s in stats),
+                              f"shards.{key}.max_peak_rss_mib": max(s.peak_rss_mib for s in stats)})
 
     # --- reporting ----------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -266,16 +362,7 @@ class StageContext:
     def track(self, items: Iterable[Any], total: int | None = None, what: str = "items",
               every_s: float = 5.0) -> Iterator[Any]:
         """Yield from ``items``, printing throughput every ``every_s`` seconds on long work."""
-        start = last = time.monotonic()
-        n = 0
-        for n, item in enumerate(items, 1):
-            yield item
-            now = time.monotonic()
-            if now - last >= every_s:
-                last = now
-                rate = n / (now - start)
-                of = f"/{total}" if total else ""
-                self.progress(f"{n}{of} {what} ({rate:,.0f}/s)")
+        return track(items, self.progress, total=total, what=what, every_s=every_s)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.work_dir, ignore_errors=True)

@@ -216,3 +216,33 @@ def run_tree(params: TreeParams, ctx: StageContext) -> None:
 
 
 TREE = StageKind(name="test_tree", params=TreeParams, run=run_tree, produces="text")
+
+
+def shard_probe(shard: int, progress) -> dict:
+    """A shard task's body for tests/test_shards.py: where it ran and with how many threads."""
+    progress(f"probe {shard}")
+    time.sleep(0.5)  # long enough that two shards overlap when both can run
+    return {"shard": shard, "pid": os.getpid(), "omp": os.environ.get("OMP_NUM_THREADS"),
+            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cwd": os.getcwd(), "t": time.time()}
+
+
+def shard_fail(shard: int, progress) -> int:
+    if shard == 1:
+        raise ValueError(f"shard {shard} was told to fail")
+    return shard
+
+
+class ShardsParams(StageParams):
+    shards: int = 2
+    fail: bool = False
+
+
+def run_shards(params: ShardsParams, ctx: StageContext) -> None:
+    """Runs ``shards`` probe shards through ctx.map_shards and writes what each saw (stage pid included)."""
+    fn = shard_fail if params.fail else shard_probe
+    seen = ctx.map_shards(fn, list(range(params.shards)), what="probe")
+    (ctx.out_dir / "shards.json").write_text(json.dumps({"stage_pid": os.getpid(), "shards": seen}))
+
+
+SHARDS = StageKind(name="test_shards", params=ShardsParams, run=run_shards, produces="text", splits_work=True)
