@@ -316,6 +316,16 @@ def test_host_rates_are_read_once_per_tensor_and_follow_in_place_changes():
     assert key not in triton_chunk._HOST_RATES  # forgotten with its tensor: a new one at that id is read anew
 
 
+def test_host_rates_of_an_inference_tensor():
+    # rates made under inference_mode (generation) have no version counter: on an H200 the long-context bench
+    # failed with "Inference tensors do not track version counter"
+    with torch.inference_mode():
+        rates = torch.tensor([0.5, 0.25])
+        assert triton_chunk._host_rates(rates) == (0.5, 0.25)
+        assert triton_chunk._host_rates(rates) == (0.5, 0.25)
+    assert triton_chunk._host_rates(rates) == (0.5, 0.25)
+
+
 def test_horizon_tokens_bound_the_dropped_weight():
     for rate in (3.0, 0.7, 0.0039, 1e-7):
         n = triton_chunk.horizon_tokens(rate)

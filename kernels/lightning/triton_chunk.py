@@ -611,15 +611,18 @@ def _host_rates(rates: torch.Tensor | None) -> tuple[float, ...] | None:
     horizon. None without rates, and while a CUDA graph is being captured (no device-to-host copy)."""
     if rates is None:
         return None
+    # inference tensors (made under torch.inference_mode, as in a generate call) keep no version counter: the
+    # model's rates are constants from its config, so such a tensor is read once
+    version = -1 if rates.is_inference() else rates._version
     hit = _HOST_RATES.get(id(rates))
-    if hit is not None and hit[0] == rates._version:
+    if hit is not None and hit[0] == version:
         return hit[1]
     if rates.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     values = tuple(float(r) for r in rates.detach().float().cpu())
     if hit is None:
         weakref.finalize(rates, _HOST_RATES.pop, id(rates), None)
-    _HOST_RATES[id(rates)] = (rates._version, values)
+    _HOST_RATES[id(rates)] = (version, values)
     return values
 
 
