@@ -450,8 +450,13 @@ def _lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[tuple[bytes, int
         size += len(part)
         if not was_over:
             pending.append(part)
-            if size > max_bytes:
-                pending = [b"".join(pending)[:RAW_LIMIT_BYTES]]
+            if size > max_bytes:  # keep its start for the quarantine, drop the rest
+                head = bytearray()
+                for piece in pending:
+                    head += piece[:RAW_LIMIT_BYTES - len(head)]
+                    if len(head) == RAW_LIMIT_BYTES:
+                        break
+                pending = [bytes(head)]
 
     def take() -> tuple[bytes, int]:
         nonlocal pending, size
@@ -503,6 +508,7 @@ class IngestJsonlReader(_AccountingReader, JsonlReader):
                 self.records_read += 1
                 with self.track_time():
                     doc = self._parse_line(raw, size, line_no)
+                del raw  # a long line is not kept while its document is written
                 if doc is not None:
                     yield doc
 
@@ -513,15 +519,15 @@ class IngestJsonlReader(_AccountingReader, JsonlReader):
             return None
         body = raw[len(_UTF8_BOM):] if line_no == 1 and raw.startswith(_UTF8_BOM) else raw
         try:
-            text = body.decode("utf-8")  # strict: bad bytes are never silently replaced
+            blank = not body.decode("utf-8").strip()  # strict: bad bytes are never silently replaced
         except UnicodeDecodeError as e:
             self._reject(line_no, "invalid_utf8", str(e), raw)
             return None
-        if not text.strip():
+        if blank:
             self._reject(line_no, "blank_line", "empty or whitespace-only line", raw)
             return None
         try:
-            data = orjson.loads(text)
+            data = orjson.loads(body)  # from the bytes: no second copy of a long line as str
         except orjson.JSONDecodeError as e:
             self._reject(line_no, "bad_json", str(e), raw)
             return None
@@ -545,9 +551,11 @@ class IngestParquetReader(_AccountingReader, ParquetReader):
 
         limit = self.params.limit
         row_no = 0
+        pqf = None
         with self.data_folder.open(filepath, "rb") as f:
             try:
-                pqf = pq.ParquetFile(f)
+                # page CRCs, where the writer stored them, catch damage that would otherwise decode as text
+                pqf = pq.ParquetFile(f, page_checksum_verification=True)
                 for batch in pqf.iter_batches(batch_size=self.batch_size):
                     for row in batch.to_pylist():
                         if limit is not None and row_no >= limit:
@@ -565,8 +573,10 @@ class IngestParquetReader(_AccountingReader, ParquetReader):
                             yield doc
             except (pa.ArrowException, OSError, ValueError) as e:
                 self.records_read += 1
+                total = pqf.metadata.num_rows if pqf is not None else None  # None: the footer is unreadable
+                lost = f" ({total - row_no} of its {total} rows unread)" if total is not None else ""
                 self._reject(row_no + 1, "corrupt_file",
-                             f"unreadable after row {row_no}: {type(e).__name__}: {e}", b"")
+                             f"unreadable after row {row_no}{lost}: {type(e).__name__}: {e}", b"")
 
 
 READERS: dict[str, type[IngestJsonlReader] | type[IngestParquetReader]] = {
@@ -625,7 +635,8 @@ def run(params: IngestParams, ctx: StageContext) -> None:
                 writer.write(dict(record))
                 tallies[source.display].ingested += 1
                 domains[record["domain"]] += 1
-                domain_bytes[record["domain"]] += len(record["text"].encode("utf-8"))
+                text = record["text"]
+                domain_bytes[record["domain"]] += len(text) if text.isascii() else len(text.encode("utf-8"))
     finally:
         quarantine.close()
 
