@@ -292,7 +292,7 @@ def load_raw(path: str | Path) -> tuple[dict[str, Any], str]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError([f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a spec is a YAML file"]) from None
+        raise SpecError([f"{path}: not UTF-8 text (byte offset {e.start}: {e.reason}); a spec is a YAML file"]) from None
     except OSError as e:
         raise SpecError([f"{path}: cannot read the spec: {e.strerror or e}"]) from None
     try:
