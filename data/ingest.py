@@ -24,8 +24,9 @@ Decisions a reader of the output should know:
   before the damage (less up to 64 KiB of JSONL, or the Parquet batch, being decoded when it struck); the
   unreadable rest counts as one quarantined record with reason ``corrupt_file``.
 - **Size.** A JSONL line (or a Parquet row, as JSON) longer than ``max_record_bytes`` is quarantined as
-  ``too_long`` with its first 2 KiB; a JSONL line is never held whole, so memory stays within about
-  ``max_record_bytes`` plus a 64 KiB chunk however long the line is (a Parquet row is in memory anyway).
+  ``too_long`` with its first 2 KiB. Such a JSONL line is never held whole: skipping it costs about
+  ``max_record_bytes`` of memory however long it is, while ingesting a line of N bytes costs about 4N (its
+  bytes, the parsed text, the JSON written out). A Parquet row is in memory anyway.
 - **Text is kept verbatim**: no Unicode normalization, whitespace kept; only a UTF-8 byte order mark
   at the start of a JSONL file is dropped. Text holding NUL (U+0000) is quarantined as ``nul_in_text``
   (binary or mis-decoded data, e.g. UTF-16 read as UTF-8). JSON is parsed by orjson: integers beyond
@@ -116,8 +117,8 @@ class IngestParams(StageParams):
     limit: int | None = Field(None, description="Read at most this many records per file (quick runs).")
     min_chars: int = Field(1, description="Records with shorter text are quarantined as too_short.")
     max_record_bytes: int = Field(64 << 20, description=(
-        "A JSONL line (or Parquet row as JSON) longer than this many bytes is quarantined as too_long; "
-        "ingest's memory grows with it (a JSONL line is never held whole beyond it)."))
+        "A JSONL line (or Parquet row as JSON) longer than this is quarantined as too_long. Ingesting a line "
+        "of N bytes takes about 4N of memory; skipping a longer one about max_record_bytes."))
 
     @field_validator("paths")
     @classmethod

@@ -443,7 +443,7 @@ def _spec_problems(tmp_path: Path, content: str | bytes, overrides: list[str] | 
     pytest.param("just text", r"a spec is a mapping .* \(got str\)", id="top-level-scalar"),
     pytest.param("", r"a spec is a mapping .* \(got an empty file\)", id="empty-file"),
     pytest.param(b"name: t\nstages: {}\n# \xff\n", r"spec.yaml: not UTF-8 text \(byte offset 21: invalid start byte\)", id="not-utf8"),
-    pytest.param("a: " + "[" * 3000 + "]" * 3000, r"nested too deeply", id="nested-3000-deep"),
+    pytest.param("a: " + "[" * 1500 + "]" * 1500, r"nested too deeply", id="nested-1500-deep"),
     pytest.param("name: t\nstages:\n  ? [a, b]\n  : {uses: ingest}\n", r"spec.yaml:3: invalid YAML: a key must be a "
                  "plain value, not a list", id="list-as-key"),
     pytest.param("name: t\nstages: [a, b]\n", r"spec.yaml:2: field stages: Input should be a valid dictionary",
@@ -693,11 +693,4 @@ def test_property_any_spec_loads_or_raises_spec_error_and_a_loaded_one_round_tri
     again.write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
     reloaded = load_spec(again)
     assert reloaded.resolved() == spec.resolved() and list(reloaded.stages) == list(spec.stages)
-
-
-@pytest.mark.slow
-def test_the_resolved_tiny_spec_loads_back_to_itself(tmp_path):
-    spec = load_spec(ROOT / "dags" / "tiny.yaml")
-    (tmp_path / "resolved.yaml").write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
-    assert load_spec(tmp_path / "resolved.yaml").resolved() == spec.resolved()
 
