@@ -443,7 +443,7 @@ def _spec_problems(tmp_path: Path, content: str | bytes, overrides: list[str] | 
     pytest.param("just text", r"a spec is a mapping .* \(got str\)", id="top-level-scalar"),
     pytest.param("", r"a spec is a mapping .* \(got an empty file\)", id="empty-file"),
     pytest.param(b"name: t\nstages: {}\n# \xff\n", r"spec.yaml: not UTF-8 text \(byte offset 21: invalid start byte\)", id="not-utf8"),
-    pytest.param("a: " + "[" * 1500 + "]" * 1500, r"nested too deeply", id="nested-1500-deep"),
+    pytest.param("a: " + "[" * 600 + "]" * 600, r"nested too deeply", id="nested-600-deep"),
     pytest.param("name: t\nstages:\n  ? [a, b]\n  : {uses: ingest}\n", r"spec.yaml:3: invalid YAML: a key must be a "
                  "plain value, not a list", id="list-as-key"),
     pytest.param("name: t\nstages: [a, b]\n", r"spec.yaml:2: field stages: Input should be a valid dictionary",
@@ -562,6 +562,7 @@ def _expected_outcome(value: object, seen: set[str], line: int) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(st.lists(_json_values | _record_values, max_size=12))
 def test_property_any_json_lines_are_ingested_unchanged_or_quarantined_with_the_documented_reason(tmp_path_factory,
@@ -578,6 +579,7 @@ def test_property_any_json_lines_are_ingested_unchanged_or_quarantined_with_the_
     assert report["read"] == len(values)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(st.lists(st.binary(max_size=60) | st.sampled_from([b"\xef\xbb\xbf", b"\x00", b"\r", b"{", b'"text"']),
                 max_size=10), st.sampled_from(["jsonl", "jsonl.gz", "jsonl.zst"]), st.integers(0, 40))
@@ -596,6 +598,7 @@ def test_property_arbitrary_bytes_never_crash_ingest_and_every_line_is_counted(t
         assert report["read"] <= lines + 1
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(st.lists(st.none() | st.text(max_size=30), min_size=1, max_size=10))
 def test_property_parquet_texts_come_out_unchanged_or_quarantined(tmp_path_factory, texts):
@@ -672,6 +675,7 @@ def _load_or_spec_error(path: Path) -> PipelineSpec | None:
         return None
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(_valid_specs() | _specs, st.data())
 def test_property_any_spec_loads_or_raises_spec_error_and_a_loaded_one_round_trips(tmp_path_factory, raw, data):
