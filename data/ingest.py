@@ -20,26 +20,39 @@ Decisions a reader of the output should know:
 - **Lines** are 1-based physical line numbers in JSONL (blank lines included, and quarantined as
   ``blank_line``) and 1-based row numbers in Parquet.
 - **limit** caps the records *read* per file, good or bad, so a limited run is a prefix of each file.
-- **A corrupt file** (truncated gzip, bad Parquet) keeps what was read before the damage (less up to
-  64 KiB of JSONL, or the Parquet batch, being decoded when it struck); the unreadable rest counts as
-  one quarantined record with reason ``corrupt_file``.
+- **A corrupt file** (a gzip/bz2/xz/zstd stream cut short or damaged, bad Parquet) keeps what was read
+  before the damage (less up to 64 KiB of JSONL, or the Parquet batch, being decoded when it struck); the
+  unreadable rest counts as one quarantined record with reason ``corrupt_file``.
+- **Size.** A JSONL line (or a Parquet row, as JSON) longer than ``max_record_bytes`` is quarantined as
+  ``too_long`` with its first 2 KiB. Such a JSONL line is never held whole: skipping it costs about
+  ``max_record_bytes`` of memory however long it is, while ingesting a line of N bytes costs about 4N (its
+  bytes, the parsed text, the JSON written out). A Parquet row is in memory anyway.
+- **Text is kept verbatim**: no Unicode normalization, whitespace kept; only a UTF-8 byte order mark
+  at the start of a JSONL file is dropped. Text holding NUL (U+0000) is quarantined as ``nul_in_text``
+  (binary or mis-decoded data, e.g. UTF-16 read as UTF-8). JSON is parsed by orjson: integers beyond
+  64 bits become floats (so such an id is ``bad_id_type``), numbers beyond a double are ``bad_json``.
 - **Paths** are shown (in ``source`` and the quarantine) as written in ``paths``: relative patterns
   stay relative to the working directory, so the output does not depend on where a checkout lives.
 """
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import json
 import logging
+import lzma
 import os
+import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import orjson
+import zstandard
 from datatrove.data import Document
 from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from pydantic import Field, field_validator, model_validator
@@ -53,7 +66,10 @@ QUARANTINE_NAME = "quarantine.jsonl.gz"
 REPORT_NAME = "ingest_report.json"
 RAW_LIMIT_BYTES = 2048  # quarantine keeps this much of each bad record
 
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson", ".ndjson.gz")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz", ".json.gz", ".ndjson",
+                  ".ndjson.gz")
+# JSONL compression, by the file name's last suffix (also under format: jsonl)
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES: dict[str, tuple[str, ...]] = {"jsonl": JSONL_SUFFIXES, "parquet": PARQUET_SUFFIXES}
 
@@ -66,6 +82,8 @@ QUARANTINE_REASONS: dict[str, str] = {
     "text_not_string": "the text field is not a string",
     "empty_text": "the text is empty or only whitespace",
     "too_short": "the text has fewer than min_chars characters",
+    "too_long": "the JSONL line (or Parquet row as JSON) is longer than max_record_bytes",
+    "nul_in_text": "the text holds NUL (U+0000) characters: binary or mis-decoded data",
     "bad_id_type": "the id is present but not a non-empty string or an integer",
     "bad_domain_type": "the domain field is present but not a string",
     "bad_source_type": "the source field is present but not a string",
@@ -77,6 +95,9 @@ QUARANTINE_REASONS: dict[str, str] = {
 log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 1 << 16  # small, so a truncated stream loses at most this much before the damage
+_ZSTD_FEED_BYTES = 1 << 10  # zstd can expand 1 KiB to ~40 MiB: feed it little at a time
+# what a damaged or cut-short compressed stream raises (zlib, lzma and zstd errors are no OSError)
+_STREAM_ERRORS = (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError, zstandard.ZstdError)
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
@@ -95,6 +116,9 @@ class IngestParams(StageParams):
     default_domain: str = Field("unknown", description="Domain of records without a domain field.")
     limit: int | None = Field(None, description="Read at most this many records per file (quick runs).")
     min_chars: int = Field(1, description="Records with shorter text are quarantined as too_short.")
+    max_record_bytes: int = Field(64 << 20, description=(
+        "A JSONL line (or Parquet row as JSON) longer than this is quarantined as too_long. Ingesting a line "
+        "of N bytes takes about 4N of memory; skipping a longer one about max_record_bytes."))
 
     @field_validator("paths")
     @classmethod
@@ -124,6 +148,13 @@ class IngestParams(StageParams):
         if min_chars < 1:
             raise ValueError(f"min_chars must be >= 1 (empty text is always quarantined; got {min_chars})")
         return min_chars
+
+    @field_validator("max_record_bytes")
+    @classmethod
+    def _max_record_bytes_sane(cls, n: int) -> int:
+        if n < 1024:
+            raise ValueError(f"max_record_bytes must be >= 1024 (got {n})")
+        return n
 
     @model_validator(mode="after")
     def _has_inputs_and_distinct_keys(self) -> IngestParams:
@@ -327,6 +358,9 @@ class _AccountingReader:
             raise RecordRejected("text_not_string", f"{p.text_key!r} is {_type_name(text)}")
         if not text.strip():
             raise RecordRejected("empty_text", f"{p.text_key!r} is {text!r}")
+        if "\x00" in text:
+            raise RecordRejected("nul_in_text", f"{p.text_key!r} holds {text.count(chr(0))} NUL character(s), "
+                                 f"the first at character {text.index(chr(0))}")
         if len(text) < p.min_chars:
             raise RecordRejected("too_short", f"{len(text)} characters < min_chars={p.min_chars}")
 
@@ -365,14 +399,84 @@ class _AccountingReader:
                 "metadata": {"source": source, "domain": domain, "metadata": metadata}}
 
 
-def _lines(f: Any) -> Iterator[bytes]:
-    """Lines of a binary stream without their ``\\n`` (works on streams that cannot iterate, e.g. zstd)."""
-    rest = b""
+def _compression(filepath: str) -> str | None:
+    return COMPRESSIONS.get(Path(filepath).suffix.lower())
+
+
+def _zstd_chunks(raw: BinaryIO) -> Iterator[bytes]:
+    """Decompressed zstd frames, one after another. python-zstandard's stream reader ends silently
+    where a file is cut short; here that is an ``EOFError``, like gzip's, bz2's and xz's."""
+    dctx = zstandard.ZstdDecompressor()
+    frame = None  # the frame being decoded, None between frames
+    out: list[bytes] = []
+    size = 0
+    while block := raw.read(_CHUNK_BYTES):
+        for i in range(0, len(block), _ZSTD_FEED_BYTES):
+            data = block[i:i + _ZSTD_FEED_BYTES]
+            while data:
+                frame = frame or dctx.decompressobj()
+                piece = frame.decompress(data)
+                out.append(piece)
+                size += len(piece)
+                data, frame = (frame.unused_data, None) if frame.eof else (b"", frame)
+            if size >= _CHUNK_BYTES:
+                yield b"".join(out)
+                out, size = [], 0
+    if size:
+        yield b"".join(out)
+    if frame is not None:
+        raise EOFError("the zstd stream ends inside a frame (file cut short?)")
+
+
+def _chunks(raw: BinaryIO, compression: str | None) -> Iterator[bytes]:
+    """The decompressed bytes of a file, at most about 64 KiB at a time."""
+    if compression == "zstd":
+        yield from _zstd_chunks(raw)
+        return
+    f: Any = {None: lambda r: r, "gzip": lambda r: gzip.GzipFile(fileobj=r, mode="rb"),
+              "bz2": bz2.BZ2File, "xz": lzma.LZMAFile}[compression](raw)
     while chunk := f.read(_CHUNK_BYTES):
-        *complete, rest = (rest + chunk).split(b"\n")
-        yield from complete
-    if rest:
-        yield rest
+        yield chunk
+
+
+def _lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """(line without its ``\\n``, its length in bytes) for every line of a byte stream. A line longer than
+    ``max_bytes`` is not held whole: only its first RAW_LIMIT_BYTES come back, with its full length."""
+    pending: list[bytes] = []  # the unfinished line (only its start, once it is too long)
+    size = 0
+
+    def add(part: bytes) -> None:
+        nonlocal pending, size
+        was_over = size > max_bytes
+        size += len(part)
+        if not was_over:
+            pending.append(part)
+            if size > max_bytes:  # keep its start for the quarantine, drop the rest
+                head = bytearray()
+                for piece in pending:
+                    head += piece[:RAW_LIMIT_BYTES - len(head)]
+                    if len(head) == RAW_LIMIT_BYTES:
+                        break
+                pending = [bytes(head)]
+
+    def take() -> tuple[bytes, int]:
+        nonlocal pending, size
+        line = b"".join(pending), size
+        pending, size = [], 0
+        return line
+
+    for chunk in chunks:
+        *complete, tail = chunk.split(b"\n")
+        for part in complete:
+            if pending:
+                add(part)
+                yield take()
+            else:
+                yield (part if len(part) <= max_bytes else part[:RAW_LIMIT_BYTES]), len(part)
+        if tail:
+            add(tail)
+    if pending:  # the last line has no \n
+        yield take()
 
 
 class IngestJsonlReader(_AccountingReader, JsonlReader):
@@ -382,21 +486,21 @@ class IngestJsonlReader(_AccountingReader, JsonlReader):
 
     def __init__(self, source: InputFile, params: IngestParams, seen_ids: set[str],
                  on_reject: Callable[[QuarantinedRecord], None]) -> None:
-        super().__init__(str(source.path.parent), compression="infer", text_key=params.text_key,
+        super().__init__(str(source.path.parent), compression=None, text_key=params.text_key,
                          id_key=params.id_key)
         self._setup(source, params, seen_ids, on_reject)
 
     def read_file(self, filepath: str) -> Iterator[Document]:
         limit = self.params.limit
-        with self.data_folder.open(filepath, "rb", compression=self.compression) as f:
-            lines = _lines(f)
+        with self.data_folder.open(filepath, "rb") as f:
+            lines = _lines(_chunks(f, _compression(filepath)), self.params.max_record_bytes)
             line_no = 0
             while limit is None or line_no < limit:
                 try:
-                    raw = next(lines)
+                    raw, size = next(lines)
                 except StopIteration:
                     break
-                except (OSError, EOFError, ValueError) as e:  # truncated gzip, bad zstd frame...
+                except _STREAM_ERRORS as e:  # cut-short or damaged gzip/bz2/xz/zstd...
                     self.records_read += 1
                     self._reject(line_no + 1, "corrupt_file",
                                  f"unreadable after line {line_no}: {type(e).__name__}: {e}", b"")
@@ -404,22 +508,27 @@ class IngestJsonlReader(_AccountingReader, JsonlReader):
                 line_no += 1
                 self.records_read += 1
                 with self.track_time():
-                    doc = self._parse_line(raw, line_no)
+                    doc = self._parse_line(raw, size, line_no)
+                del raw  # a long line is not kept while its document is written
                 if doc is not None:
                     yield doc
 
-    def _parse_line(self, raw: bytes, line_no: int) -> Document | None:
+    def _parse_line(self, raw: bytes, size: int, line_no: int) -> Document | None:
+        if size > self.params.max_record_bytes:
+            self._reject(line_no, "too_long", f"the line is {size} bytes > max_record_bytes="
+                         f"{self.params.max_record_bytes}", raw)
+            return None
         body = raw[len(_UTF8_BOM):] if line_no == 1 and raw.startswith(_UTF8_BOM) else raw
         try:
-            text = body.decode("utf-8")  # strict: bad bytes are never silently replaced
+            blank = not body.decode("utf-8").strip()  # strict: bad bytes are never silently replaced
         except UnicodeDecodeError as e:
             self._reject(line_no, "invalid_utf8", str(e), raw)
             return None
-        if not text.strip():
+        if blank:
             self._reject(line_no, "blank_line", "empty or whitespace-only line", raw)
             return None
         try:
-            data = orjson.loads(text)
+            data = orjson.loads(body)  # from the bytes: no second copy of a long line as str
         except orjson.JSONDecodeError as e:
             self._reject(line_no, "bad_json", str(e), raw)
             return None
@@ -443,9 +552,11 @@ class IngestParquetReader(_AccountingReader, ParquetReader):
 
         limit = self.params.limit
         row_no = 0
+        pqf = None
         with self.data_folder.open(filepath, "rb") as f:
             try:
-                pqf = pq.ParquetFile(f)
+                # page CRCs, where the writer stored them, catch damage that would otherwise decode as text
+                pqf = pq.ParquetFile(f, page_checksum_verification=True)
                 for batch in pqf.iter_batches(batch_size=self.batch_size):
                     for row in batch.to_pylist():
                         if limit is not None and row_no >= limit:
@@ -453,14 +564,20 @@ class IngestParquetReader(_AccountingReader, ParquetReader):
                         row_no += 1
                         self.records_read += 1
                         raw = orjson.dumps(row, default=repr)
+                        if len(raw) > self.params.max_record_bytes:
+                            self._reject(row_no, "too_long", f"the row is {len(raw)} bytes as JSON > "
+                                         f"max_record_bytes={self.params.max_record_bytes}", raw)
+                            continue
                         with self.track_time():
                             doc = self._record(row, row_no, raw)
                         if doc is not None:
                             yield doc
             except (pa.ArrowException, OSError, ValueError) as e:
                 self.records_read += 1
+                total = pqf.metadata.num_rows if pqf is not None else None  # None: the footer is unreadable
+                lost = f" ({total - row_no} of its {total} rows unread)" if total is not None else ""
                 self._reject(row_no + 1, "corrupt_file",
-                             f"unreadable after row {row_no}: {type(e).__name__}: {e}", b"")
+                             f"unreadable after row {row_no}{lost}: {type(e).__name__}: {e}", b"")
 
 
 READERS: dict[str, type[IngestJsonlReader] | type[IngestParquetReader]] = {
@@ -519,7 +636,8 @@ def run(params: IngestParams, ctx: StageContext) -> None:
                 writer.write(dict(record))
                 tallies[source.display].ingested += 1
                 domains[record["domain"]] += 1
-                domain_bytes[record["domain"]] += len(record["text"].encode("utf-8"))
+                text = record["text"]
+                domain_bytes[record["domain"]] += len(text) if text.isascii() else len(text.encode("utf-8"))
     finally:
         quarantine.close()
 
@@ -560,6 +678,13 @@ def run(params: IngestParams, ctx: StageContext) -> None:
         metrics[f"bytes.{metric_key(d)}"] = domain_bytes[d]
     ctx.log_metrics(metrics)
 
+    for display, t in tallies.items():  # whole-file problems a per-record count would hide
+        if t.read == 0:
+            ctx.logger.warning("ingest: %s holds no records (an empty file)", display)
+        elif t.ingested == 0:
+            why = ", ".join(f"{r}={n}" for r, n in t.reasons.most_common())
+            ctx.logger.warning("ingest: no record of %s was ingested (%d read: %s); check the file's format "
+                               "and text_key=%r", display, t.read, why, params.text_key)
     by_reason = ", ".join(f"{r}={n}" for r, n in sorted(reasons.items())) or "none"
     if quarantined:
         # out_dir is a temp dir renamed on commit: name the file inside the artifact, not this path

@@ -78,6 +78,7 @@ from data.quality_labeler import (
     ReferenceLabeler,
     ReferenceLabelerParams,
     labeler_fingerprint,
+    load_reference_passages,
     make_labeler,
     reference_files,
 )
@@ -589,12 +590,21 @@ def _fingerprint(params: QualityParams) -> dict[str, Any]:
 
 
 def validate_external(params: QualityParams) -> list[tuple[str, str]]:
-    """At spec validation: the labeler's files (reference passages, or the causal LM's directory) exist."""
+    """At spec validation: the labeler's files (reference passages, readable, or the causal LM's directory) exist."""
     lab = params.labeler
     if isinstance(lab, ReferenceLabelerParams):
-        missing = [str(p) for p in reference_files(lab).values() if not p.is_file()]
-        return [("labeler.refs_dir", f"reference file(s) {missing} do not exist (format: "
-                                     "data/quality_refs/README.md)")] if missing else []
+        files = reference_files(lab).values()
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            return [("labeler.refs_dir", f"reference file(s) {missing} do not exist (format: "
+                                         "data/quality_refs/README.md)")]
+        problems = []
+        for path in files:
+            try:
+                load_reference_passages(path)
+            except ValueError as e:
+                problems.append(("labeler.refs_dir", f"{e} (format: data/quality_refs/README.md)"))
+        return problems
     model = Path(lab.model_path).expanduser()
     problems = []
     if not (model / "config.json").is_file():

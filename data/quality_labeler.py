@@ -264,7 +264,13 @@ def load_reference_passages(path: str | Path) -> list[ReferencePassage]:
             raise ValueError(f"{path}:{lineno}: passage from {doc_id!r} is empty")
         passages.append(ReferencePassage(doc_id or "", text))
 
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 ({e.reason}); a reference file is UTF-8 text") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if line.startswith(PASSAGE_MARKER):
             if doc_id is not None:
                 close(lineno)

@@ -415,10 +415,7 @@ class Orchestrator:
     def _log_spec(self, c: Any, parent: str) -> None:
         import yaml
 
-        resolved = {"name": self.spec.name, "artifact_root": str(self.spec.artifact_root),
-                    "stages": {n: {"uses": s.uses, "needs": s.inputs,
-                                   "params": s.params.model_dump(mode="json"),
-                                   "resources": s.resources.model_dump()} for n, s in self.spec.stages.items()}}
+        resolved = self.spec.resolved()
         tmp = self.spec.artifact_root / ".tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         path = tmp / f"resolved-spec-{parent}.yaml"

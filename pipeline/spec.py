@@ -103,6 +103,14 @@ class PipelineSpec:
     description: str = ""
     overrides: list[str] = field(default_factory=list)
 
+    def resolved(self) -> dict[str, Any]:
+        """The spec as validated, every default filled and every input role bound, in the spec's own format:
+        what a run logs, and a spec that loads back to this one."""
+        return {"name": self.name, "description": self.description, "artifact_root": str(self.artifact_root),
+                "tracking_uri": self.tracking_uri, "ray_address": self.ray_address,
+                "stages": {n: {"uses": s.uses, "needs": s.inputs, "params": s.params.model_dump(mode="json"),
+                               "resources": s.resources.model_dump()} for n, s in self.stages.items()}}
+
     def downstream_of(self, name: str) -> list[str]:
         """``name`` and every stage that (transitively) needs it, in topological order."""
         out = {name}
@@ -159,6 +167,11 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, not a {type(key).__name__}", key_node.start_mark) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None,
@@ -203,7 +216,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, _, raw = text.partition("=")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return key.strip().split("."), value
 
@@ -221,6 +234,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> di
             continue
         stages = raw.get("stages") or {}
         stage = path[0]
+        if not isinstance(stages, dict):
+            problems.append(f"{where}: --set {text!r}: the spec's stages are not a mapping of stage names")
+            continue
         if stage not in stages:
             problems.append(f"{where}: --set {text!r}: no stage named {stage!r} "
                             f"(stages: {', '.join(stages)})")
@@ -233,24 +249,57 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> di
             section, rest = path[1], path[2:]
         else:
             section, rest = "params", path[1:]  # stage.param is short for stage.params.param
-        applied[("stages", stage, section, *rest)] = text
-        if not rest:
-            target[section] = value
+        keys = [section, *rest]
+        node, walked = target, [stage]
+        for p in keys[:-1]:
+            if not isinstance(node, dict):
+                break
+            if node.get(p) is None:  # absent, or written as an empty `params:`
+                node[p] = {}
+            node = node[p]
+            walked.append(p)
+        if not isinstance(node, dict):
+            problems.append(f"{where}: --set {text!r}: {'.'.join(walked)} is not a mapping in the spec, so it has "
+                            f"no field {keys[len(walked) - 1]!r} to set")
             continue
-        node = target.setdefault(section, {})
-        for p in rest[:-1]:
-            node = node.setdefault(p, {})
-        node[rest[-1]] = value
+        applied[("stages", stage, section, *rest)] = text
+        node[keys[-1]] = value
     if problems:
         raise SpecError(problems)
     return applied
+
+
+# A spec's values, counted with every YAML alias expanded: more means aliases of aliases (a "billion laughs"
+# document, or a recursive one) that validation would walk for ever. dags/tiny.yaml, the largest, has 666.
+MAX_SPEC_VALUES = 100_000
+
+
+def _expanded_size(value: Any, budget: int) -> int:
+    """How many values ``value`` holds with shared (aliased) parts counted each time; stops past ``budget``."""
+    count, todo = 0, [value]
+    while todo and count <= budget:
+        v = todo.pop()
+        count += 1
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list | tuple | set):
+            todo.extend(v)
+    return count
 
 
 def load_raw(path: str | Path) -> tuple[dict[str, Any], str]:
     path = Path(path)
     if not path.exists():
         raise SpecError([f"{path}: no such spec file"])
-    text = path.read_text(encoding="utf-8")
+    if not path.is_file():
+        raise SpecError([f"{path}: not a file; give the path of a spec (.yaml)"])
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError([f"{path}: not UTF-8 text (byte offset {e.start}: {e.reason}); a spec is a YAML file"]) from None
+    except OSError as e:
+        raise SpecError([f"{path}: cannot read the spec: {e.strerror or e}"]) from None
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
@@ -258,9 +307,20 @@ def load_raw(path: str | Path) -> tuple[dict[str, Any], str]:
         loc = f":{mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise SpecError([f"{path}{loc}: invalid YAML: {problem}"]) from None
+    except RecursionError:
+        raise SpecError([f"{path}: invalid YAML: nested too deeply for a spec"]) from None
     if not isinstance(raw, dict):
-        raise SpecError([f"{path}: a spec is a mapping with 'name' and 'stages'"])
+        raise SpecError([f"{path}: a spec is a mapping with 'name' and 'stages' (got "
+                         f"{'an empty file' if raw is None else type(raw).__name__})"])
+    if _expanded_size(raw, MAX_SPEC_VALUES) > MAX_SPEC_VALUES:
+        raise SpecError([f"{path}: the spec holds more than {MAX_SPEC_VALUES} values with its YAML aliases "
+                         "expanded (aliases of aliases, or an alias inside itself); write it out plainly"])
     return raw, text
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _fmt_loc(loc: tuple) -> str:
@@ -342,7 +402,7 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
         except ValidationError as e:
             for err in e.errors():
                 loc = err["loc"]
-                got = f" (got {err['input']!r})" if err["type"] not in ("missing", "extra_forbidden") \
+                got = f" (got {_short(err['input'])})" if err["type"] not in ("missing", "extra_forbidden") \
                     and not isinstance(err.get("input"), dict | list) else ""
                 problem(("stages", name, *loc), name, _fmt_loc(loc) or "(stage)", err["msg"] + got)
                 if loc:
@@ -365,7 +425,7 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
             params[name] = kinds[name].params.model_validate(st.params)
         except ValidationError as e:
             for err in e.errors():
-                got = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(
+                got = f" (got {_short(err['input'])})" if err["type"] != "missing" and not isinstance(
                     err.get("input"), dict) else ""
                 problem(("stages", name, "params", *err["loc"]), name,
                         f"params.{_fmt_loc(err['loc'])}".rstrip("."), f"{err['msg']}{got}")

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from data.documents import iter_documents, unit_hash
-from posttrain.prompts import OPEN_ENDED_TEMPLATES, iter_checked_jsonl, jsonl_file_problems, split_group
+from pipeline.user_jsonl import iter_checked_jsonl, jsonl_file_problems
+from posttrain.prompts import OPEN_ENDED_TEMPLATES, split_group
 from posttrain.verifiable import CHECKERS, check
 
 PAIR_SOURCES = ("verifiable", "corpus", "user")

@@ -38,7 +38,6 @@ source, reason, pool and tag; the accounting ``inputs == kept + dropped`` is che
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import heapq
 import json
@@ -46,7 +45,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ from data.documents import ANY_DOCUMENTS, iter_documents, unit_hash
 from data.minhash import jaccard, ngram_hashes
 from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
+from pipeline.user_jsonl import iter_checked_jsonl, jsonl_file_problems
 from posttrain.verifiable import (
     ANSWER_INSTRUCTION,
     CHECKERS,
@@ -152,39 +152,6 @@ def record_problem(obj: Any) -> str | None:
         if not isinstance(ref, dict) or any(k not in ref for k in need):
             return f"checker {obj['checker']!r} needs a 'reference' object with {', '.join(need)}"
     return None
-
-
-def iter_checked_jsonl(path: str | Path,
-                       problem: Callable[[Any], str | None]) -> Iterator[tuple[int, Any, str | None]]:
-    """(line number, parsed object or None, ``problem(obj)`` or why the line is no JSON) for every non-blank line
-    of a user's JSONL file (``.gz`` read as gzip)."""
-    path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield line_no, None, f"not valid JSON ({e.msg} at column {e.colno})"
-                continue
-            yield line_no, obj, problem(obj)
-
-
-def jsonl_file_problems(paths: Iterable[str], field: str, what: str,
-                        problem: Callable[[Any], str | None]) -> list[tuple[str, str]]:
-    """(field.i, 'file:line: problem') for missing files and bad lines (the first 5 a file), for spec validation."""
-    problems = []
-    for i, p in enumerate(paths):
-        if not Path(p).is_file():
-            problems.append((f"{field}.{i}", f"{what} {p!r} does not exist (resolved against {os.getcwd()})"))
-            continue
-        bad = [(n, why) for n, _, why in iter_checked_jsonl(p, problem) if why]
-        problems += [(f"{field}.{i}", f"{p}:{n}: {why}") for n, why in bad[:5]]
-        if len(bad) > 5:
-            problems.append((f"{field}.{i}", f"{p}: {len(bad) - 5} more bad lines; fix the file"))
-    return problems
 
 
 def iter_user_file(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:

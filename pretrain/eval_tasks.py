@@ -15,14 +15,14 @@ files. No model here: ``pretrain/evaluation.py`` runs them, ``pretrain/eval_metr
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from pipeline.user_jsonl import iter_checked_jsonl
 
 CITIES = (
     "Amsterdam", "Bangkok", "Berlin", "Bogota", "Cairo", "Chicago", "Dakar", "Dublin", "Hanoi", "Havana",
@@ -293,47 +293,48 @@ def task_name(path: str | Path) -> str:
     return name
 
 
-def _parse_item(obj: object, where: str) -> MCItem:
+def _parse_item(obj: object, where: str) -> MCItem | str:
+    """The item a line holds, or why it is not one."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        return f"expected a JSON object, got {type(obj).__name__}"
     keys = [k for k in ("query", "context") if k in obj]
     if not keys:
-        raise ValueError(f"{where}: no 'query' or 'context' field (lm-eval's multiple-choice shape is "
-                         '{"query": ..., "choices": [...], "gold": index}); it has ' + ", ".join(map(repr, obj)))
+        return ("no 'query' or 'context' field (lm-eval's multiple-choice shape is "
+                '{"query": ..., "choices": [...], "gold": index}); it has ' + ", ".join(map(repr, obj)))
     context = obj[keys[0]]
     if not isinstance(context, str):
-        raise ValueError(f"{where}: {keys[0]!r} must be a string, got {type(context).__name__}")
+        return f"{keys[0]!r} must be a string, got {type(context).__name__}"
     choices = obj.get("choices")
     if isinstance(choices, dict):  # HF datasets shape: {"text": [...], "label": [...]}
         choices = choices.get("text")
     if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError(f"{where}: 'choices' must be a list of at least 2 non-empty strings (or {{\"text\": [...]}}), "
-                         f"got {obj.get('choices')!r:.200}")
+        return (f"'choices' must be a list of at least 2 non-empty strings (or {{\"text\": [...]}}), "
+                f"got {obj.get('choices')!r:.200}")
     gold = obj.get("gold")
     if isinstance(gold, str) and gold in choices:
         gold = choices.index(gold)
     if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
-        raise ValueError(f"{where}: 'gold' must be the index of the right choice, 0..{len(choices) - 1} (or its text), "
-                         f"got {obj.get('gold')!r}")
+        return f"'gold' must be the index of the right choice, 0..{len(choices) - 1} (or its text), got {obj.get('gold')!r:.200}"
     return MCItem(context, list(choices), gold, where)
+
+
+def lm_eval_item_problem(obj: object) -> str | None:
+    """Why a parsed line of a task file is not a multiple-choice item, or None (for spec validation)."""
+    item = _parse_item(obj, "")
+    return item if isinstance(item, str) else None
 
 
 def read_lm_eval_jsonl(path: str | Path) -> MCTask:
     """A multiple-choice task file in lm-eval's JSONL shape (``.jsonl`` or ``.jsonl.gz``), one item a line; blank
-    lines are skipped. A bad line raises ValueError naming the file and line."""
+    lines are skipped. A bad line (or a damaged file) raises ValueError naming the file and line."""
     path = Path(path)
-    opener = gzip.open if path.name.endswith(".gz") else open
     task = MCTask(task_name(path))
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            task.items.append(_parse_item(obj, where))
+    for line_no, obj, problem in iter_checked_jsonl(path, lm_eval_item_problem):
+        if problem:
+            raise ValueError(f"{path}:{line_no}: {problem}")
+        item = _parse_item(obj, f"{path}:{line_no}")
+        assert isinstance(item, MCItem)  # lm_eval_item_problem passed it
+        task.items.append(item)
     if not task.items:
         raise ValueError(f"{path}: no items (one JSON object per line expected)")
     return task

@@ -45,6 +45,7 @@ from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
 from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
+from pipeline.user_jsonl import jsonl_file_problems
 from posttrain.prompts import PROMPTS_TYPE
 from pretrain.eval_metrics import (
     choice_scores,
@@ -61,6 +62,7 @@ from pretrain.eval_tasks import (
     build_multi_round_trial,
     build_next_sentence_task,
     build_niah_trials,
+    lm_eval_item_problem,
     needle_rounds,
     read_lm_eval_jsonl,
 )
@@ -520,9 +522,8 @@ def fingerprint(params: EvalParams) -> list[dict[str, Any]]:
 
 
 def validate_external(params: EvalParams) -> list[tuple[str, str]]:
-    """At spec validation: every ``task_files`` entry is a file."""
-    return [(f"task_files.{i}", f"task file {p!r} does not exist (resolved against {os.getcwd()})")
-            for i, p in enumerate(params.task_files) if not Path(p).is_file()]
+    """At spec validation: every ``task_files`` entry is a file of multiple-choice items (first 5 bad lines a file)."""
+    return jsonl_file_problems(params.task_files, "task_files", "task file", lm_eval_item_problem)
 
 
 STAGE = StageKind(

@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline.cli import EXIT_INVALID, main
 from pipeline.spec import ClusterCapacity, SpecError, load_spec
@@ -125,11 +126,16 @@ def test_cli_validate_ok(tmp_path, capsys):
     assert "OK" in capsys.readouterr().out
 
 
-def test_shipped_specs_validate():
+def test_shipped_specs_validate_and_their_resolved_form_loads_back(tmp_path):
     specs = sorted(Path(__file__).parent.parent.glob("dags/*.yaml"))
     assert "tiny.yaml" in [s.name for s in specs], f"dags/tiny.yaml not found (glob found {specs})"
     for spec in specs:
-        assert load_spec(spec).stages, f"{spec} declares no stage"
+        loaded = load_spec(spec)
+        assert loaded.stages, f"{spec} declares no stage"
+        # the resolved spec a run logs loads back to the same spec
+        resolved = Path(tmp_path) / f"resolved-{spec.name}"
+        resolved.write_text(yaml.safe_dump(loaded.resolved(), sort_keys=False))
+        assert load_spec(resolved).resolved() == loaded.resolved(), spec
 
 
 def test_stage_reference_doc_is_current():
