@@ -298,10 +298,12 @@ class ArtifactStore:
     def path_for(self, kind: str, key: str) -> Path:
         return self.artifacts / kind / key[:24]
 
-    def lookup(self, kind: str, key: str, on_reject: Callable[[str], None] | None = None) -> Artifact | None:
+    def lookup(self, kind: str, key: str, on_reject: Callable[[str], None] | None = None,
+               quarantine: bool = True) -> Artifact | None:
         """The accepted artifact for ``key``, or None. Every file is re-hashed against the manifest; an
-        artifact that fails (changed, missing or extra files, an unusable manifest) is moved to the quarantine
-        and reported through ``on_reject`` (default: this module's logger) -- a miss, so the stage reruns."""
+        artifact that fails (changed, missing or extra files, an unusable manifest) is a miss, so the stage
+        reruns: it is moved to the quarantine (unless ``quarantine`` is False: a dry run changes nothing) and
+        reported through ``on_reject`` (default: this module's logger)."""
         path = self.path_for(kind, key)
         if not path.exists():
             return None
@@ -311,8 +313,11 @@ class ArtifactStore:
         if check.ok:
             assert check.manifest is not None
             return Artifact(path=path, manifest=check.manifest)
-        moved = self.quarantine(path, check)
-        where = f"moved to {moved}" if moved else "already moved away by another process"
+        if quarantine:
+            moved = self.quarantine(path, check)
+            where = f"moved to {moved}" if moved else "already moved away by another process"
+        else:
+            where = "left in place"
         (on_reject or log.warning)(
             f"cached artifact {path} failed verification ({check.describe()}); {where}; the stage will be rebuilt")
         return None
