@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from pipeline.launch import pid_alive
 from pipeline.stage import MANIFEST_NAME, Artifact, sha256_file
@@ -98,17 +98,10 @@ def write_jsonl_atomic(path: Path, rows: Iterable[Any]) -> None:
 
 
 # --- verification ---------------------------------------------------------------------------------
-def _sha256_stream(f: BinaryIO) -> str:
-    h = hashlib.sha256()
-    while chunk := f.read(1 << 20):
-        h.update(chunk)
-    return h.hexdigest()
-
-
 def _sha256_and_sync(path: Path) -> str:
     """sha256 of a file just written, which is also flushed to disk (fsync works on a read-only fd on Linux)."""
     with open(path, "rb") as f:
-        digest = _sha256_stream(f)
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
         os.fsync(f.fileno())
     return digest
 

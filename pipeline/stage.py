@@ -118,11 +118,8 @@ def metric_key(part: str) -> str:
 def sha256_file(path: str | Path) -> str:
     import hashlib
 
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # The checkout (or installed tree) this code runs from: files inside it are named relative to it in cache keys.
