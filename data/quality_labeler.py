@@ -39,7 +39,14 @@ from pydantic import Field, field_validator
 from data.documents import QUALITY_CATEGORY as CATEGORY
 from data.documents import QUALITY_DIMENSIONS as DIMENSIONS  # the score dimensions, in this order everywhere
 from data.documents import SCORE_MAX, SCORE_MIN
-from pipeline.stage import MANIFEST_NAME, StageParams, file_fingerprint
+from pipeline.stage import (
+    MANIFEST_NAME,
+    StageParams,
+    content_fingerprint,
+    file_fingerprint,
+    portable_name,
+    sha256_file,
+)
 
 REFS_DIR = Path(__file__).parent / "quality_refs"
 PASSAGE_MARKER = "### passage:"
@@ -362,7 +369,7 @@ class ReferenceLabeler:
 
     def describe(self) -> dict[str, Any]:
         return {"labeler_kind": self.kind,
-                "references": {dim: {"file": str(p), "sha256": file_fingerprint(p)["sha256"],
+                "references": {dim: {**portable_name(p), "sha256": sha256_file(p),
                                      "passages": len(self.references[dim])}
                                for dim, p in self.files.items()},
                 "features": "hashed word 1-2 grams (2^18), L2-normalised",
@@ -398,7 +405,7 @@ def _directory_fingerprint(path: Path) -> dict[str, Any]:
     manifest = path / MANIFEST_NAME
     if manifest.is_file():
         return {"artifact_digest": json.loads(manifest.read_text())["digest"]}
-    return {"files": [file_fingerprint(p) | {"path": str(p.relative_to(path))}
+    return {"files": [{"path": p.relative_to(path).as_posix(), **content_fingerprint(p)}
                       for p in sorted(path.rglob("*")) if p.is_file()]}
 
 

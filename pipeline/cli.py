@@ -1,7 +1,7 @@
-"""``hylight`` command line: run, validate, status, ui.
+"""``hylight`` command line: run, validate, status, verify, ui.
 
-Exit codes: 0 success, 1 a stage failed, 2 the spec or the command line is invalid (nothing ran),
-130 interrupted.
+Exit codes: 0 success, 1 a stage failed (``verify``: an artifact changed), 2 the spec or the command line is
+invalid (nothing ran), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -160,6 +160,52 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pipeline.orchestrator import format_table, verify_spec, verify_store
+    from pipeline.spec import SpecError, load_spec
+
+    t0 = time.monotonic()
+    if args.spec:
+        if args.root:
+            print("--root goes without SPEC (with a spec, use --set artifact_root=DIR)", file=sys.stderr)
+            return EXIT_INVALID
+        try:  # external files are fingerprinted below; a missing one makes that stage's key unknown, not an error
+            spec = load_spec(args.spec, overrides=args.set or [], check_external=False)
+        except SpecError as e:
+            print(f"invalid spec:\n{e}", file=sys.stderr)
+            return EXIT_INVALID
+        root, rows = spec.artifact_root, verify_spec(spec)
+    else:
+        last = _last_run()
+        if not args.root and last is None:
+            print("no run recorded yet: pass SPEC or --root ARTIFACT_ROOT", file=sys.stderr)
+            return EXIT_INVALID
+        root = Path(args.root or last["artifact_root"]).absolute()
+        if not root.is_dir():
+            print(f"artifact root {root} does not exist", file=sys.stderr)
+            return EXIT_INVALID
+        rows = verify_store(root)
+    table = [("state", "stage", "artifact", "files", "MB", "detail")]
+    for r in rows:
+        where = str(r.path.relative_to(root)) if r.path and r.path.is_relative_to(root) else str(r.path or "-")
+        c = r.check
+        table.append((r.state.upper() if r.state == "changed" else r.state, r.stage or "-", where,
+                      str(c.files) if c and c.manifest else "-", f"{c.bytes / 1e6:.1f}" if c and c.manifest else "-",
+                      r.note))
+    print(f"artifact root {root}")
+    print(format_table(table))
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    hashed = sum(r.check.bytes for r in rows if r.check)
+    print(f"{len([r for r in rows if r.check])} artifact(s) re-hashed ({hashed / 1e6:.1f} MB) in "
+          f"{time.monotonic() - t0:.1f}s: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"artifact_root": str(root), "artifacts": [r.to_json() for r in rows]},
+                                              indent=2))
+    return EXIT_FAILED if counts.get("changed") else EXIT_OK
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     uri, _ = _tracking_from(args)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
@@ -215,6 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spec", help="read the tracking store of this spec")
     s.add_argument("--tracking-uri")
     s.set_defaults(fn=cmd_status)
+
+    vf = sub.add_parser("verify", help="re-hash cached artifacts against their manifests (read only)")
+    vf.add_argument("spec", nargs="?", help="verify the artifacts `hylight run SPEC` would reuse (default: every "
+                                            "artifact under --root, or under the last run's artifact root)")
+    vf.add_argument("--set", action="append", metavar="STAGE.PARAM=VALUE", help="as for run: the same keys")
+    vf.add_argument("--root", help="without SPEC: the artifact root to verify")
+    vf.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    vf.set_defaults(fn=cmd_verify)
 
     k = sub.add_parser("stages", help="list the stage kinds (--markdown: with every param)")
     k.add_argument("--markdown", action="store_true", help="full reference (docs/stages.md)")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pipeline import tracking
-from pipeline.artifacts import ArtifactStore, cache_key, write_json_atomic
+from pipeline.artifacts import ArtifactCheck, ArtifactStore, cache_key, check_artifact, write_json_atomic
 from pipeline.launch import pid_alive, process_start_ticks
 from pipeline.registry import code_digest
 from pipeline.runner import StageOutcome, StageTask, execute_stage, forwarded_env
@@ -38,6 +38,16 @@ _RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled
 # Which process owns an MLflow run it left RUNNING: "host:pid:start ticks" of the `hylight run` driver.
 TAG_OWNER = "hylight.owner"
 TAG_ROOT = "hylight.artifact_root"
+TAG_CACHE_REJECTED = "hylight.cache_rejected"  # why the cached artifact of this stage's key was not reused
+
+
+def stage_cache_key(st: ResolvedStage, upstream: dict[str, Artifact]) -> tuple[str, dict[str, Any]]:
+    """A stage's cache key and its material, from the artifacts of the stages it needs (by name). Raises what
+    the kind's ``fingerprint`` raises (e.g. an external input file that does not exist)."""
+    in_digests: dict[str, Any] = {role: [upstream[n].digest for n in names] for role, names in st.inputs.items()}
+    if st.kind.fingerprint is not None:
+        in_digests["external"] = st.kind.fingerprint(st.params)
+    return cache_key(st.kind.name, code_digest(st.kind), st.params.model_dump(mode="json"), in_digests)
 
 
 def task_reserves_resources(st: ResolvedStage, on_cluster: bool) -> bool:
@@ -452,31 +462,31 @@ class Orchestrator:
                 continue
             if not all(n in artifacts for n in st.needs):
                 continue
-            in_digests = {role: [artifacts[n].digest for n in names] for role, names in st.inputs.items()}
-            if st.kind.fingerprint is not None:
-                try:
-                    in_digests = {**in_digests, "external": st.kind.fingerprint(st.params)}
-                except Exception as e:  # noqa: BLE001 (e.g. an input file that does not exist)
-                    res.state, res.error = "failed", f"{type(e).__name__}: {e}"
-                    say(f"✗ {name} cannot start: {res.error}")
-                    if c:
-                        rid = tracking.start_run(c, exp, name, parent_run_id=parent, tags={
-                            tracking.TAG_STAGE: name, tracking.TAG_KIND: st.kind.name,
-                            tracking.TAG_STATE: "failed", "hylight.error": res.error[:500]})
-                        res.run_id = rid
-                        tracking.end_run(c, rid, "FAILED")
-                    progressed = True
-                    continue
-            key, material = cache_key(st.kind.name, code_digest(st.kind), st.params.model_dump(mode="json"),
-                                      in_digests)
+            try:
+                key, material = stage_cache_key(st, artifacts)
+            except Exception as e:  # noqa: BLE001 (a fingerprint failed, e.g. an input file that does not exist)
+                res.state, res.error = "failed", f"{type(e).__name__}: {e}"
+                say(f"✗ {name} cannot start: {res.error}")
+                if c:
+                    rid = tracking.start_run(c, exp, name, parent_run_id=parent, tags={
+                        tracking.TAG_STAGE: name, tracking.TAG_KIND: st.kind.name,
+                        tracking.TAG_STATE: "failed", "hylight.error": res.error[:500]})
+                    res.run_id = rid
+                    tracking.end_run(c, rid, "FAILED")
+                progressed = True
+                continue
             res.cache_key = key
             lineage = {role: [{"stage": n, "type": artifacts[n].type, "digest": artifacts[n].digest,
                                "path": str(artifacts[n].path),
                                "run_id": (artifacts[n].manifest.get("producer") or {}).get("run_id")}
                               for n in names] for role, names in st.inputs.items()}
-            hit = self.store.lookup(st.kind.name, key)
+            rejected: list[str] = []  # a forced stage reruns anyway: its old artifact is not read (nor hashed)
+            hit = None if name in forced else self.store.lookup(st.kind.name, key, on_reject=rejected.append,
+                                                                 quarantine=not self.opts.dry_run)
+            for msg in rejected:
+                say(f"! {name}: {msg}")
             progressed = True
-            if hit is not None and name not in forced:
+            if hit is not None:
                 artifacts[name] = hit
                 res.state, res.artifact, res.digest = "cached", str(hit.path), hit.digest
                 res.produced_by = (hit.manifest.get("producer") or {}).get("run_id")
@@ -489,12 +499,14 @@ class Orchestrator:
                     res.run_id = rid
                     self._finish_stage_run(c, rid, hit, cache_hit=True)
                 continue
-            why = "forced" if name in forced else "no cached artifact for its key"
+            why = ("forced" if name in forced else "cached artifact failed verification" if rejected
+                   else "no cached artifact for its key")
             if self.opts.dry_run:
                 res.state, res.reason = "planned", why
                 continue
             rid = self._stage_run(c, exp, parent, st, key, lineage,
-                                  {tracking.TAG_CACHE_HIT: "false", tracking.TAG_STATE: "running"})
+                                  {tracking.TAG_CACHE_HIT: "false", tracking.TAG_STATE: "running",
+                                   **({TAG_CACHE_REJECTED: rejected[0][:500]} if rejected else {})})
             res.run_id = rid
             reserved = task_reserves_resources(st, on_cluster=bool(self.ray_address))
             task = StageTask(
@@ -544,6 +556,61 @@ class Orchestrator:
         self.console.say(f"✓ {name} done in {outcome.seconds:.1f}s  {_fmt_summary(outcome.summary)}")
         if c:
             self._finish_stage_run(c, run_id, art, cache_hit=False)
+
+
+@dataclass
+class VerifiedArtifact:
+    """One line of ``hylight verify``: an artifact re-hashed against its manifest, or why none was."""
+
+    state: str  # ok | changed | not built | unknown
+    path: Path | None
+    check: ArtifactCheck | None = None
+    stage: str | None = None
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "state": self.state, "path": str(self.path) if self.path else None,
+                "note": self.note, **({"check": self.check.to_json()} if self.check else {})}
+
+
+def _verified(check: ArtifactCheck, stage: str | None = None) -> VerifiedArtifact:
+    return VerifiedArtifact("ok" if check.ok else "changed", check.path, check, stage,
+                            "" if check.ok else check.describe())
+
+
+def verify_spec(spec: PipelineSpec) -> list[VerifiedArtifact]:
+    """Re-hash the artifact of every stage of ``spec`` that `hylight run` would look up (same keys), in
+    topological order; read only. A stage whose artifact changed still passes its manifest's digest on, so
+    its dependents' keys are those a rerun would look up when the rebuilt output is the same."""
+    store = ArtifactStore(spec.artifact_root)
+    found: dict[str, Artifact] = {}
+    out = []
+    for name, st in spec.stages.items():
+        lacking = [n for n in st.needs if n not in found]
+        if lacking:
+            out.append(VerifiedArtifact("unknown", None, stage=name,
+                                        note=f"key unknown: needs {lacking[0]}, which has no artifact"))
+            continue
+        try:
+            key, _ = stage_cache_key(st, found)
+        except Exception as e:  # noqa: BLE001 (a fingerprint failed, e.g. an input file that does not exist)
+            out.append(VerifiedArtifact("unknown", None, stage=name, note=f"key unknown: {type(e).__name__}: {e}"))
+            continue
+        path = store.path_for(st.kind.name, key)
+        if not path.exists():
+            out.append(VerifiedArtifact("not built", path, stage=name, note="no artifact for its key"))
+            continue
+        check = check_artifact(path, kind=st.kind.name, key=key)
+        if check.manifest is not None and "digest" in check.manifest and check.problem is None:
+            found[name] = Artifact(path=path, manifest=check.manifest)
+        out.append(_verified(check, name))
+    return out
+
+
+def verify_store(root: Path) -> list[VerifiedArtifact]:
+    """Re-hash every artifact under ``root/artifacts`` (whatever spec made it); read only."""
+    checks = [check_artifact(p) for p in ArtifactStore(root).artifact_dirs()]
+    return [_verified(c, (c.manifest or {}).get("stage")) for c in checks]
 
 
 def run_pipeline(spec: PipelineSpec, opts: RunOptions | None = None, out: TextIO = sys.stderr) -> RunReport:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.artifacts import ArtifactStore
+from pipeline.artifacts import ArtifactStore, explain_write_failure
 from pipeline.registry import resolve
 from pipeline.stage import Artifact, MetricSink, Resources, StageContext
 
@@ -208,8 +208,11 @@ def _execute(task: StageTask) -> StageOutcome:
                              "host": socket.gethostname()},
             },
         )
-    except BaseException:
+    except BaseException as e:
+        full = explain_write_failure(e, task.stage, [tmp, ctx.work_dir, ctx.resume_dir], store.root)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
         raise
     finally:
         try:

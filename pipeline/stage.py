@@ -122,20 +122,37 @@ def metric_key(part: str) -> str:
 def sha256_file(path: str | Path) -> str:
     import hashlib
 
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# The checkout (or installed tree) this code runs from: files inside it are named relative to it in cache keys.
+CHECKOUT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def portable_name(path: str | Path) -> dict[str, str]:
+    """How a file is named in a cache key, whatever directory the checkout lives in: its path relative to the
+    checkout when inside it (``{"path": "data/quality_refs/helpfulness.txt"}``), else its base name only
+    (``{"name": "corpus.jsonl"}``; an outside file is identified by its content, its directory is the user's)."""
+    resolved = Path(path).resolve()
+    if resolved.is_relative_to(CHECKOUT_ROOT):
+        return {"path": resolved.relative_to(CHECKOUT_ROOT).as_posix()}
+    return {"name": resolved.name}
+
+
+def content_fingerprint(path: str | Path, hash_below_bytes: int = 256 << 20) -> dict[str, Any]:
+    """A file's content identity: its sha256 when at most ``hash_below_bytes``, else size + mtime (hashing a
+    large corpus on every run would cost seconds per GB)."""
+    st = Path(path).stat()
+    if st.st_size <= hash_below_bytes:
+        return {"sha256": sha256_file(path)}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def file_fingerprint(path: str | Path, hash_below_bytes: int = 256 << 20) -> dict[str, Any]:
-    """Content identity of an external file: sha256 when small enough, else size + mtime."""
-    path = Path(path)
-    st = path.stat()
-    if st.st_size <= hash_below_bytes:
-        return {"path": str(path), "sha256": sha256_file(path)}
-    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """Identity of an external input file for a stage's cache key: :func:`portable_name` + content. The key
+    is the same wherever the checkout lives and changes when the content (or the in-checkout path) does."""
+    return {**portable_name(path), **content_fingerprint(path, hash_below_bytes)}
 
 
 def track(items: Iterable[Any], progress: Callable[[str], None], total: int | None = None, what: str = "items",

@@ -246,3 +246,29 @@ def run_shards(params: ShardsParams, ctx: StageContext) -> None:
 
 
 SHARDS = StageKind(name="test_shards", params=ShardsParams, run=run_shards, produces="text", splits_work=True)
+
+
+class WriterParams(StageParams):
+    file: str = "big.bin"
+    size_bytes: int = 1 << 20
+    fill_disk: bool = False  # after its output, fill the rest of the disk (in the work dir) so the commit hits it
+
+
+def run_writer(params: WriterParams, ctx: StageContext) -> None:
+    """Writes ``size_bytes`` into ``file`` of its artifact, 64 KiB at a time (for full-disk tests)."""
+    _record(ctx.stage_name)
+    chunk = b"\x5a" * (64 << 10)
+    with open(ctx.out_dir / params.file, "wb") as f:
+        for start in range(0, params.size_bytes, len(chunk)):
+            f.write(chunk[: params.size_bytes - start])
+    if params.fill_disk:
+        ctx.work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(ctx.work_dir / "hog.bin", "wb", buffering=0) as f:
+                while True:
+                    f.write(chunk)
+        except OSError:
+            pass  # the disk is full now
+
+
+WRITER = StageKind(name="test_writer", params=WriterParams, run=run_writer, produces="blob")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import tracking
+from pipeline import cli, tracking
 from pipeline.artifacts import ArtifactStore
 from pipeline.orchestrator import RunOptions, run_pipeline
 from pipeline.spec import load_spec
@@ -70,12 +70,16 @@ def env(tmp_path, monkeypatch, ray_local):
 
     class Env:
         root = tmp_path / "runs"
+        spec = spec_path
+        console = ""  # what the last run printed
 
         def run(self, overrides=(), **opts):
             if log.exists():
                 log.unlink()
             spec = load_spec(spec_path, overrides=list(overrides))
-            report = run_pipeline(spec, RunOptions(**opts), out=io.StringIO())
+            out = io.StringIO()
+            report = run_pipeline(spec, RunOptions(**opts), out=out)
+            self.console = out.getvalue()
             ran = log.read_text().split() if log.exists() else []
             return report, ran
 
@@ -153,6 +157,31 @@ def test_stage_killed_mid_write_leaves_no_accepted_artifact(env):
     assert report.ok and sorted(ran) == ["ab", "n"]
     assert store.lookup("test_concat", key) is not None
     assert not [p for p in store.tmp.iterdir() if p.name.startswith("test_concat__")]  # swept
+
+
+def test_corrupt_cached_artifact_is_found_by_verify_then_reported_quarantined_and_rebuilt(env, capsys):
+    first, _ = env.run()
+    assert cli.main(["verify", str(env.spec)]) == 0
+    b = Path(first.stages["b"].artifact)
+    (b / "text.txt").write_text("C")  # was "B": same size, different content
+    capsys.readouterr()
+    assert cli.main(["verify", str(env.spec)]) == 1
+    lines = {line.split()[1]: line.split(None, 1)[0] for line in capsys.readouterr().out.splitlines()[3:-1]}
+    # b changed; its dependents' keys are still known (from b's manifest) and their artifacts are intact
+    assert lines == {"a": "ok", "b": "CHANGED", "ab": "ok", "n": "ok", "other": "ok"}
+
+    report, ran = env.run()
+    assert ran == ["b"]  # rebuilt; its output is the same as before, so ab and n stay cached
+    assert states(report) == {"a": "cached", "b": "done", "ab": "cached", "n": "cached", "other": "cached"}
+    [moved] = (env.root / "corrupt" / "test_source").iterdir()
+    assert (moved / "text.txt").read_text() == "C"  # kept, not deleted
+    assert f"! b: cached artifact {b} failed verification (changed: text.txt); moved to {moved}; " in env.console
+    assert "▶ b started (cached artifact failed verification;" in env.console
+    c = tracking.client(report.tracking_uri)
+    rejected = c.get_run(report.stages["b"].run_id).data.tags["hylight.cache_rejected"]
+    assert "changed: text.txt" in rejected
+    assert cli.main(["verify", str(env.spec)]) == 0
+    assert not env.run()[1]
 
 
 def test_dry_run_runs_nothing(env):
