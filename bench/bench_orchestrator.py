@@ -191,6 +191,7 @@ def main() -> None:
     args = ap.parse_args()
     os.chdir(REPO)  # stage workers import the plugin kind relative to the launch directory
     tmp = Path(args.root or tempfile.mkdtemp(prefix="hylight-bench-orch-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     os.environ["HYLIGHT_STATE_DIR"] = str(tmp / "state")
     from pipeline.runner import apply_env_defaults
 
