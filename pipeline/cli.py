@@ -207,13 +207,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    uri, _ = _tracking_from(args)
+    from pipeline import mlflow_ui, tracking
+
+    uri, exp_name = _tracking_from(args)
+    base = f"http://127.0.0.1:{args.port}"
+    c = tracking.client(uri)
+    exp_ids = mlflow_ui.hylight_experiments(c, exp_name)
+    for exp_id in exp_ids:
+        try:
+            columns = mlflow_ui.prepare_experiment(c, exp_id)
+        except Exception as e:  # noqa: BLE001 (a read-only store still gets its UI, with MLflow's columns)
+            print(f"could not store the runs view in experiment {exp_id}: {type(e).__name__}: {e}", file=sys.stderr)
+            columns = []
+        shown = ", ".join(col.removeprefix("metrics.").strip("`") for col in columns)
+        print(f"stage runs: {mlflow_ui.runs_url(base, exp_id, with_view=bool(columns))}"
+              + (f"  (columns: {shown})" if shown else ""), file=sys.stderr)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
            "--port", str(args.port), "--workers", "1"]
     if uri.startswith("sqlite:///"):
         root = Path(uri[len("sqlite:///"):]).parent
         cmd += ["--default-artifact-root", (root / "mlflow-artifacts").as_uri()]
-    print(f"MLflow UI for {uri} at http://127.0.0.1:{args.port} (Ctrl-C to stop)", file=sys.stderr)
+    print(f"MLflow UI for {uri} at {base} (Ctrl-C to stop)", file=sys.stderr)
     os.execv(sys.executable, cmd)
     return EXIT_OK  # not reached
 

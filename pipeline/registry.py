@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.machinery
@@ -81,23 +82,32 @@ def _module_source(name: str) -> str:
         return f.read()
 
 
+@functools.lru_cache(maxsize=1024)
+def _imported_names(source: str) -> tuple[str, ...]:
+    """Every module name an absolute import statement in ``source`` names (``from a import b`` gives ``a`` and
+    ``a.b``). Cached by the source text: parsing is most of a cache-key computation, and a kind's modules are
+    the same for every stage of that kind in a run; an edited source is a new text, so it is parsed again."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return ()
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return tuple(names)
+
+
 def _project_imports(module_name: str) -> list[str]:
     """Project modules that ``module_name`` imports (statically, anywhere in its source)."""
     try:
-        tree = ast.parse(_module_source(module_name))
-    except (OSError, TypeError, SyntaxError):
+        source = _module_source(module_name)
+    except (OSError, TypeError):
         return []
-    found = []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
-            if name.split(".")[0] in PROJECT_PACKAGES and _find_spec(name) is not None:
-                found.append(name)
-    return found
+    return [name for name in _imported_names(source)
+            if name.split(".")[0] in PROJECT_PACKAGES and _find_spec(name) is not None]
 
 
 def _find_spec(name: str) -> importlib.machinery.ModuleSpec | None:

@@ -30,6 +30,9 @@ TAG_ARTIFACT_DIGEST = "hylight.artifact_digest"
 TAG_STATE = "hylight.state"
 TAG_SPEC = "hylight.spec"
 TAG_PARENT = "mlflow.parentRunId"
+# MLflow's experiment kind: hylight's experiments hold training runs, not GenAI traces (pipeline/mlflow_ui.py)
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND_TRAINING = "custom_model_development"
 
 
 def default_tracking_uri(artifact_root: Path) -> str:
@@ -50,11 +53,14 @@ def client(tracking_uri: str) -> Any:
 def ensure_experiment(c: Any, name: str, artifact_root: Path, tracking_uri: str) -> str:
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if TAG_EXPERIMENT_KIND not in exp.tags:  # created before hylight set it; a kind set by hand stays
+            c.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND_TRAINING)
         return exp.experiment_id
     # only the embedded store gets an explicit location; a server decides its own
     loc = artifact_location(artifact_root) if tracking_uri.startswith("sqlite:") else None
     try:
-        return c.create_experiment(name, artifact_location=loc)
+        return c.create_experiment(name, artifact_location=loc,
+                                   tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND_TRAINING})
     except Exception:  # created concurrently
         exp = c.get_experiment_by_name(name)
         if exp is None:
