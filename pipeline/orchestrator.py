@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from pipeline import tracking
 from pipeline.artifacts import ArtifactStore, cache_key, write_json_atomic
-from pipeline.launch import pid_alive, process_start_ticks
+from pipeline.launch import pid_alive, process_start_ticks, start_watchdog
 from pipeline.registry import code_digest
 from pipeline.runner import StageOutcome, StageTask, execute_stage, forwarded_env
 from pipeline.spec import ClusterCapacity, NodeCapacity, PipelineSpec, ResolvedStage
@@ -186,6 +186,17 @@ def summary_table(report: RunReport) -> str:
     return format_table(rows)
 
 
+_watchdog: int | None = None
+
+
+def _watch_this_process() -> None:
+    """Once per process: a watchdog that kills the local Ray this process starts if it dies without stopping
+    it (SIGKILL: Ray's agents would otherwise outlive it by minutes; pipeline.launch.start_watchdog)."""
+    global _watchdog
+    if _watchdog is None or not pid_alive(_watchdog):
+        _watchdog = start_watchdog()
+
+
 class Orchestrator:
     def __init__(self, spec: PipelineSpec, opts: RunOptions, out: TextIO = sys.stderr):
         self.spec = spec
@@ -240,6 +251,7 @@ class Orchestrator:
             else:
                 cap = local_capacity()
                 self.console.say(f"starting local Ray on 127.0.0.1 ({cap.cpus:g} CPUs, {cap.gpus:g} GPUs)")
+                _watch_this_process()
                 ray.init(address="local", num_cpus=int(cap.cpus), num_gpus=int(cap.gpus),
                          include_dashboard=False, log_to_driver=True, _memory=int(cap.memory_gb * 2**30),
                          logging_level="WARNING")
