@@ -12,11 +12,14 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from pipeline.launch import pid_alive
 from pipeline.spec import load_spec
 from tests.fault_harness import (
     REPO,
@@ -24,6 +27,7 @@ from tests.fault_harness import (
     compare_artifacts,
     finish,
     kill_run,
+    run_processes,
     stage_working,
     start_run,
     started,
@@ -122,3 +126,142 @@ def test_kill_walk_over_every_stage_kind(tiny, tmp_path):
         {n: t for n, t in table.items() if not t["equal_but_timings"]}, indent=1)
     assert len(resumed) >= 2 and min(resumed) > 0, resumed  # pretrain and long_context continued, not restarted
     shutil.rmtree(root, ignore_errors=True)
+
+
+# --- a Ray worker killed mid-task; MLflow down at start and mid-run ----------------------------------------------
+
+HOLD_SPEC = """\
+name: {name}
+artifact_root: {root}
+stages:
+  hold:
+    uses: tests.stage_fixtures:{kind}
+    params: {{marker: {marker}, pid_file: {pid_file}}}
+"""
+
+
+def _spec(tmp_path: Path, name: str, kind: str) -> tuple[Path, Path, Path, Path]:
+    marker, pid_file, root = tmp_path / "HOLD", tmp_path / "worker.pid", tmp_path / "root"
+    marker.write_text("x")
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(HOLD_SPEC.format(name=name, root=root, kind=kind, marker=marker, pid_file=pid_file))
+    return spec, marker, pid_file, root
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "HYLIGHT_STATE_DIR": str(tmp_path / "state"), **extra}
+
+
+def test_mlflow_server_unreachable_at_start_is_a_clear_error_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec, _, _, root = _spec(tmp_path, "nomlflow", "WAIT")
+    t0 = time.monotonic()
+    run = start_run(["run", str(spec), "--tracking-uri", f"http://127.0.0.1:{port}"], _env(tmp_path),
+                    tmp_path / "run.log")
+    rc = finish(run, 120)
+    took = time.monotonic() - t0
+    assert rc == 2, run.text()
+    assert f"cannot reach the MLflow tracking server at http://127.0.0.1:{port}" in run.text()
+    assert "Nothing was run" in run.text() and "▶" not in run.text()
+    assert not root.exists()  # nothing written: no artifact root, no Ray
+    assert took < 30, took  # no MLflow retry loop (its default would wait minutes)
+
+
+@pytest.mark.slow
+def test_a_ray_worker_killed_mid_task_fails_its_stage_clearly_without_a_hang(tmp_path):
+    """SIGKILL of the stage's worker process (not the driver): the run ends promptly, the stage is failed with a
+    message naming it and the worker's death (no retry: stages run with max_retries=0), nothing is left running."""
+    spec, _, pid_file, root = _spec(tmp_path, "workerkill", "WAIT")
+    run = start_run(["run", str(spec)], _env(tmp_path), tmp_path / "run.log")
+    assert wait_until(run, pid_file.exists, 300, "the stage's worker to start"), run.text()
+    procs = run_processes(run.proc.pid)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    t0 = time.monotonic()
+    rc = finish(run, 120)
+    assert rc == 1, run.text()
+    assert time.monotonic() - t0 < 60, "the run took over a minute to notice its dead worker"
+    text = run.text()
+    failed = re.search(r"✗ hold failed after [\d.]+s: (.*)", text)
+    assert failed, text
+    assert "died" in failed.group(1) or "Crashed" in failed.group(1), failed.group(1)
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p, t) for p, t in procs.items()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p, t in procs.items() if pid_alive(p, t)] == []
+    assert not list((root / "artifacts").glob("*/*"))  # no artifact accepted from the dead worker
+
+
+def _mlflow_server(tmp_path: Path, port: int) -> subprocess.Popen:
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                             f"sqlite:///{tmp_path / 'server.db'}", "--default-artifact-root",
+                             (tmp_path / "server-artifacts").as_uri(), "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.5)
+    _stop(proc)
+    pytest.fail("mlflow server did not come up in 120 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the server and its worker
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_an_mlflow_server_gone_mid_run_loses_no_metrics(tmp_path):
+    """The server is killed while a stage logs: the stage finishes anyway (what it could not send goes to its
+    journal); the driver waits HYLIGHT_TRACKING_WAIT_S for the server, then stops with a message naming what is not
+    logged; with the server back, the next run sends it: every step of the metric is in MLflow exactly once."""
+    import socket
+
+    from pipeline import tracking
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    spec, marker, pid_file, root = _spec(tmp_path, "outage", "STEPS")
+    env = _env(tmp_path, HYLIGHT_TRACKING_WAIT_S="3")
+    server = _mlflow_server(tmp_path, port)
+    try:
+        run = start_run(["run", str(spec), "--tracking-uri", uri], env, tmp_path / "run1.log")
+        assert wait_until(run, pid_file.exists, 300, "the first steps to be logged"), run.text()
+        _stop(server)  # gone mid-stage
+        marker.unlink()
+        assert finish(run, 300) == 1, run.text()
+        text = run.text()
+        assert "✓ hold done" in text, text  # the stage itself did not fail
+        assert "Not logged to MLflow yet" in text and re.search(r"\d+ metric value\(s\) \(.*\bx\)", text), text
+        assert tracking.JOURNAL_DIR in text
+        journals = list((root / tracking.JOURNAL_DIR).glob("*.jsonl"))
+        assert len(journals) == 1
+        server = _mlflow_server(tmp_path, port)  # back, same store
+        rerun = start_run(["run", str(spec), "--tracking-uri", uri], env, tmp_path / "run2.log")
+        assert finish(rerun, 300) == 0, rerun.text()
+        assert "journaled MLflow record(s)" in rerun.text() and "✓ hold cache hit" in rerun.text()
+        assert not list((root / tracking.JOURNAL_DIR).glob("*.jsonl"))
+        c = tracking.client(uri)
+        stage_run = c.get_run(journals[0].stem)
+        history = c.get_metric_history(stage_run.info.run_id, "x")
+        assert sorted((m.step, m.value) for m in history) == [(i, float(i)) for i in range(1, 41)]
+        assert stage_run.data.tags["fixture.done"] == "yes"
+        assert "stage_seconds" in stage_run.data.metrics and stage_run.data.metrics["steps"] == 40
+        assert [f.path for f in c.list_artifacts(stage_run.info.run_id, "fixture")] == ["fixture/steps.txt"]
+    finally:
+        _stop(server)
