@@ -128,6 +128,55 @@ def test_kill_walk_over_every_stage_kind(tiny, tmp_path):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def _link_copy(src: Path, dst: Path) -> None:
+    """The fixture's artifact root, hard-linked (a commit renames directories into place, never writes into an
+    accepted artifact), except the sqlite tracking store, which is written in place."""
+    def link(a: str, b: str) -> None:
+        if Path(a).name.startswith("mlflow.db"):
+            shutil.copy2(a, b)
+        else:
+            os.link(a, b)
+
+    shutil.copytree(src, dst, symlinks=True, copy_function=link)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tiny_dag")
+def test_a_run_killed_during_a_data_and_a_post_training_stage_resumes_to_the_same_artifacts(tiny, tmp_path):
+    """The CI subset of the kill-walk, on a copy of the finished tiny DAG without dedup's and sft_short's artifacts:
+    `hylight run --stage sft_short` is killed (process group, SIGKILL) during dedup, rerun and killed during
+    sft_short, rerun to the end. Nothing of a killed run survives, what finished is never redone, and both artifacts
+    come back equal to the uninterrupted run's (dedup bitwise; sft_short but for timing fields). pretrain's and
+    long_context's resume from a checkpoint mid-training is tested at the stage level (tests/test_pretrain.py,
+    tests/test_long_context.py) and through the CLI by the kill-walk."""
+    ref = tiny["first"]["stages"]
+    root = tmp_path / "runs"
+    _link_copy(tiny["root"], root)
+    for name in ("dedup", "sft_short"):
+        shutil.rmtree(ref[name]["artifact"].replace(str(tiny["root"]), str(root)))
+    env = {**tiny["env"], "HYLIGHT_STATE_DIR": str(tmp_path / "state")}
+    args = ["run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--stage", "sft_short"]
+    for attempt, (name, kind) in enumerate((("dedup", "dedup"), ("sft_short", "sft"))):
+        run = start_run(args, env, tmp_path / f"killed{attempt}.log")
+        ready = _kill_point(root, kind, min(ref[name]["seconds"], 10.0))
+        assert wait_until(run, ready, 600, f"the middle of {name}"), f"ended first:\n{run.text()[-3000:]}"
+        survivors, _ = kill_run(run)
+        assert survivors == [], f"processes of the killed run still alive after 30 s: {survivors}"
+        text = run.text()
+        assert f"✓ {name} done" not in text, text[-3000:]
+        if name == "sft_short":  # dedup finished in this attempt: never redone
+            assert "✓ dedup done" in text and "✓ tokenizer cache hit" in text, text[-3000:]
+    rerun = start_run([*args, "--json", str(tmp_path / "rerun.json")], env, tmp_path / "rerun.log")
+    assert finish(rerun, 900) == 0, rerun.text()[-3000:]
+    got = json.loads((tmp_path / "rerun.json").read_text())["stages"]
+    assert {n for n, r in got.items() if r["state"] != "cached"} == {"sft_short"}, got
+    assert got["dedup"]["digest"] == ref["dedup"]["digest"]
+    assert compare_artifacts(Path(ref["dedup"]["artifact"]), Path(got["dedup"]["artifact"])).bitwise
+    sft = compare_artifacts(Path(ref["sft_short"]["artifact"]), Path(got["sft_short"]["artifact"]))
+    assert sft.equal_but_timings, sft
+    assert not [p for p in sft.differing if p.startswith("model/") or p.endswith(".safetensors")], sft
+
+
 # --- a Ray worker killed mid-task; MLflow down at start and mid-run ----------------------------------------------
 
 HOLD_SPEC = """\
