@@ -312,7 +312,14 @@ class Orchestrator:
     def _replay_left_journals(self, c: Any) -> None:
         """Send what earlier runs' stages could not log while the tracking server was down."""
         for path in sorted((self.spec.artifact_root / tracking.JOURNAL_DIR).glob("*.jsonl")):
-            run = tracking.retry(c.get_run, path.stem)
+            try:
+                run = tracking.retry(c.get_run, path.stem)
+            except tracking.TrackingUnavailable:
+                raise
+            except Exception as e:  # noqa: BLE001 (e.g. a journal written for another tracking store)
+                self.console.say(f"warning: {path} is for a run this tracking store does not have "
+                                 f"({str(e).splitlines()[0][:200]}); left in place")
+                continue
             if run.info.status == "RUNNING":  # a stage of a live run still writes it
                 continue
             uri = run.data.tags.get(tracking.TAG_ARTIFACT_URI, "")
