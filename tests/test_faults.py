@@ -86,6 +86,17 @@ def kill_walk(tiny: dict, tmp_path: Path, remaining: list[str] | None = None, fi
     finished = set() if finished is None else finished
     records: list[dict] = []
     out = Path(os.environ.get("HYLIGHT_FAULTS_REPORT", tmp_path / "faults_report.json"))
+    pending: list[str] = []  # stages of the last killed kind that were working at the kill
+
+    def redone(text: str) -> None:
+        """A stage caught working by the kill runs again in the next attempt: the kill interrupted it (had it
+        committed just before the kill, the next attempt would take it from the cache)."""
+        if pending:
+            assert any(f"▶ {s} started" in text for s in pending), \
+                f"attempt {attempt}: none of {pending} ran again: the kill came after they committed"
+            records[-1]["interrupted"] = [s for s in pending if f"▶ {s} started" in text]
+            pending.clear()
+
     while remaining:
         todo = [k for k in remaining if first_of[k] not in finished]
         kind = todo[0] if todo else remaining[0]
@@ -100,6 +111,7 @@ def kill_walk(tiny: dict, tmp_path: Path, remaining: list[str] | None = None, fi
         t_start[0] = time.monotonic()
         in_middle = wait_until(run, _kill_point(root, kind, ref[name]["seconds"]), 1800, f"the middle of {name}")
         text = run.text()
+        redone(text)
         for earlier in finished:  # what finished before is never redone
             if re.search(rf"▶ {earlier} started", text) and not (forced and earlier == name):
                 pytest.fail(f"attempt {attempt}: {earlier} ran again although it had finished:\n{text[-3000:]}")
@@ -112,14 +124,18 @@ def kill_walk(tiny: dict, tmp_path: Path, remaining: list[str] | None = None, fi
         out.write_text(json.dumps({"kills": records}, indent=2))  # kept if a later step fails
         assert in_middle, f"{name} finished before it could be killed: {records[-1]}"
         finished |= _done(text) - {name}
+        pending[:] = [s for s in re.findall(r"▶ (\S+) started", text) if kinds[s] == kind and s not in _done(text)]
+        assert pending, f"attempt {attempt}: no {kind} stage was working at the kill"
         remaining.remove(kind)
         if forced:  # the forced stage's rerun: it must complete and match the reference
             attempt += 1
             rerun = start_run(args, env, tmp_path / f"attempt{attempt}.log")
             assert finish(rerun, 1800) == 0, rerun.text()[-3000:]
+            redone(rerun.text())
     attempt += 1
     final = start_run(base + ["--json", str(tmp_path / "final.json")], env, tmp_path / f"attempt{attempt}.log")
     assert finish(final, 3600) == 0, final.text()[-3000:]
+    redone(final.text())
     got = json.loads((tmp_path / "final.json").read_text())["stages"]
     logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("attempt*.log")))
     resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", logs)]
