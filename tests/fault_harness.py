@@ -27,7 +27,16 @@ REPO = Path(__file__).resolve().parent.parent
 TIMING_KEYS = frozenset({"tokens_per_second", "mfu", "seconds", "train_seconds", "elapsed_s", "stage_seconds",
                          "generation_tokens_per_second", "samples_per_second", "steps_per_second",
                          "train_runtime", "train_samples_per_second", "train_steps_per_second", "wall_s",
-                         "created_at", "sandbox_seconds", "docs_per_second"})
+                         "created_at", "sandbox_seconds", "docs_per_second", "eval_tokens_per_second",
+                         "generation_tokens_per_second_mean", "selection_seconds",
+                         "memory_gb"})  # measured peak memory (pretrain's train_log.jsonl): not the same twice
+
+# Absolute paths of input artifacts recorded in an artifact (mix's mixture_stats.json "inputs"): they differ between
+# artifact roots (the walk's and the reference's), never between two runs in one root.
+# Likewise the reward model's path in grpo's rl_report.json.
+LOCATION_KEYS = frozenset({"path", "reward_model"})
+# A .gz file whose decompressed bytes are equal: only the gzip header (its mtime) differs.
+GZIP_HEADER = "<gzip header>"
 
 
 @dataclass
@@ -152,9 +161,10 @@ class ArtifactDiff:
 
     @property
     def equal_but_timings(self) -> bool:
-        """Equal once the wall-clock fields (TIMING_KEYS) are left out."""
+        """Equal once the wall-clock fields (TIMING_KEYS) and absolute input paths (LOCATION_KEYS) are left out."""
         return not (self.only_ref or self.only_new) and all(
-            keys is not None and set(keys) <= TIMING_KEYS for keys in self.differing.values())
+            keys is not None and set(keys) <= TIMING_KEYS | LOCATION_KEYS | {GZIP_HEADER}
+            for keys in self.differing.values())
 
 
 def compare_artifacts(ref: Path, new: Path) -> ArtifactDiff:
@@ -171,7 +181,12 @@ def compare_artifacts(ref: Path, new: Path) -> ArtifactDiff:
 
 
 def _json_key_diff(x: Path, y: Path) -> list[str] | None:
-    """Keys whose values differ between two JSON (or JSONL) files of the same shape; None if not comparable."""
+    """Keys whose values differ between two JSON (or JSONL) files of the same shape; [GZIP_HEADER] for .gz files
+    equal once decompressed; None if not comparable."""
+    if x.suffix == ".gz":
+        import gzip
+
+        return [GZIP_HEADER] if gzip.decompress(x.read_bytes()) == gzip.decompress(y.read_bytes()) else None
     try:
         tx, ty = x.read_text(), y.read_text()
         if x.suffix == ".jsonl":
