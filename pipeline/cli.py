@@ -68,10 +68,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"{args.spec}: no stage named {', '.join(map(repr, unknown))} (stages: {', '.join(spec.stages)})",
               file=sys.stderr)
         return EXIT_INVALID
+    from pipeline.tracking import TrackingUnavailable, check_reachable, journal_summary
+
+    try:
+        if not opts.dry_run:  # before any stage starts
+            check_reachable(opts.tracking_uri or spec.tracking_uri or "")
+    except TrackingUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
     try:
         report = run_pipeline(spec, opts)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except TrackingUnavailable as e:
+        left = journal_summary(spec.artifact_root)
+        print(f"\nFAILED: {e}. The run stopped; stages that finished are cached. Not logged to MLflow yet (kept "
+              f"in journals; the next `hylight run` with the server up sends them):\n  "
+              + ("\n  ".join(left) or "(no stage metrics: only the runs' final status and tags)"), file=sys.stderr)
+        return EXIT_FAILED
     print("\n" + summary_table(report), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(report_json(report))

@@ -36,6 +36,7 @@ TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _SUPERVISE_FLAG = "--hylight-supervise"
+_WATCH_FLAG = "--hylight-watch"
 
 
 class ProcessTreeError(RuntimeError):
@@ -309,5 +310,67 @@ def _main(argv: list[str]) -> None:
     _exit_like(os.waitstatus_to_exitcode(status))
 
 
+# --------------------------------------------------------------------------------------------
+# the driver's watchdog (`python -I launch.py --hylight-watch DRIVER_PID START_TICKS INTERVAL`)
+#
+# A local Ray started by `hylight run` shares the driver's fate only in part: measured with Ray 2.60, after a
+# SIGKILL of the driver alone, gcs_server, raylet and the workers exit within seconds, but DashboardAgent and
+# RuntimeEnvAgent are re-parented to init and live on for one to two minutes. A SIGKILL cannot be handled, so a
+# separate process does the cleanup: it notes the driver's descendants while the driver lives (a process that
+# loses its parent drops out of the tree, so what was seen is kept while it lives) and, once the driver is gone,
+# kills every one of them still running (same pid and start time) and whatever they started.
+
+
+def start_watchdog(pid: int | None = None, interval_s: float = 1.0) -> int:
+    """Start the watchdog of process ``pid`` (default: this one); returns the watchdog's pid. It runs in a session
+    of its own and is not a child of ``pid`` (Ray SIGKILLs a dead driver's direct children, as it does a worker's),
+    so neither a kill of the driver's process group nor Ray reaches it. It exits once the driver's processes are
+    gone."""
+    pid = os.getpid() if pid is None else pid
+    starter = subprocess.run([sys.executable, "-I", os.path.abspath(__file__), _WATCH_FLAG, str(pid),
+                              str(process_start_ticks(pid) or 0), f"{interval_s:g}"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             start_new_session=True, close_fds=True, check=True, timeout=60)
+    return int(starter.stdout)
+
+
+def _watch(driver: int, driver_start: int | None, interval_s: float) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the driver
+    seen: dict[int, int | None] = {}  # pid -> start ticks of every descendant of the driver seen so far
+    while pid_alive(driver, driver_start):
+        kids = _children_map()
+        todo = list(kids.get(driver, []))
+        while todo:
+            p = todo.pop()
+            if p not in seen:
+                seen[p] = process_start_ticks(p)
+            todo.extend(kids.get(p, []))
+        seen = {p: t for p, t in seen.items() if pid_alive(p, t)}
+        time.sleep(interval_s)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        live = [p for p, t in seen.items() if pid_alive(p, t)]
+        kids = _children_map()
+        live += [k for p in live for k in kids.get(p, []) if k not in seen]
+        if not live:
+            return 0
+        for p in live:
+            seen.setdefault(p, process_start_ticks(p))
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    return 1
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == _SUPERVISE_FLAG:
     _main(sys.argv[2:])
+elif __name__ == "__main__" and len(sys.argv) > 4 and sys.argv[1] == _WATCH_FLAG:
+    watcher = os.fork()  # the starter exits at once: the watchdog is nobody's child but init's (or a subreaper's)
+    if watcher:
+        print(watcher, flush=True)
+        os._exit(0)
+    os.close(1)
+    os.open(os.devnull, os.O_WRONLY)
+    os._exit(_watch(int(sys.argv[2]), int(sys.argv[3]) or None, float(sys.argv[4])))

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from pipeline import tracking
 from pipeline.artifacts import ArtifactCheck, ArtifactStore, cache_key, check_artifact, write_json_atomic
-from pipeline.launch import pid_alive, process_start_ticks
+from pipeline.launch import pid_alive, process_start_ticks, start_watchdog
 from pipeline.registry import code_digest
 from pipeline.runner import StageOutcome, StageTask, execute_stage, forwarded_env
 from pipeline.spec import ClusterCapacity, NodeCapacity, PipelineSpec, ResolvedStage
@@ -196,6 +196,17 @@ def summary_table(report: RunReport) -> str:
     return format_table(rows)
 
 
+_watchdog: int | None = None
+
+
+def _watch_this_process() -> None:
+    """Once per process: a watchdog that kills the local Ray this process starts if it dies without stopping
+    it (SIGKILL: Ray's agents would otherwise outlive it by minutes; pipeline.launch.start_watchdog)."""
+    global _watchdog
+    if _watchdog is None or not pid_alive(_watchdog):
+        _watchdog = start_watchdog()
+
+
 class Orchestrator:
     def __init__(self, spec: PipelineSpec, opts: RunOptions, out: TextIO = sys.stderr):
         self.spec = spec
@@ -250,6 +261,7 @@ class Orchestrator:
             else:
                 cap = local_capacity()
                 self.console.say(f"starting local Ray on 127.0.0.1 ({cap.cpus:g} CPUs, {cap.gpus:g} GPUs)")
+                _watch_this_process()
                 ray.init(address="local", num_cpus=int(cap.cpus), num_gpus=int(cap.gpus),
                          include_dashboard=False, log_to_driver=True, _memory=int(cap.memory_gb * 2**30),
                          logging_level="WARNING")
@@ -307,6 +319,30 @@ class Orchestrator:
             if not token:
                 return closed
 
+    def _replay_left_journals(self, c: Any) -> None:
+        """Send what earlier runs' stages could not log while the tracking server was down."""
+        for path in sorted((self.spec.artifact_root / tracking.JOURNAL_DIR).glob("*.jsonl")):
+            try:
+                run = tracking.retry(c.get_run, path.stem)
+            except tracking.TrackingUnavailable:
+                raise
+            except Exception as e:  # noqa: BLE001 (e.g. a journal written for another tracking store)
+                self.console.say(f"warning: {path} is for a run this tracking store does not have "
+                                 f"({str(e).splitlines()[0][:200]}); left in place")
+                continue
+            if run.info.status == "RUNNING":  # a stage of a live run still writes it
+                continue
+            uri = run.data.tags.get(tracking.TAG_ARTIFACT_URI, "")
+            out_dir = Path(uri[len("file://"):]) if uri.startswith("file://") else None
+            n = tracking.replay_journal(c, path, out_dir)
+            self.console.say(f"logged {n} journaled MLflow record(s) of run {path.stem} (the server was down then)")
+
+    def _replay_journal(self, c: Any, run_id: str, out_dir: Path | None) -> None:
+        path = tracking.journal_path(self.spec.artifact_root, run_id)
+        if c is not None and path.exists():
+            n = tracking.replay_journal(c, path, out_dir)
+            self.console.say(f"logged {n} MLflow record(s) journaled while the tracking server was down")
+
     def _stage_run(self, c: Any, exp: str, parent: str, st: ResolvedStage, key: str,
                    inputs: dict[str, list[dict[str, Any]]], tags: dict[str, Any]) -> str:
         run_id = tracking.start_run(c, exp, st.name, parent_run_id=parent, tags={
@@ -337,6 +373,8 @@ class Orchestrator:
         t0 = time.monotonic()
         order, forced = self.plan()
         results = {n: StageResult(name=n, state="pending") for n in order}
+        if not o.dry_run:
+            tracking.check_reachable(self.tracking_uri)  # before anything is started or written
         swept = self.store.sweep()
         if swept:
             say(f"removed {swept} partial output(s) left by killed stages")
@@ -348,6 +386,7 @@ class Orchestrator:
             orphans = self.close_orphaned_runs(c, exp)
             if orphans:
                 say(f"marked {orphans} MLflow run(s) KILLED: left RUNNING by a `hylight run` that was killed")
+            self._replay_left_journals(c)
             parent = tracking.start_run(c, exp, f"{spec.name} {time.strftime('%Y-%m-%d %H:%M:%S')}", tags={
                 tracking.TAG_SPEC: str(spec.path), "hylight.command": o.command,
                 "hylight.overrides": " ".join(spec.overrides), "hylight.host": socket.gethostname(),
@@ -385,7 +424,10 @@ class Orchestrator:
         except BaseException:  # a driver error must not leave MLflow runs RUNNING forever
             self._abandon(running, results, c, "driver error", "FAILED")
             if c is not None and parent is not None:
-                tracking.end_run(c, parent, "FAILED")
+                try:
+                    tracking.end_run(c, parent, "FAILED")
+                except tracking.TrackingUnavailable:
+                    pass
             raise
         finally:
             if self._ray_started:
@@ -419,8 +461,11 @@ class Orchestrator:
                 pass
             results[name].state, results[name].error = "failed", why
             if c:
-                tracking.set_tags(c, run_id, {tracking.TAG_STATE: why})
-                tracking.end_run(c, run_id, status)
+                try:
+                    tracking.set_tags(c, run_id, {tracking.TAG_STATE: why})
+                    tracking.end_run(c, run_id, status)
+                except tracking.TrackingUnavailable:  # the next run closes it (close_orphaned_runs)
+                    pass
 
     def _log_spec(self, c: Any, parent: str) -> None:
         import yaml
@@ -546,6 +591,7 @@ class Orchestrator:
             if c:
                 tracking.retry(c.log_artifact, run_id, str(err_path))
                 tracking.set_tags(c, run_id, {tracking.TAG_STATE: "failed", "hylight.error": res.error})
+                self._replay_journal(c, run_id, None)
                 tracking.end_run(c, run_id, "FAILED")
             err_path.unlink(missing_ok=True)
             return
@@ -555,6 +601,7 @@ class Orchestrator:
         res.seconds, res.summary, res.produced_by = outcome.seconds, outcome.summary, run_id
         self.console.say(f"✓ {name} done in {outcome.seconds:.1f}s  {_fmt_summary(outcome.summary)}")
         if c:
+            self._replay_journal(c, run_id, art.path)
             self._finish_stage_run(c, run_id, art, cache_hit=False)
 
 

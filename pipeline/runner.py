@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import ArtifactStore, explain_write_failure
@@ -176,12 +177,14 @@ def _execute(task: StageTask) -> StageOutcome:
 
     sink: MetricSink
     if task.run_id and task.tracking_uri:
-        from pipeline.tracking import MLflowSink
+        from pipeline.tracking import JOURNAL_DIR, MLflowSink
 
-        sink = MLflowSink(task.tracking_uri, task.run_id)
+        sink = MLflowSink(task.tracking_uri, task.run_id, journal_dir=Path(task.root) / JOURNAL_DIR)
     else:
         sink = MetricSink()
     tmp = store.begin(kind.name, task.key)
+    if hasattr(sink, "out_dir"):  # artifacts it could not send yet are found again in the committed artifact
+        sink.out_dir = tmp
     ctx = StageContext(tmp, inputs, stage_name=task.stage, sink=sink,
                        resources=Resources(**{k: v for k, v in task.resources.items() if v is not None}),
                        work_dir=tmp.with_name(tmp.name + ".work"), resume_dir=store.resume_dir(kind.name, task.key))

@@ -13,3 +13,37 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # from whichever test gets there first — so it is set here, once, for the whole session.
 if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# --- the uninterrupted tiny DAG, shared by tests/test_tiny_dag.py and tests/test_faults.py ------------------------
+# Session scope, and both modules' tests carry xdist_group("tiny_dag") (pyproject: --dist loadgroup), so one worker
+# runs the ~7-minute DAG once for both.
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def hylight(*args: str, env: dict[str, str], timeout: int = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    env = {**os.environ, "HYLIGHT_STATE_DIR": str(tmp / "state")}
+    root = tmp / "runs"
+    first = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--json", str(tmp / "1.json"),
+                    env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--json",
+                     str(tmp / "2.json"), env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    return {"env": env, "root": root, "first": json.loads((tmp / "1.json").read_text()),
+            "second": json.loads((tmp / "2.json").read_text()), "stderr": first.stderr}

@@ -272,3 +272,34 @@ def run_writer(params: WriterParams, ctx: StageContext) -> None:
 
 
 WRITER = StageKind(name="test_writer", params=WriterParams, run=run_writer, produces="blob")
+
+
+class StepsParams(StageParams):
+    steps_before: int = 20  # metric `x` = step for steps 1..steps_before, flushed to the tracking store
+    steps_after: int = 20  # then, once `marker` is gone, the remaining steps
+    marker: str  # block while this file exists (at most timeout_s)
+    pid_file: str  # written once the first steps are flushed
+    timeout_s: float = 120.0
+
+
+def run_steps(params: StepsParams, ctx: StageContext) -> None:
+    """Logs one metric per step in two parts with a pause between (a tracking server can be stopped there), then a
+    tag and a small artifact file."""
+    _record(ctx.stage_name)
+    for step in range(1, params.steps_before + 1):
+        ctx.log_metrics({"x": float(step)}, step=step)
+    ctx.sink.flush()
+    Path(params.pid_file).write_text(str(os.getpid()))
+    deadline = time.monotonic() + params.timeout_s
+    while Path(params.marker).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    total = params.steps_before + params.steps_after
+    for step in range(params.steps_before + 1, total + 1):
+        ctx.log_metrics({"x": float(step)}, step=step)
+    ctx.set_tags({"fixture.done": "yes"})
+    (ctx.out_dir / "steps.txt").write_text(str(total))
+    ctx.log_artifact(ctx.out_dir / "steps.txt", "fixture")
+    ctx.log_summary({"steps": total})
+
+
+STEPS = StageKind(name="test_steps", params=StepsParams, run=run_steps, produces="text")

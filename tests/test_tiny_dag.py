@@ -15,29 +15,11 @@ from pathlib import Path
 import pytest
 
 from pipeline import tracking
+from tests.conftest import hylight
 
-pytestmark = pytest.mark.slow
+# the `tiny` fixture (tests/conftest.py) is shared with tests/test_faults.py: one worker runs the group
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_dag")]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def hylight(*args: str, env: dict[str, str], timeout: int = 1500) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tiny")
-    env = {**os.environ, "HYLIGHT_STATE_DIR": str(tmp / "state")}
-    root = tmp / "runs"
-    first = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--json", str(tmp / "1.json"),
-                    env=env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--json",
-                     str(tmp / "2.json"), env=env)
-    assert second.returncode == 0, second.stderr[-3000:]
-    return {"env": env, "root": root, "first": json.loads((tmp / "1.json").read_text()),
-            "second": json.loads((tmp / "2.json").read_text()), "stderr": first.stderr}
 
 
 def test_tiny_dag_runs_every_stage_then_is_all_cache_hits(tiny):
