@@ -4,8 +4,9 @@
 Sources, in this order (the order decides which copy of a duplicate is kept: user prompts first):
 
 1. **user** prompts: every JSONL file in ``user_files``, one object a line with a non-empty string ``prompt`` and
-   optional ``id``, ``task_type``, ``domain``, ``difficulty`` (strings) and ``checker`` + ``reference`` (a
-   verifiable prompt, checked like the generated ones). Files are checked at spec validation with ``file:line``
+   optional ``id``, ``task_type``, ``domain``, ``difficulty``, ``response`` (strings; a ``response`` is a real
+   answer the reward model's preference pairs use as chosen) and ``checker`` + ``reference`` (a verifiable prompt,
+   checked like the generated ones). Files are checked at spec validation with ``file:line``
    errors; a line that became bad after validation is dropped as ``invalid_record``.
 2. **verifiable** prompts from :mod:`posttrain.verifiable` (arithmetic, string, retrieval from corpus passages,
    Python functions with hidden tests), ``verifiable`` counts per task type, with exact checkers.
@@ -103,7 +104,7 @@ class PromptsParams(StageParams):
         "Excerpt lengths (words) of open-ended prompts, one per difficulty easy/medium/hard."))
     user_files: list[str] = Field(default_factory=list, description=(
         "JSONL files of user prompts (.jsonl or .jsonl.gz): {\"prompt\": str} a line, optional id, task_type, "
-        "domain, difficulty, checker + reference."))
+        "domain, difficulty, response (a real answer: chosen of reward-model pairs), checker + reference."))
     max_prompt_chars: int = Field(8000, ge=1, description="Longer prompts are dropped (too_long).")
     n_grams: int = Field(3, ge=1, description="Word shingle size of the near-duplicate check.")
     num_perm: int = Field(128, ge=16, description="Permutations of the datasketch MinHash.")
@@ -141,7 +142,7 @@ def record_problem(obj: Any) -> str | None:
         return f"expected a JSON object, got {type(obj).__name__}"
     if not isinstance(obj.get("prompt"), str):
         return "needs a string field 'prompt'"
-    for key in ("id", *TAG_FIELDS):
+    for key in ("id", "response", *TAG_FIELDS):
         if key in obj and not isinstance(obj[key], str):
             return f"field {key!r} must be a string"
     if "checker" in obj:
@@ -209,6 +210,8 @@ def _user_prompts(params: PromptsParams) -> Iterator[tuple[dict[str, Any] | None
                    else "heuristic" if not given else "given+heuristic", "origin": f"{Path(path).name}:{line_no}"}
             if "checker" in obj:
                 rec |= {"checker": obj["checker"], "reference": obj["reference"]}
+            if obj.get("response", "").strip():  # a real answer: chosen of a reward-model pair
+                rec["response"] = obj["response"]
             yield rec, where, ""
 
 

@@ -210,7 +210,8 @@ def _documents(tmp: Path, n: int = 40) -> Artifact:
 def _user_file(tmp: Path) -> Path:
     lines = [
         json.dumps({"id": "u1", "prompt": "Explain photosynthesis to a child.", "task_type": "explanation",
-                    "domain": "science", "difficulty": "easy"}),
+                    "domain": "science", "difficulty": "easy",
+                    "response": "Plants use sunlight to turn water and air into sugar."}),
         json.dumps({"prompt": "Write a python function that reverses a linked list."}),
         json.dumps({"id": "u1-copy", "prompt": "  explain   PHOTOSYNTHESIS to a child. "}),  # duplicate of u1
         json.dumps({"id": "blank", "prompt": "   "}),  # empty
@@ -266,6 +267,8 @@ def test_stage_accounts_for_every_prompt_and_keeps_rl_and_eval_apart_from_sft(tm
             assert all(isinstance(r[t], str) and r[t] for t in ("task_type", "domain", "difficulty"))
     user = {r["id"]: r for rows in pools.values() for r in rows if r["source"] == "user"}
     assert user["u1"]["tag_source"] == "given" and user["u1"]["domain"] == "science"
+    # a user's real answer travels with its prompt (the reward model's corpus pairs use it as chosen)
+    assert user["u1"]["response"].startswith("Plants use sunlight") and "response" not in user["u-check"]
     assert (ctx.out_dir / "plots" / "tags.png").is_file()
 
 
