@@ -76,7 +76,7 @@ def test_gpu_and_multi_node_stages_run_on_the_cluster(cluster, tmp_path):
 
     train = json.loads(Path(stages["train"]["artifact"], "workers.json").read_text())
     assert train["resources"] == {"cpus": 1, "gpus": 1, "memory_gb": None, "nodes": 2,
-                                  "reserved_for_task": False}
+                                  "reserved_for_task": False, "tasks": 1}
     assert train["cuda_visible_devices"] == ""  # the stage's own process holds no GPU
     workers = train["done"]
     assert len({w["node"] for w in workers}) == 2  # one worker per node, each with that node's GPU

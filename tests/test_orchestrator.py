@@ -301,7 +301,8 @@ def test_a_multi_node_stage_leaves_its_resources_to_the_workers_it_launches(env,
     assert report.ok, report.stages["w"].error
     out = json.loads(Path(report.stages["w"].artifact, "workers.json").read_text())
     assert [w["i"] for w in out["done"]] == [0, 1]
-    assert out["resources"] == {"cpus": 1, "gpus": 0, "memory_gb": None, "nodes": 2, "reserved_for_task": False}
+    assert out["resources"] == {"cpus": 1, "gpus": 0, "memory_gb": None, "nodes": 2, "reserved_for_task": False,
+                                "tasks": 1}
     assert out["cuda_visible_devices"] == ""
 
 
