@@ -175,16 +175,15 @@ def _execute(task: StageTask) -> StageOutcome:
         elif arts:
             inputs[role] = arts[0]
 
+    tmp = store.begin(kind.name, task.key)
     sink: MetricSink
     if task.run_id and task.tracking_uri:
         from pipeline.tracking import JOURNAL_DIR, MLflowSink
 
-        sink = MLflowSink(task.tracking_uri, task.run_id, journal_dir=Path(task.root) / JOURNAL_DIR)
+        # out_dir: artifacts it could not send yet are found again in the committed artifact
+        sink = MLflowSink(task.tracking_uri, task.run_id, journal_dir=Path(task.root) / JOURNAL_DIR, out_dir=tmp)
     else:
         sink = MetricSink()
-    tmp = store.begin(kind.name, task.key)
-    if hasattr(sink, "out_dir"):  # artifacts it could not send yet are found again in the committed artifact
-        sink.out_dir = tmp
     ctx = StageContext(tmp, inputs, stage_name=task.stage, sink=sink,
                        resources=Resources(**{k: v for k, v in task.resources.items() if v is not None}),
                        work_dir=tmp.with_name(tmp.name + ".work"), resume_dir=store.resume_dir(kind.name, task.key))

@@ -235,13 +235,14 @@ class MLflowSink(MetricSink):
     later, by this sink or by the driver (:func:`replay_journal`); the stage goes on either way."""
 
     def __init__(self, tracking_uri: str, run_id: str, flush_every_s: float = 5.0,
-                 journal_dir: Path | None = None, retry_down_every_s: float = 10.0) -> None:
+                 journal_dir: Path | None = None, retry_down_every_s: float = 10.0,
+                 out_dir: Path | None = None) -> None:
         super().__init__()
         self.c = client(tracking_uri)
         self.run_id = run_id
         self.flush_every_s = flush_every_s
         self.journal = Path(journal_dir) / f"{run_id}.jsonl" if journal_dir else None
-        self.out_dir: Path | None = None  # the stage's output dir: artifacts under it are journaled relative to it
+        self.out_dir = out_dir  # the stage's output dir: artifacts under it are journaled relative to it
         self.retry_down_every_s = retry_down_every_s
         self._pending: list[tuple[str, float, int | None, int]] = []
         self._last_flush = time.monotonic()
