@@ -34,28 +34,55 @@ def hylight(*args: str, env: dict[str, str], timeout: int = 1500) -> subprocess.
                           capture_output=True, text=True, timeout=timeout)
 
 
+TINY_GROUP = "tiny_dag"
+
+
+def _shared_fixtures(item) -> list[str]:
+    """The module- or session-scoped fixtures this repository defines that ``item`` uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    names = []
+    for name, defs in (info.name2fixturedefs.items() if info else ()):
+        d = defs[-1]
+        if d.scope in ("module", "package", "session") and d.baseid.startswith("tests"):
+            names.append(name)
+    return sorted(names)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Make ``xdist_group`` hold again under pytest >= 9.2.
+    """Schedule for two xdist workers: every expensive shared fixture is built once, the tiny DAG first.
 
-    pytest-xdist (3.8) groups tests by appending ``@group`` to ``item._nodeid`` on each worker; pytest 9.2 reads
-    the node id from ``item._id`` instead, so the suffix is lost, ``--dist loadgroup`` spreads a group over every
-    worker, and each worker runs the ~10-minute tiny DAG fixture again. This hook (after xdist's) writes the suffix
-    where this pytest reads it. tests/test_conftest_grouping.py checks that a group lands on one worker.
+    - pytest-xdist (3.8) groups tests by appending ``@group`` to ``item._nodeid`` on each worker; pytest 9.2 reads
+      the node id from ``item._id`` instead, so the suffix was lost, ``--dist loadgroup`` spread a group over every
+      worker, and each worker ran the ~9-minute tiny DAG fixture again. This hook (after xdist's) writes the suffix
+      where this pytest reads it.
+    - A test that uses a module- or session-scoped fixture of this repository (a trained model, a built corpus)
+      joins its module's group ``<module>.shared``, so one worker builds each such fixture once instead of each
+      worker building its own (the eval module's trained inputs took 47 s per build).
+    - The tiny DAG's group is scheduled first (pyproject: --no-loadscope-reorder keeps this order): it is the
+      longest unit of work, so the other worker takes everything else beside it.
+    tests/test_conftest_grouping.py runs two workers over a generated project to check the grouping.
     """
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                         for m in item.iter_markers("xdist_group")})
-        if not names or item.nodeid.endswith("@" + "_".join(names)):
+        if not names:
+            shared = _shared_fixtures(item)
+            if not shared:
+                continue
+            names = [f"{item.path.stem}.shared"]
+        group = "_".join(names)
+        if item.nodeid.endswith("@" + group):
             continue
-        grouped = f"{item.nodeid}@{'_'.join(names)}"
+        grouped = f"{item.nodeid.split('@')[0]}@{group}"
         if hasattr(item, "_id"):
             from _pytest.nodeid import coerce_node_id
             item._id = coerce_node_id(grouped)
-        else:  # pragma: no cover - older pytest, where xdist's own hook already did this
+        else:  # pragma: no cover - older pytest, where xdist's own hook writes _nodeid
             item._nodeid = grouped
+    items.sort(key=lambda it: not it.nodeid.endswith("@" + TINY_GROUP))
 
 
 @pytest.fixture(scope="session")

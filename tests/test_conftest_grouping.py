@@ -1,11 +1,13 @@
-"""The tests that share the tiny DAG fixture run on one xdist worker (so the DAG runs once per session).
+"""The test scheduling of tests/conftest.py for two xdist workers (pyproject: --dist loadgroup).
 
-Runs pytest with two workers over a generated project that uses this repository's conftest hook, and checks on which
-worker each test of the group ran.
+Runs pytest with two workers over a generated project that uses this repository's conftest hook, and checks that:
+a ``xdist_group`` stays on one worker (pytest 9.2 had broken that, so the tiny DAG ran once per worker), a module
+fixture is built once, and the tiny DAG's group is the first work a worker gets.
 """
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,35 +22,54 @@ def shared():
     return os.environ["PYTEST_XDIST_WORKER"]
 """
 GROUPED = """
-import pytest
-pytestmark = [pytest.mark.xdist_group("g")]
+import pytest, time
+pytestmark = [pytest.mark.xdist_group("tiny_dag")]
 def test_a1(shared, record_property): record_property("worker", shared)
 def test_a2(shared, record_property): record_property("worker", shared)
 def test_a3(shared, record_property): record_property("worker", shared)
 """
 MIXED = """
-import pytest, time
-@pytest.mark.xdist_group("g")
+import os, pytest, time
+
+@pytest.fixture(scope="module")
+def built():
+    with open(os.environ["BUILD_LOG"], "a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+    time.sleep(0.3)
+
+def test_m1(built): time.sleep(0.3)
+def test_m2(built): time.sleep(0.3)
+def test_m3(built): time.sleep(0.3)
+def test_m4(built): time.sleep(0.3)
+def test_s1(): time.sleep(0.3)
+def test_s2(): time.sleep(0.3)
+def test_s3(): time.sleep(0.3)
+
+@pytest.mark.xdist_group("tiny_dag")
 def test_b1(shared, record_property): record_property("worker", shared)
-def test_b2(): time.sleep(0.3)
-def test_b3(): time.sleep(0.3)
-def test_b4(): time.sleep(0.3)
 """
 
 
-def test_an_xdist_group_runs_on_one_worker(tmp_path):
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_grouped.py").write_text(GROUPED)
-    (tmp_path / "test_mixed.py").write_text(MIXED)
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --dist loadgroup\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def test_groups_stay_on_one_worker_module_fixtures_build_once_and_the_tiny_dag_goes_first(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "tests" / "test_zgrouped.py").write_text(GROUPED)  # collected last, scheduled first
+    (tmp_path / "tests" / "test_mixed.py").write_text(MIXED)
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --dist loadgroup --no-loadscope-reorder\n")
+    log = tmp_path / "builds.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BUILD_LOG": str(log)}
     r = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", "--junitxml",
-                        str(tmp_path / "j.xml"), "-q", str(tmp_path)], cwd=tmp_path, env=env,
+                        str(tmp_path / "j.xml"), "-q", "tests"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    import xml.etree.ElementTree as ET
+    cases = list(ET.parse(tmp_path / "j.xml").iter("testcase"))
+    assert len(cases) == 11
     workers = {case.get("name").split("@")[0]: prop.get("value")
-               for case in ET.parse(tmp_path / "j.xml").iter("testcase")
-               for prop in case.iter("property") if prop.get("name") == "worker"}
+               for case in cases for prop in case.iter("property") if prop.get("name") == "worker"}
     assert set(workers) == {"test_a1", "test_a2", "test_a3", "test_b1"}, workers
     assert len(set(workers.values())) == 1, f"the group was split over workers: {workers}"
+    assert log.read_text().count("\n") == 1, f"the module fixture was built more than once: {log.read_text()}"
+    # junit lists the tests in the order the controller got their reports: the group (instant tests, collected
+    # last) is the first unit of work one worker gets, while the other worker's first test takes 0.3 s or more
+    first = [c.get("name").split("@")[0] for c in cases[:3]]
+    assert {"test_a1", "test_a2", "test_a3", "test_b1"} & set(first), first
