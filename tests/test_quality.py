@@ -606,25 +606,6 @@ def test_same_input_and_params_give_identical_output_bytes(scored, small_artifac
     assert [k for k in first if first[k] != second[k]] == []
 
 
-@pytest.mark.slow
-def test_whole_sample_corpus_scores_documentation_above_code_and_fortunes(corpus, tmp_path):
-    """Realistic run (minutes on 2 CPUs): every shipped document, default params."""
-    art = _artifact(tmp_path / "in", corpus, shard_docs=50_000)
-    ctx = StageContext(tmp_path / "out", inputs={"documents": art}, stage_name="quality")
-    run(QualityParams(), ctx)
-    s = ctx.summary
-    assert s["documents"] == len(corpus) and s["labeled"] == 2000
-    for dim in DIMENSIONS:
-        assert s[f"heldout_mae_{dim}"] < 0.8 * s[f"baseline_mae_{dim}"]
-    assert s["heldout_category_accuracy"] > s["baseline_category_accuracy"] + 0.3
-    report = json.loads((ctx.out_dir / REPORT_NAME).read_text())
-    dom = report["per_domain"]
-    for dim in DIMENSIONS:
-        assert dom["prose"][f"mean_{dim}"] > dom["code"][f"mean_{dim}"] + 0.5
-        assert dom["prose"][f"mean_{dim}"] > dom["misc"][f"mean_{dim}"] + 0.5
-    assert re.fullmatch(r"\d+\.\d+\.\d+", report["scorer"]["encoder"]["version"])
-
-
 def test_validate_external_checks_the_labelers_files(tmp_path):
     assert STAGE.validate_external(QualityParams()) == []  # the shipped reference passages
     [(field, message)] = STAGE.validate_external(QualityParams(labeler={"kind": "reference", "refs_dir": str(tmp_path)}))

@@ -46,6 +46,24 @@ def test_tiny_dag_runs_every_stage_then_is_all_cache_hits(tiny):
     assert "✓ tokenizer done" in tiny["stderr"] and "stage" in tiny["stderr"]  # progress + summary table
 
 
+def test_tiny_dag_quality_scores_documentation_above_code_and_fortunes(tiny):
+    """The quality stage on the whole cleaned sample corpus (reference labeler, the spec's params).
+
+    (This replaces a standalone whole-corpus quality run in tests/test_quality.py: the DAG already does that work.)
+    """
+    q = tiny["first"]["stages"]["quality"]["summary"]
+    assert q["labeled"] == q["documents"] == tiny["first"]["stages"]["dedup"]["summary"]["kept"]
+    for dim in ("knowledge_depth", "helpfulness"):
+        assert q[f"heldout_mae_{dim}"] < 0.8 * q[f"baseline_mae_{dim}"], (dim, q)
+    assert q["heldout_category_accuracy"] > q["baseline_category_accuracy"] + 0.3, q
+    report = json.loads((Path(tiny["first"]["stages"]["quality"]["artifact"]) / "quality_report.json").read_text())
+    dom = report["per_domain"]
+    for dim in ("knowledge_depth", "helpfulness"):
+        assert dom["prose"][f"mean_{dim}"] > dom["code"][f"mean_{dim}"] + 0.5, (dim, dom)
+        assert dom["prose"][f"mean_{dim}"] > dom["misc"][f"mean_{dim}"] + 0.5, (dim, dom)
+    assert report["labels"]["rejected"] == 0 and report["labels"]["accepted"] == q["documents"]
+
+
 def test_tiny_dag_long_context_extends_the_pretrained_checkpoint_phase_by_phase(tiny):
     first = tiny["first"]
     lc = first["stages"]["long_context"]["summary"]
