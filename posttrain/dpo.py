@@ -46,6 +46,7 @@ from pydantic import Field, field_validator
 
 from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from posttrain.policy import CHECKPOINT_EVERY_HELP
 from posttrain.prompts import PROMPTS_TYPE, read_pool, split_group
 from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE, pairwise_accuracy
 from posttrain.rewards import RewardComponents
@@ -87,6 +88,7 @@ class DPOParams(StageParams):
         "Tokens of prompt + response in training (Table 7: 8192 in stage III, 1032192 in stage IV); longer pairs "
         "are cut at the end (counted as truncated_pairs)."))
     max_steps: int = Field(8, ge=1, description="Optimizer steps (Table 7: one epoch of the pairs).")
+    checkpoint_every: int = Field(10, ge=0, description=CHECKPOINT_EVERY_HELP)
     batch_pairs: int = Field(4, ge=1, description="Pairs per device per micro-batch.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per step (Table 7 batch: 64 pairs).")
     eval_every: int = Field(4, ge=1, description="Steps between held-out preference accuracy evaluations.")
@@ -257,9 +259,11 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     from posttrain.policy import (
         MODEL_DIR,
         SamplingStats,
+        last_checkpoint,
         load_policy,
         pass_rate,
         save_policy,
+        trainer_checkpointing,
         trainer_log_relay,
     )
     from posttrain.rewards import RewardHierarchy
@@ -339,10 +343,10 @@ def run(params: DPOParams, ctx: StageContext) -> None:
                 if params.lr_schedule == "cosine" else
                 {"lr_scheduler_type": "constant_with_warmup" if params.warmup_steps else "constant"})
     config = DPOConfig(
-        output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps, beta=params.beta,
+        max_steps=params.max_steps, beta=params.beta, **trainer_checkpointing(ctx, params.checkpoint_every),
         loss_type=[params.loss_type], learning_rate=params.learning_rate, warmup_steps=params.warmup_steps, **schedule,
         per_device_train_batch_size=params.batch_pairs, gradient_accumulation_steps=params.gradient_accumulation_steps,
-        max_length=params.max_length, logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
+        max_length=params.max_length, logging_steps=1, eval_strategy="no", report_to="none",
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
         seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}],
@@ -363,7 +367,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
             raise RuntimeError(f"dpo: pair {p['id']!r} tokenizes differently in TRL than in encode_pair_side; the "
                                "held-out preference accuracy would score other sequences than training uses")
     train_start = time.monotonic()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=last_checkpoint(ctx, config))
     train_seconds = time.monotonic() - train_start
     steps = trainer.state.global_step
 

@@ -253,7 +253,7 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
 
 def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs: Sequence[RewardFunc],
                config: HylightGRPOConfig, output_dir: str | Path,
-               callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+               callbacks: Sequence[Any] = (), resume_from_checkpoint: str | None = None) -> dict[str, Any]:
     """Run the §5.4.2 GRPO on ``prompts`` and save the policy to ``output_dir/policy``.
 
     ``model``: a saved model directory or a ``PreTrainedModel``; with beta != 0 TRL builds the reference policy
@@ -278,7 +278,7 @@ def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs:
         from transformers import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     policy_dir = output_dir / "policy"
     trainer.save_model(str(policy_dir))
     history = [h for h in trainer.state.log_history if "reward_mean" in h or "clip_fraction" in h]

@@ -176,13 +176,59 @@ def pass_rate(model: Any, tokenizer: Any, records: Sequence[dict[str, Any]], *, 
     return sum(r["correct"] for r in rows) / len(rows), rows
 
 
+CHECKPOINT_EVERY_HELP = ("Save a mid-training checkpoint (weights, optimizer, scheduler, RNG and data position) every "
+                         "this many optimizer steps in the stage's resume directory, so a rerun after a crash or kill "
+                         "continues from the last one; the directory is removed when the stage commits. 0: never.")
+
+
+def trainer_checkpointing(ctx: Any, every: int) -> dict[str, Any]:
+    """``TrainingArguments`` fields for a post-training stage's mid-training checkpoints.
+
+    With ``every`` > 0 the trainer saves every ``every`` steps under ``ctx.resume_dir/trainer`` (the runner keeps
+    that directory across a killed attempt of the same cache key and removes it once the stage commits), keeping
+    the last two; with 0 nothing is saved and the trainer's scratch directory is the work dir."""
+    if every <= 0:
+        return {"output_dir": str(Path(ctx.work_dir) / "trainer"), "save_strategy": "no"}
+    return {"output_dir": str(Path(ctx.resume_dir) / "trainer"), "save_strategy": "steps", "save_steps": every,
+            "save_total_limit": 2}
+
+
+def last_checkpoint(ctx: Any, args: Any) -> str | None:
+    """The newest *complete* checkpoint of a previous attempt under ``args.output_dir``, or None.
+
+    transformers writes ``checkpoint-N/`` in place and its ``trainer_state.json`` last, so a directory without a
+    readable one is an attempt killed mid-save: it is skipped (and overwritten when step N is saved again)."""
+    import json
+
+    if getattr(args, "save_strategy", "no") in ("no", None) or not Path(args.output_dir).is_dir():
+        return None
+    found: list[tuple[int, Path]] = []
+    for d in Path(args.output_dir).glob("checkpoint-*"):
+        try:
+            step = int(d.name.split("-", 1)[1])
+            json.loads((d / "trainer_state.json").read_text())
+        except (ValueError, OSError):
+            continue
+        found.append((step, d))
+    if not found:
+        return None
+    step, path = max(found)
+    ctx.progress(f"resuming training from {path.name} (step {step}), left by an attempt that did not finish")
+    return str(path)
+
+
 def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[str, float], int], None] | None = None,
                       shown: Sequence[str] = ("loss",),
-                      on_step_end: Callable[[Any, Any], None] | None = None) -> Any:
+                      on_step_end: Callable[[Any, Any], None] | None = None,
+                      restore: Callable[[dict[str, float], int], None] | None = None) -> Any:
     """A ``TrainerCallback`` for the TRL trainers of the post-training stages: every logged value named in
     ``renames`` goes to the stage's metrics under its interface name (``log(metrics, step)``, default
     ``ctx.log_metrics``), with a progress line of the ``shown`` ones; ``on_step_end(state, model)`` runs after each
-    step (a stage's held-out evaluations). The relay keeps ``losses``: (step, loss) of every logged step."""
+    step (a stage's held-out evaluations). The relay keeps ``losses``: (step, loss) of every logged step.
+
+    When training resumes from a checkpoint, the steps before it were logged to MLflow by the attempt that ran
+    them; the relay takes them back from the checkpoint's log history into ``losses`` (and passes them to
+    ``restore(metrics, step)``, for a stage's own series) without logging them again."""
     from transformers import TrainerCallback
 
     emit = log or (lambda metrics, step: ctx.log_metrics(metrics, step=step))
@@ -190,10 +236,32 @@ def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[
     class TrainerLogRelay(TrainerCallback):
         def __init__(self) -> None:
             self.losses: list[tuple[int, float]] = []
+            self.resumed_at = 0
+            self._began = False
+
+        def _relayed(self, logs: dict | None) -> dict[str, float]:
+            return {renames[k]: float(v) for k, v in (logs or {}).items()
+                    if k in renames and isinstance(v, int | float)}
+
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001 -- transformers' callback signature
+            # the first step of this attempt: transformers has loaded a resumed checkpoint's state by now (it does
+            # that after on_train_begin)
+            if self._began:
+                return
+            self._began = True
+            if state.global_step <= 0:
+                return
+            self.resumed_at = state.global_step
+            for entry in state.log_history:
+                out, step = self._relayed(entry), entry.get("step")
+                if out and isinstance(step, int) and step <= state.global_step:
+                    if "loss" in out:
+                        self.losses.append((step, out["loss"]))
+                    if restore is not None:
+                        restore(out, step)
 
         def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001 -- transformers' callback signature
-            out = {renames[k]: float(v) for k, v in (logs or {}).items()
-                   if k in renames and isinstance(v, int | float)}
+            out = self._relayed(logs)
             if not out:
                 return
             emit(out, state.global_step)

@@ -39,7 +39,7 @@ from pydantic import Field, field_validator
 from data.documents import ANY_DOCUMENTS
 from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint
-from posttrain.policy import trainer_log_relay
+from posttrain.policy import CHECKPOINT_EVERY_HELP, last_checkpoint, trainer_checkpointing, trainer_log_relay
 from posttrain.preference_pairs import PreferencePair, build_pairs, chat_messages, pair_file_problems
 from posttrain.prompts import POOLS, PROMPTS_TYPE, read_pool
 from pretrain.stage import CHECKPOINT_TYPE
@@ -61,6 +61,7 @@ class RewardModelParams(StageParams):
         "Words of real document text used as the chosen answer of an open-ended continuation prompt."))
     max_length: int = Field(384, ge=16, description="Pairs with a side longer than this many tokens are dropped.")
     max_steps: int = Field(30, ge=1, description="Optimizer steps.")
+    checkpoint_every: int = Field(10, ge=0, description=CHECKPOINT_EVERY_HELP)
     batch_pairs: int = Field(8, ge=1, description="Pairs per step (each gives a chosen and a rejected sequence).")
     learning_rate: float = Field(5e-4, gt=0, description="Peak AdamW learning rate (linear decay, 10% warmup).")
     weight_decay: float = Field(0.0, ge=0)
@@ -243,10 +244,10 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
             ctx.log_metrics({"eval_preference_accuracy": heldout_accuracy(trained)[0]}, step=state.global_step)
 
     config = RewardConfig(
-        output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps,
+        max_steps=params.max_steps, **trainer_checkpointing(ctx, params.checkpoint_every),
         per_device_train_batch_size=params.batch_pairs, learning_rate=params.learning_rate,
         weight_decay=params.weight_decay, warmup_steps=max(1, params.max_steps // 10), lr_scheduler_type="linear",
-        logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
+        logging_steps=1, eval_strategy="no", report_to="none",
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
         seed=params.seed, max_length=None, disable_tqdm=True,
         center_rewards_coefficient=params.center_rewards_coefficient, dataloader_num_workers=0)
@@ -255,7 +256,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
                             callbacks=[trainer_log_relay(ctx, relayed, shown=(), on_step_end=heldout_every)])
     trainer.remove_callback(PrinterCallback)  # the relay reports; no log dict printed every step
     train_start = time.monotonic()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=last_checkpoint(ctx, config))
     train_seconds = time.monotonic() - train_start
 
     after, c1, r1 = heldout_accuracy(rm)

@@ -48,6 +48,7 @@ from pydantic import Field, model_validator
 
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from posttrain.grpo import GENERATION_THROUGHPUT_METRIC, INTERFACE_METRICS
+from posttrain.policy import CHECKPOINT_EVERY_HELP
 from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, read_pool
 from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE
 from posttrain.rewards import RewardHierarchy, RewardWeights
@@ -87,6 +88,7 @@ class GRPOParams(StageParams):
     num_iterations: int = Field(2, ge=1, description=(
         "Optimizer steps per rollout (GRPO's mu): steps after the first are off-policy, where (a) acts."))
     max_steps: int = Field(4, ge=1, description="Optimizer steps.")
+    checkpoint_every: int = Field(10, ge=0, description=CHECKPOINT_EVERY_HELP)
     learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate (TRL's default schedule).")
     # the §5.4.2 switches (posttrain/grpo.py, docs/notes/grpo.md)
     loss_type: Literal["dapo", "cispo"] = Field("dapo", description=(
@@ -219,9 +221,11 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     from posttrain.policy import (
         MODEL_DIR,
         SamplingStats,
+        last_checkpoint,
         load_policy,
         pass_rate,
         save_policy,
+        trainer_checkpointing,
         trainer_log_relay,
     )
 
@@ -299,23 +303,25 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
             log({"eval_pass_rate": eval_pass_rate(model)}, state.global_step)
 
     relay = trainer_log_relay(ctx, RELAYED, log=log, shown=("loss", "reward_mean", "kl", "clip_fraction"),
-                              on_step_end=pass_rate_every)
+                              on_step_end=pass_rate_every,
+                              restore=lambda metrics, step: [series[k].append((step, v)) for k, v in metrics.items()])
 
     eps_high = params.epsilon_high if params.epsilon_high is not None else (5.0 if params.loss_type == "cispo"
                                                                               else params.epsilon)
     config = HylightGRPOConfig(
-        output_dir=str(ctx.work_dir / "trainer"), max_steps=params.max_steps, learning_rate=params.learning_rate,
+        max_steps=params.max_steps, learning_rate=params.learning_rate, **trainer_checkpointing(ctx, params.checkpoint_every),
         per_device_train_batch_size=params.prompts_per_step * params.num_generations,
         num_generations=params.num_generations, max_completion_length=params.max_completion_length,
         temperature=params.temperature, num_iterations=params.num_iterations, loss_type=params.loss_type,
         epsilon=params.epsilon, epsilon_high=eps_high, beta=params.beta, kl_estimator=params.kl_estimator,
         clip_large_ratio_negative_advantage=params.clip_large_ratio_negative_advantage,
-        balance_advantages=params.balance_advantages, seed=params.seed, logging_steps=1, save_strategy="no",
+        balance_advantages=params.balance_advantages, seed=params.seed, logging_steps=1,
         report_to="none", disable_tqdm=True, use_cpu=not on_gpu, bf16=on_gpu,  # the stage's GPU when it has one
         gradient_checkpointing=False, dataloader_num_workers=0)
     t0 = time.monotonic()
     result = train_grpo(policy, tok, [chat(r["prompt"]) for r in train_records], [reward], config,
-                        ctx.work_dir / "grpo", callbacks=[relay])
+                        ctx.work_dir / "grpo", callbacks=[relay],
+                        resume_from_checkpoint=last_checkpoint(ctx, config))
     train_seconds = time.monotonic() - t0
     steps = result["steps"]
 

@@ -58,11 +58,14 @@ from data.documents import unit_hash
 from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 from posttrain.policy import (
+    CHECKPOINT_EVERY_HELP,
     SamplingStats,
+    last_checkpoint,
     load_policy,
     pass_rate,
     sample_responses,
     save_policy,
+    trainer_checkpointing,
     trainer_log_relay,
 )
 from posttrain.preference_pairs import chat_messages, reference_response
@@ -128,6 +131,7 @@ class SFTParams(StageParams):
     warmup_ratio: float = Field(0.1, ge=0, lt=1, description="Share of the steps spent in linear warmup.")
     epochs: float = Field(2.0, gt=0, description="Passes over the SFT data (Table 7: 2 in Stages I and II).")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
+    checkpoint_every: int = Field(10, ge=0, description=CHECKPOINT_EVERY_HELP)
     batch_size: int = Field(4, ge=1, description="Examples per device step (Table 7: 128 / 80 global).")
     gradient_accumulation_steps: int = Field(1, ge=1)
     weight_decay: float = Field(0.0, ge=0)
@@ -437,12 +441,12 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     if params.min_learning_rate is not None:  # Table 7's Min LR: cosine to a floor
         scheduler, scheduler_kwargs = "cosine_with_min_lr", {"min_lr": params.min_learning_rate}
     config = SFTConfig(
-        output_dir=str(ctx.work_dir / "trainer"), assistant_only_loss=True, max_length=params.max_length,
+        assistant_only_loss=True, max_length=params.max_length,
         packing=False, learning_rate=params.learning_rate, lr_scheduler_type=scheduler,
         lr_scheduler_kwargs=scheduler_kwargs, warmup_steps=params.warmup_ratio, num_train_epochs=params.epochs,
         max_steps=params.max_steps or -1, per_device_train_batch_size=params.batch_size,
         gradient_accumulation_steps=params.gradient_accumulation_steps, weight_decay=params.weight_decay,
-        logging_steps=1, eval_strategy="no", save_strategy="no", report_to="none",
+        logging_steps=1, eval_strategy="no", report_to="none", **trainer_checkpointing(ctx, params.checkpoint_every),
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
         gradient_checkpointing=False, seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
     dataset = Dataset.from_dict({"messages": [example_messages(t) for t in targets]})
@@ -451,7 +455,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                          callbacks=[relay])
     trainer.remove_callback(PrinterCallback)
     train_start = time.monotonic()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=last_checkpoint(ctx, config))
     train_seconds = time.monotonic() - train_start
     steps = trainer.state.global_step
     model = trainer.model.eval()

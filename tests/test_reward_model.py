@@ -177,6 +177,16 @@ def test_continuations_are_the_document_text_right_after_the_excerpt(tiny: Tiny)
             assert len(found[rec["id"]].split()) == 25
 
 
+def _stage_params(user: Path) -> dict:
+    return dict(max_steps=24, batch_pairs=8, max_length=256, eval_every=12, heldout_fraction=0.25,
+                user_pair_files=[str(user)], continuation_words=30, checkpoint_every=10)
+
+
+def _stage_inputs(tiny: Tiny) -> dict:
+    return {"checkpoint": Artifact(tiny.checkpoint, {"type": "checkpoint", "digest": "t"}),
+            "prompts": Artifact(tiny.prompts, {"type": "prompts", "digest": "t"}), "documents": tiny.inputs.documents}
+
+
 @pytest.fixture(scope="module")
 def trained(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> StageContext:
     from posttrain.reward_model import RewardModelParams, run
@@ -185,12 +195,73 @@ def trained(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> StageContex
     user = root / "pairs.jsonl"
     user.write_text("".join(json.dumps({"prompt": f"Say hello to {n}.", "chosen": f"Hello, {n}!",
                                         "rejected": "Goodbye."}) + "\n" for n in ("Ann", "Bo", "Cy", "Di")))
-    ctx = StageContext(root / "out", {"checkpoint": Artifact(tiny.checkpoint, {"type": "checkpoint", "digest": "t"}),
-                                      "prompts": Artifact(tiny.prompts, {"type": "prompts", "digest": "t"}),
-                                      "documents": tiny.inputs.documents}, stage_name="reward_model")
-    run(RewardModelParams(max_steps=24, batch_pairs=8, max_length=256, eval_every=12, heldout_fraction=0.25,
-                          user_pair_files=[str(user)], continuation_words=30), ctx)
+    ctx = StageContext(root / "out", _stage_inputs(tiny), stage_name="reward_model")
+    run(RewardModelParams(**_stage_params(user)), ctx)
     return ctx
+
+
+KILLED_ATTEMPT = """
+import json, sys
+from pathlib import Path
+from pipeline.stage import Artifact, StageContext
+from posttrain.reward_model import RewardModelParams, run
+cfg = json.loads(sys.argv[1])
+inputs = {k: Artifact(Path(v["path"]), v["manifest"]) for k, v in cfg["inputs"].items()}
+ctx = StageContext(cfg["out"], inputs, stage_name="reward_model", resume_dir=cfg["resume"])
+run(RewardModelParams(**cfg["params"]), ctx)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_stage_resumes_from_its_trainer_checkpoint_and_ends_like_an_uninterrupted_run(
+        tiny: Tiny, trained: StageContext, tmp_path: Path) -> None:
+    """SIGKILL a reward_model attempt once its step-10 checkpoint is complete, rerun with the same resume dir (as
+    `hylight run` does): the rerun trains only the steps after the checkpoint and ends with the same weights."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from posttrain.reward_model import RewardModelParams, run
+
+    user = Path(trained.out_dir).parent / "pairs.jsonl"  # the uninterrupted run's pair file and params
+    params = _stage_params(user)
+    resume = tmp_path / "resume"
+    cfg = {"out": str(tmp_path / "out1"), "resume": str(resume), "params": params,
+           "inputs": {k: {"path": str(a.path), "manifest": a.manifest} for k, a in _stage_inputs(tiny).items()}}
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_ATTEMPT, json.dumps(cfg)], cwd=repo,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = resume / "trainer" / "checkpoint-10" / "trainer_state.json"
+    deadline = time.monotonic() + 300
+    try:
+        while not first.exists():
+            assert proc.poll() is None, f"the attempt ended before its step-10 checkpoint: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no step-10 checkpoint after 300 s"
+            time.sleep(0.02)
+        time.sleep(0.2)  # a partial later checkpoint is fine: the resume skips it
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    saved = sorted(int(d.name.split("-")[1]) for d in (resume / "trainer").glob("checkpoint-*")
+                   if (d / "trainer_state.json").exists())
+    assert saved and saved[-1] in (10, 20), saved
+
+    ctx = StageContext(tmp_path / "out2", _stage_inputs(tiny), stage_name="reward_model", resume_dir=resume)
+    run(RewardModelParams(**params), ctx)
+    losses = [(s, v) for k, v, s in ctx.sink.metrics if k == "loss"]
+    assert [s for s, _ in losses] == list(range(saved[-1] + 1, 25))  # only the steps after the checkpoint
+    ref = {s: v for k, v, s in trained.sink.metrics if k == "loss"}
+    for step, loss in losses:
+        assert loss == pytest.approx(ref[step], rel=1e-6, abs=1e-7), step
+    assert ctx.summary["eval_preference_accuracy"] == pytest.approx(trained.summary["eval_preference_accuracy"])
+    ours = load_file(ctx.out_dir / "reward_model" / "model.safetensors")
+    theirs = load_file(trained.out_dir / "reward_model" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert max(float((ours[k].double() - theirs[k].double()).abs().max()) for k in theirs) < 1e-6
 
 
 @pytest.mark.slow
