@@ -83,6 +83,7 @@ for _v in VARIANTS:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ablation_dag_compares_three_variants_trained_on_the_same_data(tmp_path) -> None:
     from pipeline import tracking
 

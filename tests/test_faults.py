@@ -164,6 +164,7 @@ def _link_copy(src: Path, dst: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.xdist_group("tiny_dag")
 def test_a_run_killed_during_a_data_and_a_post_training_stage_resumes_to_the_same_artifacts(tiny, tmp_path):
     """The CI subset of the kill-walk, on a copy of the finished tiny DAG without dedup's and sft_short's artifacts:
@@ -296,6 +297,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_an_mlflow_server_gone_mid_run_loses_no_metrics(tmp_path):
     """The server is killed while a stage logs: the stage finishes anyway (what it could not send goes to its
     journal); the driver waits HYLIGHT_TRACKING_WAIT_S for the server, then stops with a message naming what is not

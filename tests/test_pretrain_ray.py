@@ -90,6 +90,7 @@ def cluster() -> Iterator[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_pretrain_on_a_two_node_ray_cluster_trains_like_torchrun_and_reports_to_mlflow(cluster: str,
                                                                                         tmp_path: Path) -> None:
     from safetensors.torch import load_file
@@ -170,6 +171,7 @@ def _launch_without_shared_storage(tmp: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_failed_ray_train_worker_fails_the_stage_with_the_workers_error(cluster: str, tmp_path: Path) -> None:
     import ray
 
