@@ -236,7 +236,6 @@ def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[
     class TrainerLogRelay(TrainerCallback):
         def __init__(self) -> None:
             self.losses: list[tuple[int, float]] = []
-            self.resumed_at = 0
             self._began = False
 
         def _relayed(self, logs: dict | None) -> dict[str, float]:
@@ -251,7 +250,6 @@ def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[
             self._began = True
             if state.global_step <= 0:
                 return
-            self.resumed_at = state.global_step
             for entry in state.log_history:
                 out, step = self._relayed(entry), entry.get("step")
                 if out and isinstance(step, int) and step <= state.global_step:

@@ -302,9 +302,12 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
         if params.eval_every and state.global_step % params.eval_every == 0 and state.global_step < state.max_steps:
             log({"eval_pass_rate": eval_pass_rate(model)}, state.global_step)
 
+    def restore(metrics: dict[str, float], step: int) -> None:  # a resumed attempt's earlier steps, not re-logged
+        for k, v in metrics.items():
+            series[k].append((step, v))
+
     relay = trainer_log_relay(ctx, RELAYED, log=log, shown=("loss", "reward_mean", "kl", "clip_fraction"),
-                              on_step_end=pass_rate_every,
-                              restore=lambda metrics, step: [series[k].append((step, v)) for k, v in metrics.items()])
+                              on_step_end=pass_rate_every, restore=restore)
 
     eps_high = params.epsilon_high if params.epsilon_high is not None else (5.0 if params.loss_type == "cispo"
                                                                               else params.epsilon)

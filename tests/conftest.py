@@ -37,15 +37,11 @@ def hylight(*args: str, env: dict[str, str], timeout: int = 1500) -> subprocess.
 TINY_GROUP = "tiny_dag"
 
 
-def _shared_fixtures(item) -> list[str]:
-    """The module- or session-scoped fixtures this repository defines that ``item`` uses."""
+def _uses_shared_fixture(item) -> bool:
+    """Whether ``item`` uses a module- or session-scoped fixture this repository defines."""
     info = getattr(item, "_fixtureinfo", None)
-    names = []
-    for name, defs in (info.name2fixturedefs.items() if info else ()):
-        d = defs[-1]
-        if d.scope in ("module", "package", "session") and d.baseid.startswith("tests"):
-            names.append(name)
-    return sorted(names)
+    return any(defs[-1].scope in ("module", "package", "session") and defs[-1].baseid.startswith("tests")
+               for defs in (info.name2fixturedefs.values() if info else ()))
 
 
 @pytest.hookimpl(trylast=True)
@@ -54,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 
     - pytest-xdist (3.8) groups tests by appending ``@group`` to ``item._nodeid`` on each worker; pytest 9.2 reads
       the node id from ``item._id`` instead, so the suffix was lost, ``--dist loadgroup`` spread a group over every
-      worker, and each worker ran the ~9-minute tiny DAG fixture again. This hook (after xdist's) writes the suffix
+      worker, and each worker ran the ~12-minute tiny DAG fixture again. This hook (after xdist's) writes the suffix
       where this pytest reads it.
     - A test that uses a module- or session-scoped fixture of this repository (a trained model, a built corpus)
       joins its module's group ``<module>.shared``, so one worker builds each such fixture once instead of each
@@ -69,8 +65,7 @@ def pytest_collection_modifyitems(config, items):
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                         for m in item.iter_markers("xdist_group")})
         if not names:
-            shared = _shared_fixtures(item)
-            if not shared:
+            if not _uses_shared_fixture(item):
                 continue
             names = [f"{item.path.stem}.shared"]
         group = "_".join(names)
