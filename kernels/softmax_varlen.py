@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.host_values import host_ints
+
 __all__ = ["IMPLS", "document_causal_attention", "document_causal_attention_reference"]
 
 IMPLS = ("auto", "flex", "sdpa_loop")
@@ -75,7 +77,7 @@ def _check_inputs(
 
 def _document_bounds(cu_seqlens: torch.Tensor, n: int, caller: str) -> list[int]:
     """cu_seqlens as host ints, checked: starts at 0, ends at N, never decreases."""
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    bounds = host_ints(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != n:
         raise ValueError(
             f"{caller}: cu_seqlens must start at 0 and end at the number of tokens N={n}, got "

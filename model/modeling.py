@@ -42,6 +42,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 
+from kernels.host_values import host_ints, remember_host_ints
 from kernels.lightning import lightning_attention, lightning_attention_decode, lightning_decay_rates
 from kernels.softmax_varlen import document_causal_attention
 from model.configuration import LIGHTNING, SOFTMAX, HybridConfig
@@ -155,15 +156,24 @@ class SequenceLayout:
         token_mask = None if full_mask is None else full_mask[:, past:]
 
         doc_ids = None  # [B, T]: packed documents, numbered from 0 at each row start
+        packed_cu = None
         if cu_seqlens is not None:
             if batch != 1 or past:
                 raise ValueError("cu_seqlens packs documents along one row: needs batch size 1 and no cache")
-            bounds = cu_seqlens.to(device=device, dtype=torch.long)
-            if bounds[0] != 0 or bounds[-1] != length:
+            # the bounds on the host: free for a CPU tensor (the pretrain stage passes one), one read of a device
+            # tensor; the layers' kernels then plan from the host copy without waiting for the GPU again
+            host = host_ints(cu_seqlens)
+            if host[0] != 0 or host[-1] != length:
                 raise ValueError(f"cu_seqlens must start at 0 and end at the sequence length {length}")
+            if any(b < a for a, b in zip(host[:-1], host[1:], strict=True)):
+                raise ValueError(f"cu_seqlens must be non-decreasing (cumulative document lengths), got {host}")
+            bounds = cu_seqlens.to(device=device, dtype=torch.long)
             doc_ids = torch.bucketize(torch.arange(length, device=device), bounds[1:], right=True)[None]
             if position_ids is None:  # each document counts from 0, as if run alone
                 position_ids = torch.arange(length, device=device)[None] - bounds[doc_ids]
+            starts = sorted({b for b in host[:-1] if b < length})  # non-empty documents' first tokens
+            packed_cu = torch.tensor([*starts, length], dtype=torch.int32).to(device)
+            remember_host_ints(packed_cu, [*starts, length])
 
         if position_ids is None:
             if full_mask is None:
@@ -186,8 +196,7 @@ class SequenceLayout:
                     )
                 doc_ids = F.pad(breaks.long(), (1, 0)).cumsum(-1)
 
-        packed_cu = None
-        if doc_ids is not None:  # flatten rows; every row start and document start is a boundary
+        if doc_ids is not None and packed_cu is None:  # flatten rows; every row and document start is a boundary
             starts = F.pad((doc_ids[:, 1:] != doc_ids[:, :-1]), (1, 0), value=True).reshape(-1)
             first = torch.nonzero(starts).squeeze(1)
             packed_cu = torch.cat([first, first.new_tensor([batch * length])]).to(torch.int32)

@@ -59,6 +59,51 @@ def test_cu_seqlens_gives_the_same_packing_as_position_ids():
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_cu_seqlens_with_empty_documents_packs_like_the_nonempty_ones_and_keeps_its_bounds_on_the_host():
+    """Empty documents (repeated bounds, first or last too) change nothing; the layers' packed bounds are built
+    from the host copy and recorded, so no layer reads them back from the device."""
+    from kernels import host_values
+    from model.modeling import SequenceLayout
+
+    model = _model("hybrid")
+    ids = torch.cat(_docs(1))[None]
+    plain = model(ids, cu_seqlens=torch.tensor([0, 7, 27, 40], dtype=torch.int32)).logits
+    with_empty = torch.tensor([0, 0, 7, 7, 27, 40, 40], dtype=torch.int32)
+    torch.testing.assert_close(model(ids, cu_seqlens=with_empty).logits, plain, rtol=1e-12, atol=1e-12)
+    layout = SequenceLayout.build(1, 40, 0, torch.device("cpu"), None, None, with_empty)
+    assert layout.cu_seqlens.tolist() == [0, 7, 27, 40] and layout.cu_seqlens.dtype == torch.int32
+    assert host_values._VALUES[id(layout.cu_seqlens)][1] == (0, 7, 27, 40)
+    assert layout.position_ids[0, [0, 6, 7, 26, 27, 39]].tolist() == [0, 6, 0, 19, 0, 12]
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model(ids, cu_seqlens=torch.tensor([0, 27, 7, 40], dtype=torch.int32))
+    with pytest.raises(ValueError, match="start at 0 and end"):
+        model(ids, cu_seqlens=torch.tensor([0, 7, 27, 39], dtype=torch.int32))
+
+
+def test_host_ints_reads_a_device_tensor_once_per_object_and_version(monkeypatch):
+    """The cached read (used for non-CPU tensors) on CPU tensors, counting the reads it makes."""
+    from kernels import host_values
+
+    reads = []
+    real = host_values._read
+    monkeypatch.setattr(host_values, "_read", lambda t: reads.append(1) or real(t))
+    t = torch.tensor([0, 3, 9])
+    assert host_values._cached_read(t) == [0, 3, 9] and host_values._cached_read(t) == [0, 3, 9]
+    assert len(reads) == 1  # the second call is answered from the cache
+    t.add_(1)  # an in-place write bumps the version: read again
+    assert host_values._cached_read(t) == [1, 4, 10] and len(reads) == 2
+    u = torch.tensor([5, 6])
+    host_values.remember_host_ints(u, [5, 6])
+    assert host_values._cached_read(u) == [5, 6] and len(reads) == 2  # recorded, never read
+    key = id(u)
+    del u
+    assert key not in host_values._VALUES  # forgotten with the tensor
+    with torch.inference_mode():
+        w = torch.tensor([1, 2])
+    assert host_values._cached_read(w) == [1, 2] and host_values._cached_read(w) == [1, 2]
+    assert len(reads) == 4  # inference tensors keep no version: never cached
+
+
 def test_packed_rows_in_a_batch_and_their_gradients_equal_separate_documents():
     model = _model("hybrid")
     docs_a, docs_b = _docs(2), _docs(3)[::-1]  # two rows, boundaries at different places

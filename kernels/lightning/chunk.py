@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels.host_values import host_ints
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float32 for half/bfloat16 inputs, else the input dtype (float64 stays)."""
@@ -74,7 +76,7 @@ def check_lightning_inputs(
                 f"{caller}: cu_seqlens must be a 1-D integer tensor [N+1] of cumulative lengths starting at 0, "
                 f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}"
             )
-        bounds = [int(x) for x in cu_seqlens.tolist()]
+        bounds = host_ints(cu_seqlens)  # read from the device once per tensor, not once per layer
         if bounds[0] != 0 or bounds[-1] != length:
             raise ValueError(
                 f"{caller}: cu_seqlens must start at 0 and end at T={length}, got {bounds[0]} ... {bounds[-1]}"
