@@ -24,6 +24,7 @@ Prints a table per section at the end; JSON and the profile table go to --out.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -116,9 +117,21 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
                 super().__init__()
                 self.moe = moe
 
+        ref32 = copy.deepcopy(ref).float()
         h = Holder(ref)
         install_deepspeed_moe(h)
         h.train()
+        if not drop:  # correctness on this GPU: bf16 DeepSpeed layer against model/moe.py in fp32, same weights
+            x, xr = x0.clone().requires_grad_(), x0.float().clone().requires_grad_()
+            y = h.moe(x).hidden
+            y.float().square().mean().backward()
+            yr = ref32(xr).hidden
+            yr.square().mean().backward()
+            check = {"moe_check": "DeepSpeedMoEFeedForward (bf16) vs model/moe.py (fp32), dropless",
+                     "rel_err_out": float((y.float() - yr).norm() / yr.norm()),
+                     "rel_err_x_grad": float((x.grad.float() - xr.grad).norm() / xr.grad.norm())}
+            print(json.dumps(check), flush=True)
+            del ref32, x, xr, y, yr
         run(f"pretrain/moe.py DeepSpeedMoEFeedForward ({'token drop' if drop else 'dropless'})", h.moe,
             lambda m, x: m(x).hidden)
 
@@ -166,7 +179,9 @@ def _packed_batch(rows: int, T: int, vocab: int, dev, mean_doc: int | None = Non
     pos = torch.arange(n) - cu.long()[doc]
     labels = ids.clone()
     labels[0, cu[:-1].long()] = -100
-    return {k: v.to(dev) for k, v in dict(input_ids=ids, labels=labels, cu_seqlens=cu, position_ids=pos[None]).items()}
+    # cu_seqlens stays on the host, as the stage passes it (the model reads the bounds without a device sync)
+    return {"cu_seqlens": cu} | {k: v.to(dev) for k, v in dict(input_ids=ids, labels=labels,
+                                                                position_ids=pos[None]).items()}
 
 
 def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
@@ -178,7 +193,14 @@ def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
     from model.accounting import packed_flops
     from pretrain.loss import install_loss
     from pretrain.moe import install_deepspeed_moe
-    from pretrain.train import TrainConfig, compile_layers, compile_mode, deepspeed_config, optimizer_groups
+    from pretrain.train import (
+        TrainConfig,
+        compile_layers,
+        compile_mode,
+        deepspeed_config,
+        install_foreach_grad_norm,
+        optimizer_groups,
+    )
 
     dev = torch.device("cuda")
     cfg = config_for(size, max_position_embeddings=max(8192, T), use_cache=False)
@@ -190,6 +212,9 @@ def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
     tc = TrainConfig(data_dir="", tokenizer_dir="", resume_dir="", export_dir="", size=size, seq_len=T,
                      micro_batch_rows=B, batch_rows=B, zero_stage=zero, compile=compile_)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(tc, 1, dev))
+    # the stage's gradient norm; its divergence guard (one host read of that norm per step, as DeepSpeed's clipping
+    # does anyway) is left out so that a random batch judged a spike cannot skip an optimizer step of the benchmark
+    install_foreach_grad_norm(engine.optimizer)
     install_loss(engine.module, compile_)
     if compile_:
         compile_layers(engine.module, mode=COMPILE_MODE if COMPILE_MODE != "auto" else compile_mode(tc, dev))
@@ -298,7 +323,7 @@ def _attention_ms(cfg, T: int, B: int) -> tuple[float, float]:
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     n, H, D, hkv = B * T, cfg.num_attention_heads, cfg.head_dim, cfg.num_key_value_heads
-    cu = _packed_batch(B, T, cfg.vocab_size, dev)["cu_seqlens"]
+    cu = _packed_batch(B, T, cfg.vocab_size, dev)["cu_seqlens"].to(dev)
     q, k, v = (torch.randn(1, H, n, D, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
     ks, vs = (torch.randn(1, hkv, n, D, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
     go = torch.randn(1, H, n, D, device=dev, dtype=dt)
@@ -365,7 +390,8 @@ def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                 record_shapes=True) as prof:
         t = time.perf_counter()
         for _ in range(3):
             step()
@@ -381,7 +407,14 @@ def profile_step(out_dir: Path, T: int = 2048, B: int = 8, size: str = "gpu-300m
     cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
     stack_table = prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=25,
                                                               max_name_column_width=60, max_src_column_width=140)
-    (out_dir / "profile_T2048.txt").write_text(table + "\n\nCPU\n" + cpu_table + "\n\nBY STACK\n" + stack_table)
+    # where the GPU time goes by Python call site, and the shapes of the largest GPU ops (copies, norms)
+    gpu_stack = prof.key_averages(group_by_stack_n=8).table(sort_by="self_cuda_time_total", row_limit=40,
+                                                            max_name_column_width=60, max_src_column_width=160)
+    gpu_shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=40,
+                                                                    max_name_column_width=50,
+                                                                    max_shapes_column_width=120)
+    (out_dir / "profile_T2048.txt").write_text(table + "\n\nCPU\n" + cpu_table + "\n\nBY STACK\n" + stack_table
+                                               + "\n\nGPU BY STACK\n" + gpu_stack + "\n\nGPU BY SHAPE\n" + gpu_shapes)
     summary = (f"step wall {wall * 1e3:.1f} ms; GPU kernel time {gpu_us / 1e3:.1f} ms per step "
                f"({gpu_us / 1e3 / (wall * 1e3):.0%} of the wall time); {launches:.0f} kernel launches and "
                f"{syncs:.0f} sync/memcpy calls per step")

@@ -11,8 +11,8 @@ What is DeepSpeed's and what is ours:
   expert-data-parallel process groups, gives expert parameters their own ZeRO groups, reduces their gradients
   over the expert-data-parallel group only, and saves one checkpoint file per expert); the experts are held in
   ``deepspeed.moe.experts.Experts`` under DeepSpeed's names (``deepspeed_moe.experts.deepspeed_experts.0``, one stacked module per rank);
-  the expert FFNs run through ``deepspeed.moe.ep_experts`` (a grouped GEMM, ``torch._grouped_mm``, on CUDA; its
-  per-expert loop elsewhere).
+  the expert FFNs use ``deepspeed.moe.ep_experts``' packed SwiGLU kernel between two grouped GEMMs
+  (``torch._grouped_mm``, called here on our fused gate/up weights) on CUDA, and its per-expert loop elsewhere.
 * Ours: routing, capacity and dispatch. DeepSpeed's classic ``TopKGate``/``MOELayer`` builds dense
   [tokens, experts, capacity] dispatch and combine tensors with einsums (time and memory grow with tokens² per
   step; measured in BENCHMARKS.md), samples the second expert, selects tokens at random (RTS) and has a minimum
@@ -47,16 +47,18 @@ from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss
 
 
 class GroupedSwiGLUExperts(nn.Module):
-    """This rank's experts as stacked tensors, the layout of ``deepspeed.moe.ep_experts.GroupedExperts``:
-    w1 (gate) [E_l, F, d], w3 (up) [E_l, F, d], w2 (down) [E_l, d, F]. Three parameters per layer instead of three
-    per expert: DeepSpeed's per-parameter work (gradient copies, clipping, optimizer groups) does not grow with
-    the number of experts, and the grouped GEMM reads the weights in place (no stacking per step)."""
+    """This rank's experts as stacked tensors: w13 (gate rows, then up rows) [E_l, 2F, d] and w2 (down)
+    [E_l, d, F]. w13 is ``model/``'s ``gate_up_proj`` layout; ``deepspeed.moe.ep_experts.GroupedExperts`` keeps gate
+    and up apart and concatenates them on every call of its fused gate/up GEMM (a copy of all expert weights per
+    layer in the forward pass and a split of their gradients in the backward: ~7 ms of a gpu-300m step at 2K x 8,
+    BENCHMARKS.md). Two parameters per layer instead of three per expert: DeepSpeed's per-parameter work (gradient
+    copies, clipping, optimizer groups) does not grow with the number of experts, and the grouped GEMMs read the
+    weights in place."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
 
 
 class _MoEInner(nn.Module):
@@ -68,15 +70,58 @@ class _MoEInner(nn.Module):
         self.experts = experts
 
 
-def _grouped_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor,
-                     counts: torch.Tensor) -> torch.Tensor:
+def _grouped_experts(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts`` per expert, rows past their sum ignored) -> SwiGLU outputs."""
     from deepspeed.moe import ep_experts
 
-    if x.is_cuda:  # one grouped GEMM for gate+up, one for down; no host sync
-        return ep_experts._run_experts_grouped_mm_fused_gate_up(w1, w2, w3, x, counts)
-    # CPU: DeepSpeed's reference loop over experts (reads the counts on the host; fine off the GPU)
-    return ep_experts._run_experts_for_loop(w1, w2, w3, x, counts)
+    if x.is_cuda:  # one grouped GEMM for gate+up, DeepSpeed's packed SwiGLU kernel, one for down; no host sync
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offsets)
+        h = ep_experts.apply_packed_expert_activation(gate_up, "swiglu")
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
+    # CPU: DeepSpeed's reference loop over experts (reads the counts on the host; fine off the GPU), on views of
+    # the gate and up halves
+    f = w2.shape[-1]
+    return ep_experts._run_experts_for_loop(w13[:, :f], w2, w13[:, f:], x, counts)
+
+
+class _RowsToSlots(torch.autograd.Function):
+    """Dispatch: ``x[slot_token_sorted]`` ([k*n, d] from [n, d]), where the sorted slots are a permutation of the
+    k copies of each token. Its backward is a gather too: slot gradients back in slot order (``inverse``), summed
+    over the k copies. ``x[index]``'s own backward is an index_put with accumulation (a scatter-add of 2n rows into
+    n), and :class:`_SlotsToRows`'s would be an index_add_: on bf16 rows that is an atomic-add kernel that inductor
+    leaves to ATen (~0.3 ms per MoE layer at 16K tokens on an H100, BENCHMARKS.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(src, inverse)
+        ctx.k = k
+        return x.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        src, inverse = ctx.saved_tensors
+        return _slots_to_rows(grad, src, inverse, ctx.k), None, None, None
+
+
+class _SlotsToRows(torch.autograd.Function):
+    """Combine, the transpose of :class:`_RowsToSlots`: y_sorted [k*n, d] -> out[t] = sum of its k slots' rows."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(src, inverse)
+        ctx.k = k
+        return _slots_to_rows(y, src, inverse, k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        src, _ = ctx.saved_tensors
+        return grad.index_select(0, src), None, None, None
+
+
+def _slots_to_rows(y: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """sum over the k slots of each token; slot s = (choice s // n, token s % n) sits at row inverse[s] of y."""
+    return y.index_select(0, inverse).view(k, -1, y.shape[-1]).sum(0)
 
 
 def _ceil_capacity(tokens: torch.Tensor, capacity_factor: float, top_k: int, num_experts: int,
@@ -134,10 +179,10 @@ class DeepSpeedMoEFeedForward(MoE):
     def experts(self) -> GroupedSwiGLUExperts:
         return self.deepspeed_moe.experts.deepspeed_experts[0]
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """w1, w2, w3 of the local experts ([E_l, F, d], [E_l, d, F], [E_l, F, d])."""
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 (gate rows, then up rows) [E_l, 2F, d] and w2 [E_l, d, F] of the local experts."""
         e = self.experts
-        return e.w1, e.w2, e.w3
+        return e.w13, e.w2
 
     # --- forward ------------------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> MoEOutput:  # type: ignore[override]
@@ -171,13 +216,16 @@ class DeepSpeedMoEFeedForward(MoE):
         kept_key = torch.where(keep, slot_expert, E)
         kept = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, kept_key, ones)[:E]
 
-        # one stable sort groups the kept slots by expert (dropped and padding last)
+        # one stable sort groups the kept slots by expert (dropped and padding last); dispatch and combine are
+        # gathers by this permutation and its inverse, forward and backward (no scatter-add)
         order = torch.sort(kept_key, stable=True).indices
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        src = slot_token[order]
         keep_sorted = keep[order][:, None]
-        x_sorted = torch.where(keep_sorted, x[slot_token[order]], 0)  # where: no gradient into dropped rows
+        x_sorted = torch.where(keep_sorted, _RowsToSlots.apply(x, src, inverse, k), 0)  # no gradient into dropped
         y_sorted = self._experts(x_sorted, kept)
         y_sorted = torch.where(keep_sorted, y_sorted, 0) * slot_weight[order, None].to(y_sorted.dtype)
-        out = torch.zeros_like(x).index_add_(0, slot_token[order], y_sorted.to(x.dtype))
+        out = _SlotsToRows.apply(y_sorted.to(x.dtype), src, inverse, k)
         return MoEOutput(hidden=out.view(shape), aux_loss=balance_loss(probs, routed, mask),
                          router_logits=logits, routed=routed, dropped=routed - kept)
 
@@ -201,10 +249,10 @@ class DeepSpeedMoEFeedForward(MoE):
 
     def _experts(self, x_sorted: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """Rows grouped by global expert -> expert outputs, through the owners of the experts."""
-        w1, w2, w3 = self.stacked_weights()
+        w13, w2 = self.stacked_weights()
         if self.ep_size == 1:
-            return _grouped_experts(w1, w2, w3, x_sorted, kept)
-        return _expert_parallel_ffn(x_sorted, kept, (w1, w2, w3), self.ep_size, self.local_expert_count,
+            return _grouped_experts(w13, w2, x_sorted, kept)
+        return _expert_parallel_ffn(x_sorted, kept, (w13, w2), self.ep_size, self.local_expert_count,
                                     self.ep_group)
 
 
@@ -278,8 +326,7 @@ def install_deepspeed_moe(model: nn.Module, *, ep_size: int = 1, ep_rank: int = 
             with torch.no_grad():
                 new.router.weight.copy_(child.router.weight)
                 mine = slice(ep_rank * new.local_expert_count, (ep_rank + 1) * new.local_expert_count)
-                new.experts.w1.copy_(gate_up[mine, :f])
-                new.experts.w3.copy_(gate_up[mine, f:])
+                new.experts.w13.copy_(gate_up[mine])
                 new.experts.w2.copy_(down[mine])
             new.train(child.training)
             setattr(parent, name, new)
@@ -304,10 +351,10 @@ def export_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if not any(key.startswith(p + ".deepspeed_moe.") for p in moe_prefixes):
             state[key] = value.detach()
     for prefix, layer in moe_prefixes.items():
-        w1, w2, w3 = (w.detach() for w in layer.stacked_weights())
+        w13, w2 = (w.detach() for w in layer.stacked_weights())
         if layer.ep_size > 1:
-            w1, w2, w3 = (_all_gather_cat(w, layer.ep_group, layer.ep_size) for w in (w1, w2, w3))
-        state[f"{prefix}.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1).contiguous()
+            w13, w2 = (_all_gather_cat(w, layer.ep_group, layer.ep_size) for w in (w13, w2))
+        state[f"{prefix}.experts.gate_up_proj"] = w13.contiguous()
         state[f"{prefix}.experts.down_proj"] = w2.contiguous()
     return state
 

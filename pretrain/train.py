@@ -303,6 +303,42 @@ def eager_layers(model: torch.nn.Module) -> Iterator[None]:
             m._compiled_call_impl = impl
 
 
+def install_foreach_grad_norm(optimizer: Any) -> None:
+    """DeepSpeed's ZeRO-1/2 global gradient norm with one multi-tensor kernel instead of one cast and one norm per
+    gradient. ``get_grad_norm_direct`` upcasts every gradient to float64 and norms it alone: 2 kernels and ~60 us
+    of host time per parameter, ~160 parameters in gpu-300m (~6 ms of GPU time and ~10 ms of host time per step
+    at 2K x 8, BENCHMARKS.md). Here ``torch._foreach_norm`` norms them all in float32 and the squares are summed
+    in float64, the rest as DeepSpeed does it (the same gradients skipped, the same all-reduces, an invalid norm
+    masked to -1). Only the L2 norm is replaced; other norms go to DeepSpeed's method."""
+    from deepspeed import comm as ds_dist
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+
+    original = optimizer.get_grad_norm_direct
+
+    def foreach_norm(gradients: Any, params: Any, norm_type: float = 2) -> torch.Tensor:
+        if float(norm_type) != 2.0:
+            return original(gradients, params, norm_type)
+        grads = []
+        for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params, strict=False):
+            if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
+                continue
+            if is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0:
+                grads.append(g.detach())
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            total = torch.stack(norms).double().pow(2).sum().float()
+        else:
+            total = torch.tensor(0.0, dtype=torch.float32, device=optimizer.device)
+        ds_dist.all_reduce(total, op=ds_dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        optimizer._model_parallel_all_reduce(tensor=total, op=ds_dist.ReduceOp.SUM)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)
+        return total
+
+    optimizer.get_grad_norm_direct = foreach_norm
+
+
 def _install_spike_guard(optimizer: Any, guard: GradGuard) -> None:
     """Make DeepSpeed's ZeRO optimizer treat a gradient-norm spike like an overflow (skip + clear grads)."""
     original = optimizer.scaled_global_norm
@@ -451,6 +487,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=deepspeed_config(cfg, world, device))
     guard = GradGuard(cfg.spike_factor, cfg.max_consecutive_skips, cfg.max_spike_skips)
+    install_foreach_grad_norm(optimizer)
     _install_spike_guard(optimizer, guard)
     install_loss(engine.module, cfg.compile)
     if cfg.compile:
@@ -525,7 +562,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         for _ in range(gas):
             batch = make_batch(rows, loader.next_indices(cfg.micro_batch_rows))
             out = forward(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device),
-                          cu_seqlens=batch.cu_seqlens.to(device), position_ids=batch.position_ids.to(device),
+                          cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids.to(device),  # bounds: host
                           output_router_logits=True)
             loss = out.loss
             if step in cfg.inject_nan_at_steps:

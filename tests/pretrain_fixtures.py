@@ -191,11 +191,11 @@ def expert_parallel_worker(rank: int, world_size: int, port: int, out_dir: str) 
     x.requires_grad_(True)
     out = layer(x, mask)
     ((out.hidden * upstream).sum() + 0.37 * out.aux_loss).backward()
-    experts = layer.experts  # this rank's experts, stacked: w1, w3 [E_l, F, d], w2 [E_l, d, F]
+    experts = layer.experts  # this rank's experts, stacked: w13 [E_l, 2F, d], w2 [E_l, d, F]
     results["dropless"] = {
         "hidden": out.hidden.detach(), "routed": out.routed, "dropped": out.dropped, "x_grad": x.grad,
         "router_grad": layer.router.weight.grad,
-        "gate_up_grad": torch.cat([experts.w1.grad, experts.w3.grad], dim=1), "down_grad": experts.w2.grad,
+        "gate_up_grad": experts.w13.grad, "down_grad": experts.w2.grad,
         "ep_group_ranks": dist.get_world_size(layer.ep_group),
     }
 
@@ -214,3 +214,56 @@ def expert_parallel_worker(rank: int, world_size: int, port: int, out_dir: str) 
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def grad_norm_worker(rank: int, port: int, out_file: str) -> None:
+    """One process, world of one: the same model, batch and first step through DeepSpeed's ZeRO-1 engine twice,
+    with DeepSpeed's per-gradient norm and with ``install_foreach_grad_norm``; writes both global norms, the float64
+    norm of the gradients computed by plain autograd, and how often the replacement ran."""
+    import os
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    import deepspeed
+    import torch
+
+    from model import HybridForCausalLM, config_for
+    from pretrain.moe import install_deepspeed_moe
+    from pretrain.train import (
+        TrainConfig,
+        deepspeed_config,
+        init_distributed,
+        install_foreach_grad_norm,
+        optimizer_groups,
+    )
+
+    torch.set_num_threads(1)
+    _, _, device = init_distributed()
+    def make() -> Any:  # seeded (no deepcopy: it drops the expert parameters' DeepSpeed attributes)
+        torch.manual_seed(0)
+        model = HybridForCausalLM(config_for("tiny", num_hidden_layers=2))
+        install_deepspeed_moe(model)
+        return model
+
+    reference = make()
+    ids = torch.randint(8, reference.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    reference(input_ids=ids, labels=ids).loss.backward()
+    exact = torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in reference.parameters()
+                                                  if p.grad is not None]))
+    cfg = TrainConfig(data_dir="", tokenizer_dir="", resume_dir="", export_dir="", size="tiny", seq_len=48,
+                      micro_batch_rows=2, batch_rows=2, zero_stage=1, grad_clip=1.0)
+    result: dict[str, Any] = {"exact": float(exact)}
+    for name in ("deepspeed", "foreach"):
+        model = make()
+        opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-3)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, 1, device))
+        calls = []
+        if name == "foreach":
+            install_foreach_grad_norm(opt)
+            inner = opt.get_grad_norm_direct
+            opt.get_grad_norm_direct = lambda *a, _c=calls, _f=inner, **k: _c.append(1) or _f(*a, **k)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        result[name] = float(engine.get_global_grad_norm())
+        result[f"{name}_calls"] = len(calls)
+    Path(out_file).write_text(json.dumps(result))

@@ -48,9 +48,9 @@ def _moe_pair(**overrides: object) -> tuple[MoEFeedForward, DeepSpeedMoEFeedForw
 
 
 def _expert_grads(layer: DeepSpeedMoEFeedForward) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local experts' gradients in the reference layout: gate_up [E_l, 2F, d] (w1 rows, then w3), down."""
-    experts = layer.experts  # w1, w3 [E_l, F, d], w2 [E_l, d, F]
-    return torch.cat([experts.w1.grad, experts.w3.grad], dim=1), experts.w2.grad
+    """The local experts' gradients in the reference layout: gate_up [E_l, 2F, d] (gate rows, then up), down."""
+    experts = layer.experts  # w13 [E_l, 2F, d], w2 [E_l, d, F]
+    return experts.w13.grad, experts.w2.grad
 
 
 def _forward_backward(layer: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
@@ -109,6 +109,30 @@ def test_deepspeed_moe_layer_equals_the_reference_layer_in_float64(case: str, pa
         assert torch.count_nonzero(ds_out.hidden[~mask]) == 0
 
 
+def test_deepspeed_moe_layer_traces_under_torch_compile_with_the_eager_values_and_gradients() -> None:
+    """The stage compiles the MoE layers (``compile: true``). Dynamo and AOTAutograd must trace the layer's
+    dispatch/combine autograd functions (gathers forward and backward) and give eager's outputs and gradients.
+    ``aot_eager`` runs exactly that tracing without inductor's C++ code generation (~1 min on this CPU)."""
+    torch._dynamo.reset()
+    _, eager, _ = _moe_pair(capacity_factor=1.0)
+    eager.train()
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="aot_eager", dynamic=False)
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(2, 48, eager.hidden_size, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 48, dtype=torch.bool)
+    mask[1, 40:] = False
+    results = []
+    for layer in (eager, compiled):
+        x = x0.clone().requires_grad_(True)
+        out = layer(x, mask)
+        ((out.hidden * x0).sum() + 0.37 * out.aux_loss).backward()
+        results.append([out.hidden.detach(), x.grad, layer.router.weight.grad, *_expert_grads(layer), out.dropped])
+    assert results[0][-1].sum() > 0  # capacity 1.0 drops slots: the drop path is traced too
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
+
+
 def test_export_model_state_round_trips_to_the_reference_state_dict_exactly() -> None:
     ref_model = _float64_model()
     ds_model = copy.deepcopy(ref_model)
@@ -130,8 +154,8 @@ def test_export_model_state_puts_each_deepspeed_expert_weight_at_its_reference_s
     layer = ds_model.model.layers[0].moe
     f = layer.intermediate_size
     with torch.no_grad():
-        layer.experts.w1[2].fill_(1.0)
-        layer.experts.w3[2].fill_(3.0)
+        layer.experts.w13[2, :f].fill_(1.0)
+        layer.experts.w13[2, f:].fill_(3.0)
         layer.experts.w2[3].fill_(2.0)
     state = export_model_state(ds_model)
     gate_up, down = state["model.layers.0.moe.experts.gate_up_proj"], state["model.layers.0.moe.experts.down_proj"]
@@ -512,21 +536,21 @@ def test_stage_writes_plots_and_the_expert_load_it_measured(trained: TrainedRun)
     assert trained.summary["drop_rate"] == pytest.approx(dropped.sum() / routed.sum(), rel=1e-12)
 
 
-def _checkpointed_experts(tag_dir: Path, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w1, w2, w3 of every expert of ``layer`` [E, ...] in global expert order, read from DeepSpeed's expert files
-    (``layer_<L>_expert_<j>_mp_rank_00_model_states.pt``, j the global id of the saved expert module; a file holds
-    one expert or one rank's experts stacked)."""
+def _checkpointed_experts(tag_dir: Path, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 (gate rows, then up rows) and w2 of every expert of ``layer`` [E, ...] in global expert order, read from
+    DeepSpeed's expert files (``layer_<L>_expert_<j>_mp_rank_00_model_states.pt``, j the global id of the saved
+    expert module; a file holds one expert or one rank's experts stacked)."""
     files = sorted(tag_dir.glob(f"layer_{layer}_expert_*_mp_rank_00_model_states.pt"),
                    key=lambda p: int(p.name.split("_")[3]))
     assert files, f"no expert files for layer {layer} in {tag_dir}"
-    parts: dict[str, list[torch.Tensor]] = {"w1": [], "w2": [], "w3": []}
+    parts: dict[str, list[torch.Tensor]] = {"w13": [], "w2": []}
     for f in files:
         saved = torch.load(f, map_location="cpu", weights_only=False)
         for key, value in saved.items():
             name = key.rsplit(".", 1)[-1]
             parts[name].append(value.reshape(-1, *value.shape[-2:]).float())
-    w1, w2, w3 = (torch.cat(parts[n]) for n in ("w1", "w2", "w3"))
-    return w1, w2, w3
+    w13, w2 = (torch.cat(parts[n]) for n in ("w13", "w2"))
+    return w13, w2
 
 
 # --- 4. kill and resume -----------------------------------------------------------------------------------------
@@ -728,8 +752,8 @@ def test_two_process_stage_trains_with_expert_parallelism_and_exports_every_expe
         gate_up = state[f"model.layers.{layer}.moe.experts.gate_up_proj"]
         down = state[f"model.layers.{layer}.moe.experts.down_proj"]
         assert gate_up.shape == (4, 256, 64) and down.shape == (4, 64, 128)
-        w1, w2, w3 = _checkpointed_experts(ckpt, layer)
-        assert torch.equal(gate_up, torch.cat([w1, w3], dim=1)) and torch.equal(down, w2)
+        w13, w2 = _checkpointed_experts(ckpt, layer)
+        assert torch.equal(gate_up, w13) and torch.equal(down, w2)
     assert not torch.equal(state["model.layers.0.moe.experts.gate_up_proj"][0],
                            state["model.layers.0.moe.experts.gate_up_proj"][2])
 
@@ -780,6 +804,27 @@ def test_divergence_guard_takes_the_same_decision_on_every_rank(tmp_path: Path) 
     assert [s["norm"] for s in spike] == [50.0, 50.0]  # the largest rank norm, on both
     assert [s["overflow"] for s in nan] == [True, True] and all(math.isnan(s["norm"]) for s in nan)
     assert [s["overflow"] for s in fine] == [False, False] and [s["norm"] for s in fine] == [2.0, 2.0]
+
+
+def test_foreach_gradient_norm_equals_deepspeeds_per_gradient_norm(tmp_path: Path) -> None:
+    """install_foreach_grad_norm replaces DeepSpeed's per-gradient float64 norms with one multi-tensor norm: the global
+    norm of a real ZeRO-1 step must stay DeepSpeed's (and the float64 norm of the same gradients by plain autograd)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tests.pretrain_fixtures import grad_norm_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "norms.json"
+    mp.spawn(grad_norm_worker, args=(port, str(out)), nprocs=1, join=True)
+    r = json.loads(out.read_text())
+    assert r["foreach_calls"] >= 1  # the replacement computed the step's norm
+    assert r["exact"] > 0.1
+    assert abs(r["deepspeed"] - r["exact"]) <= 1e-5 * r["exact"]
+    assert abs(r["foreach"] - r["deepspeed"]) <= 1e-5 * r["deepspeed"]
 
 
 def test_divergence_guard_skips_a_spike_but_takes_a_norm_that_stays_high() -> None:
