@@ -10,6 +10,10 @@ mixture. Here in two parts:
    - ``labeler: {kind: causal_lm, model_path: DIR}`` -- **the paper's path**: an instruction-following
      causal LM (a reward labeler) prompted with a rubric, strict reply parsing (rejected replies are
      counted per reason and left out);
+   - ``labeler: {kind: reward_model, model_path: DIR}`` -- a trained reward model (the ``reward_model``
+     stage's artifact, e.g. from an earlier run) scores each document as the answer to one prompt per
+     dimension; the label is the reward's percentile within the labeled sample times 5 (relative), the
+     category comes from ``category_map``;
    - ``labeler: {kind: reference}`` -- the offline default, and **not a reward model**: a
      reference-similarity heuristic (DCLM-style: how much a document reads like curated reference
      passages, a classifier on word n-grams) for the two scores, and the category from the document's
@@ -77,10 +81,12 @@ from data.quality_labeler import (
     LabelOutcome,
     ReferenceLabeler,
     ReferenceLabelerParams,
+    RewardModelLabelerParams,
     labeler_fingerprint,
     load_reference_passages,
     make_labeler,
     reference_files,
+    reward_model_directory,
 )
 from data.quality_scorer import (
     ENCODER_MAX_TOKENS,
@@ -111,7 +117,8 @@ def _labeler_tag(value: Any) -> str | None:
 
 
 LabelerField = Annotated[
-    Annotated[ReferenceLabelerParams, Tag("reference")] | Annotated[CausalLMLabelerParams, Tag("causal_lm")],
+    Annotated[ReferenceLabelerParams, Tag("reference")] | Annotated[CausalLMLabelerParams, Tag("causal_lm")]
+    | Annotated[RewardModelLabelerParams, Tag("reward_model")],
     Discriminator(_labeler_tag),
 ]
 
@@ -120,7 +127,10 @@ class QualityParams(StageParams):
     labeler: LabelerField = Field(default_factory=ReferenceLabelerParams, description=(
         "Who labels the sample. {kind: causal_lm, model_path: DIR}: the paper's reward labeler, a local "
         "instruction-following causal LM (or a previous run's model artifact) prompted with a rubric; "
-        "malformed replies are rejected and counted. {kind: reference} (default, offline): NOT a reward "
+        "malformed replies are rejected and counted. {kind: reward_model, model_path: DIR}: a trained reward "
+        "model (a reward_model artifact) scores each document as the answer to a prompt per dimension; the label "
+        "is the reward's percentile in the labeled sample x 5 (relative), category from category_map. "
+        "{kind: reference} (default, offline): NOT a reward "
         "model but a reference-similarity heuristic (DCLM-style classifier: how much a document reads "
         "like curated reference passages), category from category_map patterns over domain/id."))
     taxonomy: list[str] = Field(default_factory=lambda: list(DEFAULT_TAXONOMY), description=(
@@ -170,7 +180,7 @@ class QualityParams(StageParams):
     @model_validator(mode="after")
     def _categories_in_taxonomy(self) -> QualityParams:
         lab = self.labeler
-        if isinstance(lab, ReferenceLabelerParams):
+        if isinstance(lab, ReferenceLabelerParams | RewardModelLabelerParams):
             used = {f"category_map[{k!r}]": c for k, c in lab.category_map.items()}
             used["default_category"] = lab.default_category
             bad = {where: c for where, c in used.items() if c not in self.taxonomy}
@@ -606,8 +616,14 @@ def validate_external(params: QualityParams) -> list[tuple[str, str]]:
                 problems.append(("labeler.refs_dir", f"{e} (format: data/quality_refs/README.md)"))
         return problems
     model = Path(lab.model_path).expanduser()
+    if isinstance(lab, RewardModelLabelerParams):
+        try:
+            reward_model_directory(model)
+        except FileNotFoundError as e:
+            return [("labeler.model_path", str(e))]
+        return []
     problems = []
-    if not (model / "config.json").is_file():
+    if not (model / "config.json").is_file() and not (model / "model" / "config.json").is_file():
         problems.append(("labeler.model_path", f"{lab.model_path!r} is not a Hugging Face model directory "
                                                "(no config.json); give a saved model directory or a model artifact"))
     if lab.tokenizer_path is not None and not Path(lab.tokenizer_path).expanduser().is_dir():
@@ -627,7 +643,8 @@ STAGE = StageKind(
     validate_external=validate_external,
     splits_work=True,
     doc="Quality scores (§4.1.1): a labeler rates a sample on knowledge depth, helpfulness and category "
-        "-- the paper's reward labeler is kind causal_lm (a local LM with a rubric); the offline default, "
+        "-- the paper's reward labeler is kind causal_lm (a local LM with a rubric), kind reward_model scores "
+        "with a trained reward model (labels relative to the sample); the offline default, "
         "kind reference, is a reference-similarity heuristic, not a reward model -- then a frozen MiniLM "
         "encoder (sentence-transformers) + trained heads scores every document; the scorer is saved "
         "for post-training (data/quality_scorer.py).",

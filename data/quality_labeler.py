@@ -1,14 +1,20 @@
 """Labelers of the ``quality`` stage: who rates a sample of documents before the scorer learns from it.
 
 The paper (§4.1.1) labels documents with "our previous-generation model as the reward labeler" on
-knowledge depth, practical helpfulness and category. Two labelers, chosen by ``labeler.kind``; only
-the first is a reward labeler:
+knowledge depth, practical helpfulness and category. Three labelers, chosen by ``labeler.kind``; the
+first two use a trained model, the third is a heuristic:
 
 * ``causal_lm`` -- the paper's path: an instruction-following causal LM (a local Hugging Face
   directory, or a previous pipeline run's model artifact) is prompted with :data:`RUBRIC_TEMPLATE` and
   answers in a fixed format. :func:`parse_reply` is strict: a reply that is not exactly usable is
   rejected with one reason of :data:`REJECT_REASONS`; rejected documents are counted and left out of
   the training labels.
+* ``reward_model`` -- a Bradley-Terry reward model (the ``reward_model`` stage's artifact, or any saved
+  ``AutoModelForSequenceClassification`` with one output and a chat template) scores each document as the
+  assistant's answer to one user turn per dimension (:data:`DEFAULT_REWARD_PROMPTS`). A reward has no
+  absolute scale (only differences are trained), so a document's label is its reward's mid-rank
+  percentile among the labeled sample, times 5: **relative to the sample, not an absolute grade**. The
+  category comes from ``category_map`` as for ``reference``.
 * ``reference`` (the offline default) -- **a reference-similarity heuristic, not a reward model**,
   so the pipeline runs without any LM. DCLM-style weak labels: per score dimension, a logistic
   classifier on hashed word uni+bigrams (DCLM's fastText features) separates curated high-quality
@@ -27,6 +33,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -76,6 +83,7 @@ REJECT_REASONS: dict[str, str] = {
     "not_a_number": "a score is not a plain number",
     "out_of_range": f"a score is outside {SCORE_MIN:g}..{SCORE_MAX:g}",
     "unknown_category": "the category is not in the taxonomy",
+    "non_finite_reward": "the reward model scored the document NaN or infinite (reward_model labeler)",
 }
 MAX_EXAMPLES_PER_REASON = 3  # rejected replies kept verbatim in the report, per reason
 
@@ -237,7 +245,45 @@ class CausalLMLabelerParams(StageParams):
         return v
 
 
-LabelerParams = ReferenceLabelerParams | CausalLMLabelerParams
+# the user turn a document answers when the reward model scores it for each dimension
+DEFAULT_REWARD_PROMPTS = {
+    "knowledge_depth": "Write a passage that explains a subject in depth, with accurate and specific knowledge.",
+    "helpfulness": "Write something that a reader can put to practical use.",
+}
+
+
+class RewardModelLabelerParams(StageParams):
+    kind: Literal["reward_model"]
+    model_path: str = Field(description=(
+        "A reward_model stage artifact (its reward_model/ directory is used) or a saved reward model directory "
+        "(AutoModelForSequenceClassification with num_labels=1, its tokenizer and chat template beside it)."))
+    prompts: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_REWARD_PROMPTS), description=(
+        "Per score dimension (knowledge_depth, helpfulness), the user turn whose answer the document is taken to "
+        "be when the reward model scores it."))
+    doc_tokens: int = Field(512, ge=16, description="The document is cut to this many tokens before scoring.")
+    batch_size: int = Field(16, ge=1, description="Documents scored together (memory: batch x longest).")
+    category_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_CATEGORY_MAP), description=(
+        "Ordered {pattern: category}, as for the reference labeler: a reward model gives no category."))
+    default_category: str = Field("other", description="Category of documents no pattern matches.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "Where the reward model runs: auto = the stage's GPU when it has one (bf16), else the CPU (fp32)."))
+
+    @field_validator("model_path")
+    @classmethod
+    def _path_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("model_path is empty; give a reward_model artifact or a reward model directory")
+        return v
+
+    @field_validator("prompts")
+    @classmethod
+    def _one_prompt_per_dimension(cls, v: dict[str, str]) -> dict[str, str]:
+        if set(v) != set(DIMENSIONS) or any(not p.strip() for p in v.values()):
+            raise ValueError(f"prompts needs one non-empty prompt for each of {list(DIMENSIONS)}, got {sorted(v)}")
+        return v
+
+
+LabelerParams = ReferenceLabelerParams | CausalLMLabelerParams | RewardModelLabelerParams
 
 
 # --- category from metadata -----------------------------------------------------------------------
@@ -421,11 +467,11 @@ def _model_directory(path: Path) -> Path:
         "model/config.json of a checkpoint artifact); give a saved model directory or a checkpoint artifact")
 
 
-def _labeler_device(choice: str) -> str:
+def _labeler_device(choice: str, kind: str = "causal_lm") -> str:
     import torch
 
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("causal_lm labeler: device=cuda but this process sees no GPU (give the quality stage "
+        raise RuntimeError(f"{kind} labeler: device=cuda but this process sees no GPU (give the quality stage "
                            "`resources: {gpus: 1}` or set labeler.device to auto/cpu)")
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -525,9 +571,111 @@ class CausalLMLabeler:
                 "rubric_sha256": hashlib.sha256(RUBRIC_TEMPLATE.encode()).hexdigest()}
 
 
-def make_labeler(params: LabelerParams, taxonomy: Sequence[str]) -> ReferenceLabeler | CausalLMLabeler:
+def reward_model_directory(path: Path) -> Path:
+    """``path`` itself when it holds a config.json, else a reward_model artifact's ``reward_model/``."""
+    from posttrain.reward_model import REWARD_MODEL_DIR
+
+    for candidate in (path, path / REWARD_MODEL_DIR):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"reward_model labeler: model_path {path} is neither a saved reward model (no config.json) nor a "
+        f"reward_model stage artifact (no {REWARD_MODEL_DIR}/config.json)")
+
+
+def mid_rank_percentiles(values: Sequence[float]) -> list[float]:
+    """Each value's mid-rank percentile in (0, 1): (average 0-based rank among equal values + 0.5) / n."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        pct = ((start + end) / 2 + 0.5) / len(values)
+        for i in order[start:end + 1]:
+            out[i] = pct
+        start = end + 1
+    return out
+
+
+class RewardModelLabeler:
+    """Scores each document with a reward model, once per dimension; the label is the reward's percentile x 5."""
+
+    kind = "reward_model"
+
+    def __init__(self, params: RewardModelLabelerParams, taxonomy: Sequence[str]) -> None:
+        import torch
+
+        from posttrain.reward_model import (
+            RewardModelScorer,  # imports model: hylight_hybrid loads in a fresh worker
+        )
+
+        self.params = params
+        self.taxonomy = tuple(taxonomy)
+        given = Path(params.model_path).expanduser()
+        self.model_path = reward_model_directory(given)
+        self.device = torch.device(_labeler_device(params.device, self.kind))
+        self.scorer = RewardModelScorer(self.model_path, batch_size=params.batch_size)
+        if self.device.type == "cuda":
+            self.scorer.model.to(device=self.device, dtype=torch.bfloat16)
+        if not self.scorer.tokenizer.chat_template:
+            raise ValueError(f"reward_model labeler: the tokenizer in {self.model_path} has no chat template; the "
+                             "reward model scores (user turn, answer) conversations in its chat format")
+        self.fingerprint = _directory_fingerprint(given)
+
+    def label(self, docs: Sequence[LabelDoc], progress: Callable[[str], None] | None = None) -> LabelOutcome:
+        outcome = LabelOutcome(info=self.describe())
+        tok = self.scorer.tokenizer
+        cut = [tok.decode(tok(d.text, add_special_tokens=False).input_ids[:self.params.doc_tokens]) for d in docs]
+        rewards: dict[str, list[float]] = {}
+        step = max(self.params.batch_size * 8, 1)  # a progress line every few batches
+        for n_dim, dim in enumerate(DIMENSIONS):
+            rewards[dim] = []
+            for start in range(0, len(cut), step):
+                part = cut[start:start + step]
+                rewards[dim] += self.scorer.score([self.params.prompts[dim]] * len(part), part)
+                if progress:
+                    done = n_dim * len(cut) + start + len(part)
+                    progress(f"scored {done}/{len(cut) * len(DIMENSIONS)} (document, dimension) pairs")
+        finite = [i for i in range(len(docs)) if all(math.isfinite(rewards[d][i]) for d in DIMENSIONS)]
+        pct = {d: mid_rank_percentiles([rewards[d][i] for i in finite]) for d in DIMENSIONS}
+        for i, d in enumerate(docs):
+            outcome.replies[d.id] = "; ".join(f"{dim} reward {rewards[dim][i]:.6g}" for dim in DIMENSIONS)
+        span = SCORE_MAX - SCORE_MIN
+        for j, i in enumerate(finite):
+            d = docs[i]
+            category = category_from_metadata(d.id, d.domain, self.params.category_map, self.params.default_category)
+            outcome.labels[d.id] = Label(knowledge_depth=SCORE_MIN + span * pct[DIMENSIONS[0]][j],
+                                         helpfulness=SCORE_MIN + span * pct[DIMENSIONS[1]][j], category=category)
+        kept = set(finite)
+        for i, d in enumerate(docs):
+            if i not in kept:
+                outcome.rejected[d.id] = "non_finite_reward"
+        outcome.info["rewards"] = {dim: _summary([rewards[dim][i] for i in finite]) for dim in DIMENSIONS}
+        return outcome
+
+    def describe(self) -> dict[str, Any]:
+        return {"labeler_kind": self.kind, "model_path": str(self.model_path),
+                "model_fingerprint": self.fingerprint, "model_class": type(self.scorer.model).__name__,
+                "device": str(self.device), "doc_tokens": self.params.doc_tokens, "prompts": dict(self.params.prompts),
+                "label": "mid-rank percentile of the reward among the labeled sample, times 5 (relative, not an "
+                         "absolute grade)"}
+
+
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"count": 0}
+    ordered = sorted(values)
+    return {"count": len(ordered), "min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+
+def make_labeler(params: LabelerParams,
+                 taxonomy: Sequence[str]) -> ReferenceLabeler | CausalLMLabeler | RewardModelLabeler:
     if isinstance(params, ReferenceLabelerParams):
         return ReferenceLabeler(params, taxonomy)
+    if isinstance(params, RewardModelLabelerParams):
+        return RewardModelLabeler(params, taxonomy)
     return CausalLMLabeler(params, taxonomy)
 
 
@@ -539,6 +687,8 @@ def labeler_fingerprint(params: LabelerParams) -> dict[str, Any]:
                                              if p.is_file()]}
     path = Path(params.model_path).expanduser()
     fp: dict[str, Any] = {"code": code, "model": _directory_fingerprint(path) if path.is_dir() else None}
+    if isinstance(params, RewardModelLabelerParams):
+        return fp
     if params.tokenizer_path and Path(params.tokenizer_path).expanduser().is_dir():
         fp["tokenizer"] = _directory_fingerprint(Path(params.tokenizer_path).expanduser())
     return fp

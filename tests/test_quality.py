@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 from collections import Counter, defaultdict
@@ -138,7 +139,8 @@ def test_rejection_counts_are_exact_over_a_batch_of_replies():
     assert accepted == 4
     assert counts == {"no_answer": 4, "duplicate_field": 1, "missing_field": 3, "not_a_number": 5,
                       "out_of_range": 3, "unknown_category": 2}
-    assert set(counts) == set(REJECT_REASONS)  # every reason is exercised
+    # every reply reason is exercised (non_finite_reward is the reward_model labeler's: tested with it below)
+    assert set(counts) == set(REJECT_REASONS) - {"non_finite_reward"}
 
 
 # --- reference sets and categories ----------------------------------------------------------------
@@ -386,6 +388,101 @@ def test_causal_lm_labeler_end_to_end_trains_the_scorer_on_parsed_replies(tiny_l
     scorer = QualityScorer.load(ctx.out_dir)
     assert scorer.config["label_source"]["model_path"] == str(taught)
     assert len(list(iter_documents(ctx.out_dir))) == len(docs)
+
+
+# --- reward_model labeler -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_reward_model(tiny_lm, tmp_path_factory) -> Path:
+    """A reward_model-stage-shaped artifact: a random hylight sequence classifier (one output) with the chat
+    tokenizer in ``reward_model/``, and a manifest at the root."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from model import config_for
+    from model.modeling import HybridForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(tiny_lm)
+    torch.manual_seed(0)
+    cfg = config_for("tiny", vocab_size=len(tok), num_hidden_layers=2, num_labels=1, pad_token_id=tok.pad_token_id,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    art = tmp_path_factory.mktemp("reward_model_artifact")
+    HybridForSequenceClassification(cfg).save_pretrained(art / "reward_model")
+    tok.save_pretrained(art / "reward_model")
+    (art / "manifest.json").write_text(json.dumps({"type": "reward_model", "digest": "rm1"}))
+    return art
+
+
+def test_mid_rank_percentiles_share_ties_and_stay_inside_zero_one():
+    from data.quality_labeler import mid_rank_percentiles
+
+    assert mid_rank_percentiles([3.0, 1.0, 3.0, 2.0]) == [0.75, 0.125, 0.75, 0.375]
+    assert mid_rank_percentiles([7.0]) == [0.5]
+    assert mid_rank_percentiles([]) == []
+
+
+def test_reward_model_labeler_labels_each_document_by_its_rewards_percentile(tiny_reward_model, corpus):
+    """Labels are 5 x the mid-rank percentile of the reward model's own score of (dimension prompt, document cut to
+    doc_tokens) in its chat format; categories come from category_map; the artifact digest identifies the model."""
+    from data.quality_labeler import (
+        DEFAULT_REWARD_PROMPTS,
+        RewardModelLabeler,
+        RewardModelLabelerParams,
+        mid_rank_percentiles,
+    )
+    from posttrain.reward_model import RewardModelScorer
+
+    docs = [LabelDoc(d["id"], d["text"][:1500], d["domain"]) for d in _subset(corpus, 5)]
+    params = RewardModelLabelerParams(kind="reward_model", model_path=str(tiny_reward_model), doc_tokens=48,
+                                      batch_size=4)
+    out = RewardModelLabeler(params, TAXONOMY).label(docs)
+    assert out.info["labeler_kind"] == "reward_model" and out.info["model_class"] == "HybridForSequenceClassification"
+    assert out.info["model_fingerprint"] == {"artifact_digest": "rm1"} and out.info["device"] == "cpu"
+    assert not out.rejected and sorted(out.labels) == sorted(d.id for d in docs)
+    scorer = RewardModelScorer(tiny_reward_model / "reward_model")
+    tok = scorer.tokenizer
+    cut = [tok.decode(tok(d.text, add_special_tokens=False).input_ids[:48]) for d in docs]
+    for dim in DIMENSIONS:
+        rewards = scorer.score([DEFAULT_REWARD_PROMPTS[dim]] * len(docs), cut)
+        assert len(set(rewards)) > len(docs) // 2  # a random model still ranks the documents
+        expected = [5.0 * p for p in mid_rank_percentiles(rewards)]
+        got = [getattr(out.labels[d.id], dim) for d in docs]
+        assert got == pytest.approx(expected, abs=1e-9)
+        assert all(f"{dim} reward " in out.replies[d.id] for d in docs)
+    for d in docs:
+        assert out.labels[d.id].category == category_from_metadata(d.id, d.domain, DEFAULT_CATEGORY_MAP, "other")
+
+
+def test_reward_model_labeler_rejects_a_non_finite_reward_with_its_reason(tiny_reward_model, corpus, monkeypatch):
+    from data.quality_labeler import RewardModelLabeler, RewardModelLabelerParams
+
+    docs = [LabelDoc(d["id"], d["text"][:300], d["domain"]) for d in _subset(corpus, 2)]
+    labeler = RewardModelLabeler(RewardModelLabelerParams(kind="reward_model", model_path=str(tiny_reward_model),
+                                                          doc_tokens=16), TAXONOMY)
+    real = labeler.scorer.score
+    monkeypatch.setattr(labeler.scorer, "score", lambda p, r: [math.nan, *real(p, r)[1:]])
+    out = labeler.label(docs)
+    assert out.rejected == {docs[0].id: "non_finite_reward"}
+    assert out.rejected_counts["non_finite_reward"] == 1 and len(out.labels) == len(docs) - 1
+    # percentiles over the finite ones only: they still span the same range
+    assert sorted(lab.knowledge_depth for lab in out.labels.values())[-1] == pytest.approx(5.0 * (1 - 0.5 / 9))
+
+
+def test_quality_stage_trains_its_scorer_on_a_reward_models_labels(tiny_reward_model, corpus, tmp_path):
+    docs = _subset(corpus, 8)
+    ctx = StageContext(tmp_path / "out", inputs={"documents": _artifact(tmp_path / "in", docs)})
+    run(QualityParams(labeler={"kind": "reward_model", "model_path": str(tiny_reward_model), "doc_tokens": 32},
+                      min_labels=20, max_tokens=32), ctx)
+    rows = _labels(ctx)
+    assert len(rows) == len(docs) and all(r["status"] == "accepted" for r in rows)
+    assert ctx.summary["labeled"] == len(docs) and ctx.sink.tags["quality.labeler_kind"] == "reward_model"
+    report = json.loads((ctx.out_dir / REPORT_NAME).read_text())
+    assert report["labeler"]["labeler_kind"] == "reward_model"
+    assert report["labeler"]["rewards"]["knowledge_depth"]["count"] == len(docs)
+    assert len(list(iter_documents(ctx.out_dir))) == len(docs)
+    problems = STAGE.validate_external(QualityParams(labeler={"kind": "reward_model", "model_path": str(tmp_path)}))
+    assert [f for f, _ in problems] == ["labeler.model_path"] and "reward_model" in problems[0][1]
+    assert STAGE.validate_external(QualityParams(labeler={"kind": "reward_model",
+                                                          "model_path": str(tiny_reward_model)})) == []
 
 
 # --- params -------------------------------------------------------------------------------------
