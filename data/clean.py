@@ -778,6 +778,8 @@ def validate_external(params: CleanParams) -> list[tuple[str, str]]:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("clean_report.json", "plots/*"),
     name="clean",
     params=CleanParams,
     run=run,

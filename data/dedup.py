@@ -807,6 +807,8 @@ def validate_external(params: DedupParams) -> list[tuple[str, str]]:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("dedup_report.json", "plots/*"),
     name="dedup",
     params=DedupParams,
     run=run,

@@ -52,7 +52,9 @@ class DocumentRecord(TypedDict):
 
 
 class JsonlGzWriter:
-    """One gzip'd JSON Lines file, written so the same rows give the same bytes (gzip ``mtime=0``).
+    """One gzip'd JSON Lines file, written so the same rows give the same bytes: gzip ``mtime=0`` and no file
+    name in the header (a stage that writes under a temporary name and renames, as long_context's sample index
+    does, would otherwise record the temporary name, which holds its process id).
 
     Every JSONL.gz file of an artifact goes through here, so the artifact digest depends on content only.
     """
@@ -60,7 +62,9 @@ class JsonlGzWriter:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.count = 0
-        self._fh: gzip.GzipFile | None = gzip.GzipFile(self.path, "wb", compresslevel=6, mtime=0)
+        self._raw = open(self.path, "wb")  # noqa: SIM115 (closed in close())
+        self._fh: gzip.GzipFile | None = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, compresslevel=6,
+                                                       mtime=0)
 
     def write(self, row: Any) -> None:
         if self._fh is None:
@@ -72,6 +76,7 @@ class JsonlGzWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+            self._raw.close()
 
     def __enter__(self) -> JsonlGzWriter:
         return self

@@ -715,6 +715,8 @@ def validate_external(params: IngestParams) -> list[tuple[str, str]]:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("ingest_report.json",),
     name="ingest",
     params=IngestParams,
     run=run,

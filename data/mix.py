@@ -426,6 +426,8 @@ def run(params: MixParams, ctx: StageContext) -> None:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("mixture_stats.json", "plots/*"),
     name="mix",
     params=MixParams,
     run=run,

@@ -632,6 +632,8 @@ def validate_external(params: QualityParams) -> list[tuple[str, str]]:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("quality_report.json", "plots/*"),
     name="quality",
     params=QualityParams,
     run=run,

@@ -383,6 +383,8 @@ def _bytes_per_token_figure(stats: dict[str, DomainStats]) -> Any:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("tokenizer_report.json", "plots/*"),
     name="tokenizer",
     params=TokenizerParams,
     run=run,

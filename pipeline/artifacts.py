@@ -12,6 +12,7 @@ would accept. An artifact that fails verification is moved to ``<root>/corrupt/`
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,9 +49,10 @@ def cache_key(kind: str, code_digest: str, params: dict[str, Any],
 
 
 def artifact_digest(type_: str, schema_version: int, files: list[dict[str, Any]]) -> str:
-    """The artifact's identity: its type, layout version and the content of every file."""
+    """The artifact's identity: its type, layout version and the content of every file but its records
+    (``StageKind.records``: reports, logs and plots of the run, marked ``"record": true`` in the manifest)."""
     ident = {"type": type_, "schema_version": schema_version,
-             "files": [(f["path"], f["sha256"]) for f in files]}
+             "files": [(f["path"], f["sha256"]) for f in files if not f.get("record")]}
     return hashlib.sha256(canonical_json(ident).encode()).hexdigest()
 
 
@@ -352,13 +354,19 @@ class ArtifactStore:
         return path
 
     def commit(self, tmp_dir: Path, *, type_: str, schema_version: int, kind: str, key: str,
-               meta: dict[str, Any]) -> Artifact:
-        """Write the manifest into ``tmp_dir`` and move it into place atomically."""
+               meta: dict[str, Any], records: Sequence[str] = ()) -> Artifact:
+        """Write the manifest into ``tmp_dir`` and move it into place atomically. Files matching a ``records``
+        pattern are marked as records: listed and hashed, left out of the digest (``artifact_digest``)."""
         # data first, durably (files, then the directories that name them); the manifest last
         paths = _payload_files(tmp_dir)
         digests = hash_files(paths, sync=True)
-        files = [{"path": p.relative_to(tmp_dir).as_posix(), "size": p.stat().st_size, "sha256": d}
-                 for p, d in zip(paths, digests, strict=True)]
+        files = []
+        for p, d in zip(paths, digests, strict=True):
+            rel = p.relative_to(tmp_dir).as_posix()
+            entry: dict[str, Any] = {"path": rel, "size": p.stat().st_size, "sha256": d}
+            if any(fnmatch.fnmatchcase(rel, pattern) for pattern in records):
+                entry["record"] = True
+            files.append(entry)
         for d in sorted({p.parent for p in paths} | {tmp_dir}, key=lambda d: len(d.parts), reverse=True):
             _fsync_dir(d)
         manifest = {

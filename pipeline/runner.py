@@ -199,6 +199,7 @@ def _execute(task: StageTask) -> StageOutcome:
         sink.flush()
         art = store.commit(
             tmp, type_=kind.produces, schema_version=kind.schema_version, kind=kind.name, key=task.key,
+            records=kind.records,
             meta={
                 "stage": task.stage,
                 "uses": task.uses,

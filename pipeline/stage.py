@@ -78,6 +78,12 @@ class StageKind(Generic[P]):
     # The stage splits its work into shards and runs them as `resources.tasks` Ray tasks through
     # StageContext.map_shards; its output must not depend on the number of tasks (that is not in the cache key).
     splits_work: bool = False
+    # Files that record how the run went rather than what it produced (reports, training logs, plots): fnmatch
+    # patterns of paths relative to the artifact. They are listed in the manifest with their sha256 (``hylight
+    # verify`` checks them) but left out of the artifact's digest, its identity: wall-clock times and measured
+    # throughput differ on every run, so a rerun that reproduces the payload bitwise keeps its digest and the
+    # stages that read it stay cache hits.
+    records: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

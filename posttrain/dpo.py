@@ -428,6 +428,8 @@ def run(params: DPOParams, ctx: StageContext) -> None:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("dpo_report.json", "plots/*"),
     name="dpo",
     params=DPOParams,
     run=run,

@@ -452,6 +452,8 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("prompts_report.json", "plots/*"),
     name="prompts",
     params=PromptsParams,
     run=run,

@@ -304,6 +304,8 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("reward_report.json",),
     name="reward_model",
     params=RewardModelParams,
     run=run,

@@ -380,6 +380,8 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("rl_report.json", "plots/*"),
     name="grpo",
     params=GRPOParams,
     run=run,

@@ -513,6 +513,8 @@ def run(params: SFTParams, ctx: StageContext) -> None:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("sft_report.json", "plots/*"),
     name="sft",
     params=SFTParams,
     run=run,

@@ -527,6 +527,8 @@ def validate_external(params: EvalParams) -> list[tuple[str, str]]:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("plots/*",),
     name="eval",
     params=EvalParams,
     run=run,

@@ -441,6 +441,8 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("summary.json", "phases/*/summary.json", "plots/*"),
     name="long_context",
     params=LongContextParams,
     run=run,

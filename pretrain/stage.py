@@ -382,6 +382,8 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
 
 
 STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("summary.json", "plots/*"),
     name="pretrain",
     params=PretrainParams,
     run=run,

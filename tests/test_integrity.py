@@ -94,6 +94,48 @@ def test_a_nested_file_named_manifest_json_is_part_of_the_artifact(tmp_path):
     assert check_artifact(art.path).changed == ("model/manifest.json",)
 
 
+def test_records_are_hashed_and_verified_but_left_out_of_the_digest(tmp_path):
+    """A report that differs between two runs (its wall-clock fields) does not change the artifact's identity; the
+    payload does; and a damaged record still fails the lookup's re-hash."""
+    def commit(root: str, payload: bytes, report: bytes):
+        store = ArtifactStore(tmp_path / root)
+        tmp = store.begin("test_source", KEY)
+        (tmp / "data.bin").write_bytes(payload)
+        (tmp / "logs").mkdir()
+        (tmp / "logs" / "report.json").write_bytes(report)
+        (tmp / "plot.png").write_bytes(b"png" + report)
+        art = store.commit(tmp, type_="text", schema_version=1, kind="test_source", key=KEY, meta={},
+                           records=("logs/*.json", "*.png"))
+        return store, art
+
+    _, a = commit("a", b"weights", b'{"seconds": 1.5}')
+    _, b = commit("b", b"weights", b'{"seconds": 2.25}')
+    store, c = commit("c", b"weights!", b'{"seconds": 1.5}')
+    assert a.digest == b.digest != c.digest
+    flags = {f["path"]: f.get("record", False) for f in a.manifest["files"]}
+    assert flags == {"data.bin": False, "logs/report.json": True, "plot.png": True}
+    assert all(len(f["sha256"]) == 64 for f in a.manifest["files"])
+    _flip_one_byte(c.path / "logs" / "report.json")
+    said: list[str] = []
+    assert store.lookup("test_source", KEY, on_reject=said.append) is None
+    assert "changed: logs/report.json" in said[0]
+
+
+def test_jsonl_gz_bytes_do_not_depend_on_the_file_name_or_time(tmp_path):
+    """The gzip header holds neither the write time nor the file name: a file written under a temporary name and
+    renamed (long_context's sample index) has the bytes of one written in place."""
+    import time
+
+    from data.documents import write_jsonl_gz
+
+    rows = [{"i": i, "text": "x" * i} for i in range(50)]
+    write_jsonl_gz(tmp_path / "a.jsonl.gz", rows)
+    time.sleep(1.1)
+    write_jsonl_gz(tmp_path / ".b.jsonl.gz.tmp-12345", rows)
+    (tmp_path / ".b.jsonl.gz.tmp-12345").rename(tmp_path / "b.jsonl.gz")
+    assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
+
+
 def test_dry_run_lookup_reports_but_leaves_the_artifact_in_place(tmp_path):
     store = ArtifactStore(tmp_path)
     art = _commit(store, {"text.txt": b"abcdef"})

@@ -230,3 +230,41 @@ def test_local_ray_listens_on_loopback_only(tmp_path):
         assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
     finally:
         ray.shutdown()
+
+
+def test_tiny_dag_marks_each_kinds_records_and_leaves_them_out_of_the_digest(tiny):
+    """Every stage's manifest flags exactly the files its kind declares as records (reports, logs, plots), each
+    declared pattern matches a file, and the digest is the identity of the other files alone."""
+    import fnmatch
+
+    from pipeline.artifacts import artifact_digest
+    from pipeline.registry import resolve
+
+    for name, s in tiny["first"]["stages"].items():
+        manifest = json.loads((Path(s["artifact"]) / "manifest.json").read_text())
+        kind = resolve(manifest["kind"])
+        files = manifest["files"]
+        declared = {f["path"] for f in files if any(fnmatch.fnmatchcase(f["path"], p) for p in kind.records)}
+        assert {f["path"] for f in files if f.get("record")} == declared, name
+        for pattern in kind.records:
+            assert any(fnmatch.fnmatchcase(f["path"], pattern) for f in files), (name, pattern)
+        payload = [f for f in files if not f.get("record")]
+        assert payload and manifest["digest"] == artifact_digest(manifest["type"], manifest["schema_version"],
+                                                                 payload), name
+
+
+def test_a_forced_rerun_that_reproduces_its_payload_keeps_its_digest_and_its_dependents_cached(tiny, tmp_path):
+    """`--stage prompts` reruns the stage; its report's wall-clock fields differ, its pools do not: same digest, so
+    reward_model, sft, dpo, grpo and their evals stay cache hits (before records, all of them reran)."""
+    root, env = tiny["root"], tiny["env"]
+    before = tiny["second"]["stages"]["prompts"]["digest"]
+    forced = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--stage", "prompts", "--json",
+                     str(tmp_path / "forced.json"), env=env)
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    prompts = json.loads((tmp_path / "forced.json").read_text())["stages"]["prompts"]
+    assert prompts["state"] == "done" and prompts["digest"] == before
+    plan = hylight("run", "dags/tiny.yaml", "--set", f"artifact_root={root}", "--dry-run", "--json",
+                   str(tmp_path / "plan.json"), env=env)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    states = {n: s["state"] for n, s in json.loads((tmp_path / "plan.json").read_text())["stages"].items()}
+    assert set(states.values()) == {"cached"}, states
