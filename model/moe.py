@@ -174,10 +174,7 @@ class SwiGLUExperts(nn.Module):
         key = torch.where(keep, top_i, e).reshape(-1)  # [N*k], token-major; not kept -> group E
         order = torch.sort(key, stable=True).indices  # by expert, token order within an expert
         token = order // k
-        counts = torch.zeros(e + 1, dtype=torch.long, device=x.device).scatter_add_(
-            0, key, torch.ones_like(key)
-        )
-        offs = counts[:e].cumsum(0).to(torch.int32)
+        offs = slots_per_expert(key, e).cumsum(0).to(torch.int32)
         kept = keep.reshape(-1)[order][:, None]
         dtype = _compute_dtype(x)
         rows = torch.where(kept, x[token], 0).to(dtype)
@@ -186,6 +183,15 @@ class SwiGLUExperts(nn.Module):
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
         y = torch.where(kept, y, 0) * top_w.reshape(-1)[order][:, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def slots_per_expert(key: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: how many entries of ``key`` (expert ids; ``num_experts`` = not counted) name each expert.
+
+    A scatter-add, not ``bincount(top_i[mask])``: boolean indexing and CUDA's bincount both wait on the host."""
+    key = key.reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device)
+    return counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -271,12 +277,12 @@ class MoEFeedForward(nn.Module):
         mask = None if token_mask is None else token_mask.reshape(-1).bool()
         logits, probs, top_w, top_i = self.router(x)
         valid = torch.ones_like(top_i, dtype=torch.bool) if mask is None else mask[:, None].expand_as(top_i)
-        routed = torch.bincount(top_i[valid], minlength=self.num_experts)
+        routed = slots_per_expert(torch.where(valid, top_i, self.num_experts), self.num_experts)
         if self.training and self.token_drop:
             n_real = x.shape[0] if mask is None else int(mask.sum())
             capacity = expert_capacity(n_real, self.top_k, self.num_experts, self.capacity_factor)
             keep = capacity_keep_mask(top_i, valid, self.num_experts, capacity)
-            dropped = routed - torch.bincount(top_i[keep], minlength=self.num_experts)
+            dropped = routed - slots_per_expert(torch.where(keep, top_i, self.num_experts), self.num_experts)
         else:
             keep = valid  # dropless (padding still skipped: its output is never used)
             dropped = torch.zeros_like(routed)

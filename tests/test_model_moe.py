@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import moe as moe_module
 from model.modeling import HybridForCausalLM
@@ -315,3 +316,34 @@ def test_decode_steps_take_the_dense_path_and_generate_the_loops_tokens(monkeypa
     assert set(paths[2:]) == {(4, "dense")}  # every decode step, every layer
     monkeypatch.setattr(SwiGLUExperts, "path_for", lambda self, x: "loop")
     assert torch.equal(model.generate(ids, **args), fast)
+
+
+# ops that make a CUDA stream wait for the host (data-dependent output sizes or a scalar read)
+_SYNCING_OPS = {"nonzero", "_local_scalar_dense", "bincount", "masked_select", "item", "unique", "_unique2"}
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tokens, grouped_on_cpu", [(32, False), (320, True)])
+def test_dropless_moe_runs_no_op_that_waits_for_the_host(monkeypatch, tokens, grouped_on_cpu):
+    """On CUDA each of these ops is a device->host sync (the loop has one per expert); a decode step must have none."""
+    if grouped_on_cpu:
+        monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
+    moe = _fp32_moe().eval()
+    x, mask = torch.randn(1, tokens, 64), torch.ones(1, tokens, dtype=torch.bool)
+    mask[0, :3] = False
+    with _RecordOps() as fast:
+        moe(x, mask)
+    assert not fast.ops & _SYNCING_OPS, fast.ops & _SYNCING_OPS
+    moe.experts.path_for = lambda _x: "loop"
+    with _RecordOps() as loop:
+        moe(x, mask)
+    assert "nonzero" in loop.ops  # the recorder sees the loop's syncs
