@@ -24,6 +24,7 @@ token still has the residual path). Eval is dropless.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -58,8 +59,49 @@ class TopKRouter(nn.Module):
         return logits, probs, top_w, top_i
 
 
+# The dense path computes every expert for every token (E/k times the routed FLOPs) with fixed shapes and no
+# host sync; the loop pays one device->host sync per expert (``torch.where`` on a mask). In a decode step
+# (N = batch tokens) on a GPU the expert weights are read once either way and the GEMMs stay memory-bound
+# (bf16 on an H100/H200: ~200 rows per weight read before compute dominates), so the extra FLOPs are ~free.
+DENSE_MAX_TOKENS = 64
+# On CPU the dense path is compute-bound much earlier; it wins while its N*E*3*d*F multiply-adds stay under
+# ~2^24 (fp32, 1 thread, bench/bench_moe_experts.py: crossover near N=128 for tiny, N=16 for cpu-small).
+DENSE_MAX_MACS_CPU = 2**24
+# Devices where the grouped GEMM (``torch._grouped_mm``: all experts in one kernel, no sync) replaces the loop
+# above the dense sizes. Not CPU: there the loop has no sync to save, and measured it is as fast or faster
+# (fp32, N = 512..4096, tiny and cpu-small).
+GROUPED_MM_DEVICES = frozenset({"cuda"})
+
+
+@functools.cache
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here (decided once per device, dtype, shapes).
+
+    It needs rows whose byte strides are multiples of 16 and, depending on the build, a dtype and a GPU
+    architecture (e.g. bf16 on Hopper); anything it refuses falls back to the loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(n * dtype.itemsize % 16 for n in (hidden, 2 * intermediate, intermediate)):
+        return False
+    try:
+        # the first call may come from generate (inference mode): probe with autograd on, in plain tensors
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            x = torch.ones(16, hidden, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(1, hidden, 2 * intermediate, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([16], device=device, dtype=torch.int32)
+            y = torch._grouped_mm(x, w, offs=offs)
+            y.backward(torch.ones_like(y))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 class SwiGLUExperts(nn.Module):
-    """E SwiGLU FFNs stored as stacked weights (the released layout): gate_up [E, 2F, d], down [E, d, F]."""
+    """E SwiGLU FFNs stored as stacked weights (the released layout): gate_up [E, 2F, d], down [E, d, F].
+
+    ``forward`` has three interchangeable paths, equal up to float rounding (tests/test_model_moe.py):
+    ``dense`` (small N, every expert on every token), ``grouped`` (slots sorted by expert, two grouped GEMMs)
+    and ``loop`` (one expert at a time, the reference); :meth:`path_for` picks one."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -75,6 +117,29 @@ class SwiGLUExperts(nn.Module):
         self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
     ) -> torch.Tensor:
         """x [N, d]; top_i/top_w/keep [N, k] -> sum over kept slots of w * FFN_e(x) [N, d]."""
+        path = self.path_for(x)
+        if path == "dense":
+            return self.forward_dense(x, top_i, top_w, keep)
+        if path == "grouped":
+            return self.forward_grouped(x, top_i, top_w, keep)
+        return self.forward_loop(x, top_i, top_w, keep)
+
+    def path_for(self, x: torch.Tensor) -> str:
+        """The path for N = len(x) tokens: "dense" for small N (DENSE_MAX_TOKENS, DENSE_MAX_MACS_CPU), else
+        "grouped" where the grouped GEMM runs (GROUPED_MM_DEVICES), else "loop"."""
+        n = x.shape[0]
+        d, f = self.down_proj.shape[1:]
+        dense_macs = n * self.num_experts * 3 * d * f
+        if n <= DENSE_MAX_TOKENS and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU):
+            return "dense"
+        if x.device.type in GROUPED_MM_DEVICES and grouped_mm_supported(x.device, _compute_dtype(x), d, f):
+            return "grouped"
+        return "loop"
+
+    def forward_loop(
+        self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The reference: one expert at a time over the slots that chose it (a host sync per expert)."""
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             token, slot = torch.where((top_i == e) & keep)
@@ -83,6 +148,57 @@ class SwiGLUExperts(nn.Module):
             y = self.expert(e, x[token]) * top_w[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
         return out
+
+    def forward_dense(
+        self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every token, combined with a dense [N, E] weight matrix: fixed shapes, no sync."""
+        n, e = x.shape[0], self.num_experts
+        gate, up = torch.matmul(x, self.gate_up_proj.transpose(-2, -1)).chunk(2, dim=-1)  # [E, N, F] each
+        y = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(-2, -1))  # [E, N, d]
+        # top-k indices are distinct per token, so scatter (not scatter_add) places each slot once
+        selected = torch.zeros(n, e, dtype=torch.bool, device=x.device).scatter(1, top_i, keep)
+        weight = torch.zeros(n, e, dtype=x.dtype, device=x.device).scatter(1, top_i, top_w.to(x.dtype))
+        # where, not a multiply by 0: an unselected expert's inf/NaN must not reach the output (0 * inf = NaN)
+        y = torch.where(selected.t()[..., None], y, 0) * weight.t()[..., None]
+        return y.sum(0)
+
+    def forward_grouped(
+        self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Kept slots sorted by expert through two grouped GEMMs (``torch._grouped_mm``): no sync.
+
+        Slots not kept sort into a trailing group past the last offset; the grouped GEMM leaves those rows
+        undefined, so they are masked with ``where`` on the way in and out."""
+        k, e = top_i.shape[1], self.num_experts
+        key = torch.where(keep, top_i, e).reshape(-1)  # [N*k], token-major; not kept -> group E
+        order = torch.sort(key, stable=True).indices  # by expert, token order within an expert
+        token = order // k
+        offs = slots_per_expert(key, e).cumsum(0).to(torch.int32)
+        kept = keep.reshape(-1)[order][:, None]
+        dtype = _compute_dtype(x)
+        rows = torch.where(kept, x[token], 0).to(dtype)
+        h = torch._grouped_mm(rows, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)  # [N*k, 2F]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
+        y = torch.where(kept, y, 0) * top_w.reshape(-1)[order][:, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def slots_per_expert(key: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: how many entries of ``key`` (expert ids; ``num_experts`` = not counted) name each expert.
+
+    A scatter-add, not ``bincount(top_i[mask])``: boolean indexing and CUDA's bincount both wait on the host."""
+    key = key.reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device)
+    return counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on (as F.linear in the loop), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def capacity_keep_mask(
@@ -161,12 +277,12 @@ class MoEFeedForward(nn.Module):
         mask = None if token_mask is None else token_mask.reshape(-1).bool()
         logits, probs, top_w, top_i = self.router(x)
         valid = torch.ones_like(top_i, dtype=torch.bool) if mask is None else mask[:, None].expand_as(top_i)
-        routed = torch.bincount(top_i[valid], minlength=self.num_experts)
+        routed = slots_per_expert(torch.where(valid, top_i, self.num_experts), self.num_experts)
         if self.training and self.token_drop:
             n_real = x.shape[0] if mask is None else int(mask.sum())
             capacity = expert_capacity(n_real, self.top_k, self.num_experts, self.capacity_factor)
             keep = capacity_keep_mask(top_i, valid, self.num_experts, capacity)
-            dropped = routed - torch.bincount(top_i[keep], minlength=self.num_experts)
+            dropped = routed - slots_per_expert(torch.where(keep, top_i, self.num_experts), self.num_experts)
         else:
             keep = valid  # dropless (padding still skipped: its output is never used)
             dropped = torch.zeros_like(routed)

@@ -43,7 +43,7 @@ from deepspeed.moe.experts import Experts
 from deepspeed.moe.layer import MoE
 from torch import nn
 
-from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss
+from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss, slots_per_expert
 
 
 class GroupedSwiGLUExperts(nn.Module):
@@ -214,7 +214,7 @@ class DeepSpeedMoEFeedForward(MoE):
         else:
             keep = valid
         kept_key = torch.where(keep, slot_expert, E)
-        kept = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, kept_key, ones)[:E]
+        kept = slots_per_expert(kept_key, E)
 
         # one stable sort groups the kept slots by expert (dropped and padding last); dispatch and combine are
         # gathers by this permutation and its inverse, forward and backward (no scatter-add)

@@ -1,5 +1,6 @@
 """MoE spec: eq. 1 routing, aux loss against a hand computation, capacity token drop and its accounting,
-padding kept out of routing, dropless eval, the model-level drop counters."""
+padding kept out of routing, dropless eval, the model-level drop counters; the experts' dense and grouped paths
+against the per-expert loop, and which path a call takes."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from model import moe as moe_module
 from model.modeling import HybridForCausalLM
-from model.moe import MoEFeedForward, capacity_keep_mask, expert_capacity
+from model.moe import MoEFeedForward, SwiGLUExperts, capacity_keep_mask, expert_capacity, grouped_mm_supported
 from model.sizes import config_for
 
 
@@ -154,3 +157,193 @@ def test_loss_adds_the_scaled_aux_loss():
     torch.testing.assert_close(plain.loss, ce)
     torch.testing.assert_close(out.loss, ce + 0.5 * out.aux_loss)
     assert len(out.router_logits) == 2 and out.router_logits[0].shape == (16, cfg.num_experts)
+
+
+# --- the experts' paths (dense, grouped) against the per-expert loop ----------------------------------------
+
+
+def _fp32_moe(hidden=64, inter=32, num_experts=8, top_k=2, seed=0) -> MoEFeedForward:
+    """fp32, 16-byte-multiple row strides (d=64, F=32), so torch._grouped_mm runs on CPU."""
+    torch.manual_seed(seed)
+    moe = MoEFeedForward(hidden, inter, num_experts, top_k, capacity_factor=0.75, token_drop=True)
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 1.0)
+        moe.experts.gate_up_proj.normal_(0, hidden**-0.5)
+        moe.experts.down_proj.normal_(0, inter**-0.5)
+    return moe
+
+
+def _run(moe: MoEFeedForward, path: str, x: torch.Tensor, mask: torch.Tensor, probe: torch.Tensor):
+    """Output and gradients (x, gate_up, down, router) with the experts forced onto ``path``."""
+    moe.zero_grad()
+    moe.experts.path_for = lambda _x: path  # instance attribute: shadows the method for this module only
+    try:
+        xx = x.clone().requires_grad_(True)
+        out = moe(xx, mask)
+        (out.hidden * probe).sum().backward()
+    finally:
+        del moe.experts.path_for
+    grads = [xx.grad, moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad, moe.router.weight.grad]
+    return out, [g.clone() for g in grads]
+
+
+def _assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-6) -> None:
+    """max |actual - expected| <= rel * max |expected| (elementwise rtol breaks on values near 0)."""
+    assert torch.isfinite(actual).all()
+    err = (actual - expected).abs().max().item()
+    assert err <= rel * expected.abs().max().item(), (
+        f"max error {err:.3g} vs scale {expected.abs().max():.3g}"
+    )
+
+
+@pytest.mark.parametrize("path", ["dense", "grouped"])
+def test_expert_path_matches_the_loop_with_drops_and_padding(path):
+    moe = _fp32_moe().train()  # capacity_factor 0.75: some slots are dropped (keep false)
+    torch.manual_seed(1)
+    x = torch.randn(3, 20, 64)
+    mask = torch.ones(3, 20, dtype=torch.bool)
+    mask[0, :5] = False  # left padding
+    mask[2, 15:] = False  # right padding
+    probe = torch.randn(3, 20, 64)
+    ref, ref_grads = _run(moe, "loop", x, mask, probe)
+    assert ref.dropped.sum() > 0  # the test covers dropped slots
+    out, grads = _run(moe, path, x, mask, probe)
+    assert out.dropped.tolist() == ref.dropped.tolist()
+    _assert_rel_close(out.hidden, ref.hidden)
+    assert torch.all(out.hidden[~mask] == 0)  # padding gets nothing from the experts
+    for g, r in zip(grads, ref_grads, strict=True):
+        _assert_rel_close(g, r)
+
+
+@pytest.mark.parametrize("path", ["dense", "grouped"])
+def test_expert_path_matches_the_loop_in_dropless_eval(path):
+    moe = _fp32_moe(top_k=3, seed=2).eval()
+    x = torch.randn(2, 40, 64)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :7] = False
+    probe = torch.randn(2, 40, 64)
+    ref, ref_grads = _run(moe, "loop", x, mask, probe)
+    out, grads = _run(moe, path, x, mask, probe)
+    _assert_rel_close(out.hidden, ref.hidden)
+    for g, r in zip(grads, ref_grads, strict=True):
+        _assert_rel_close(g, r)
+
+
+def test_dense_path_keeps_an_unselected_experts_nan_out_of_the_output():
+    moe = _fp32_moe(num_experts=4)
+    experts = moe.experts
+    x = torch.randn(6, 64)
+    top_i = torch.tensor([[0, 1]] * 3 + [[1, 2]] * 3)  # nobody selects expert 3
+    top_w = torch.full((6, 2), 0.5)
+    keep = torch.ones(6, 2, dtype=torch.bool)
+    keep[4, 1] = False  # token 4's slot for expert 2 is dropped
+    expected = experts.forward_loop(x, top_i, top_w, keep)
+    with torch.no_grad():
+        experts.down_proj[3] = float("nan")  # unselected: its outputs are NaN for every token
+        experts.gate_up_proj[2] = float("inf")  # selected only where kept: tokens 3 and 5
+    out = experts.forward_dense(x, top_i, top_w, keep)
+    assert torch.isfinite(out[:3]).all() and torch.isfinite(out[4]).all()
+    _assert_rel_close(out[:3], expected[:3])
+    _assert_rel_close(out[4], expected[4])
+
+
+def test_small_calls_take_the_dense_path_and_larger_ones_the_grouped_gemm_where_it_runs(monkeypatch):
+    experts = _fp32_moe().experts
+    small, large = (
+        torch.randn(moe_module.DENSE_MAX_TOKENS, 64),
+        torch.randn(moe_module.DENSE_MAX_TOKENS + 1, 64),
+    )
+    assert experts.path_for(small) == "dense"
+    assert experts.path_for(large) == "loop"  # CPU default: the loop has no sync to save
+    monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
+    assert experts.path_for(large) == "grouped"
+    assert experts.double().path_for(large.double()) == "loop"  # float64: no grouped GEMM
+    assert SwiGLUExperts(4, 4, 6).path_for(torch.randn(100, 4)) == "loop"  # 16-byte strides unmet
+    # on CPU the dense path stops where its compute outgrows the loop's per-expert overhead
+    wide = SwiGLUExperts(4, 256, 512)
+    assert wide.path_for(torch.randn(10, 256)) == "dense" and wide.path_for(torch.randn(11, 256)) == "grouped"
+
+
+def test_grouped_mm_support_is_decided_by_dtype_and_strides():
+    cpu = torch.device("cpu")
+    assert grouped_mm_supported(cpu, torch.float32, 64, 32)
+    assert not grouped_mm_supported(cpu, torch.float32, 4, 6)  # 16- and 24-byte rows
+    assert not grouped_mm_supported(cpu, torch.float64, 64, 32)
+    with torch.inference_mode():  # a first call from generate() must not cache "unsupported"
+        assert grouped_mm_supported(cpu, torch.float32, 64, 64)
+
+
+def test_forward_dispatches_to_the_chosen_path(monkeypatch):
+    moe = _fp32_moe().eval()
+
+    def refuse(*_args):
+        raise AssertionError("took the per-expert loop")
+
+    monkeypatch.setattr(SwiGLUExperts, "forward_loop", refuse)
+    moe(torch.randn(4, 8, 64))  # 32 tokens: dense
+    monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
+    moe(torch.randn(4, 80, 64))  # 320 tokens: grouped
+    monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset())
+    with pytest.raises(AssertionError, match="per-expert loop"):
+        moe(torch.randn(4, 80, 64))
+
+
+def test_decode_steps_take_the_dense_path_and_generate_the_loops_tokens(monkeypatch):
+    torch.manual_seed(0)
+    model = HybridForCausalLM(
+        config_for("tiny", num_hidden_layers=2, attention_pattern=["lightning", "softmax"])
+    )
+    model.eval()
+    ids = torch.randint(8, model.config.vocab_size, (4, 20))
+    args = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    paths: list[tuple[int, str]] = []
+    choose = SwiGLUExperts.path_for
+
+    def record(self, x):
+        paths.append((x.shape[0], choose(self, x)))
+        return paths[-1][1]
+
+    monkeypatch.setattr(SwiGLUExperts, "path_for", record)
+    fast = model.generate(ids, **args)
+    assert paths[0] == (80, "loop")  # the prompt: 4 x 20 tokens (CPU, above DENSE_MAX_TOKENS)
+    assert set(paths[2:]) == {(4, "dense")}  # every decode step, every layer
+    monkeypatch.setattr(SwiGLUExperts, "path_for", lambda self, x: "loop")
+    assert torch.equal(model.generate(ids, **args), fast)
+
+
+# ops that make a CUDA stream wait for the host (data-dependent output sizes or a scalar read)
+_SYNCING_OPS = {"nonzero", "_local_scalar_dense", "bincount", "masked_select", "item", "unique", "_unique2"}
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("tokens, grouped_on_cpu", [(32, False), (320, True)])
+def test_dropless_moe_runs_no_op_that_waits_for_the_host(monkeypatch, tokens, grouped_on_cpu):
+    """On CUDA each of these ops is a device->host sync (the loop has one per expert); a decode step must have none."""
+    if grouped_on_cpu:
+        monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
+    moe = _fp32_moe().eval()
+    x, mask = torch.randn(1, tokens, 64), torch.ones(1, tokens, dtype=torch.bool)
+    mask[0, :3] = False
+    with _RecordOps() as fast:
+        moe(x, mask)
+    assert not fast.ops & _SYNCING_OPS, fast.ops & _SYNCING_OPS
+    moe.experts.path_for = lambda _x: "loop"
+    with _RecordOps() as loop:
+        moe(x, mask)
+    assert "nonzero" in loop.ops  # the recorder sees the loop's syncs
