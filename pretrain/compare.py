@@ -31,7 +31,7 @@ from pydantic import Field
 from pipeline.stage import Artifact, InputSpec, StageContext, StageKind, StageParams, metric_key
 from pretrain.eval_metrics import min_samples_for_accuracy_difference, min_samples_for_mean_difference
 from pretrain.evaluation import EVAL_REPORT_TYPE, REPORT_FILE, _write_json
-from pretrain.stage import CHECKPOINT_TYPE
+from pretrain.stage import CHECKPOINT_TYPE, LOSS_CURVE_FILE
 
 COMPARISON_TYPE = "comparison"
 COMPARISON_JSON = "comparison.json"
@@ -106,12 +106,9 @@ def load_variant(report: Artifact, checkpoint: Artifact) -> Variant:
     if missing:
         raise ValueError(f"{where}: its manifest summary lacks {missing}; it was not written by the pretrain stage")
     curve = []
-    log_file = checkpoint.path / "train_log.jsonl"
-    if log_file.is_file():
-        for line in log_file.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                curve.append((int(row["tokens"]), float(row["loss"])))
+    curve_file = checkpoint.path / LOSS_CURVE_FILE  # payload; train_log.jsonl is a record, not in the digest
+    if curve_file.is_file():
+        curve = [(int(r["tokens"]), float(r["loss"])) for r in json.loads(curve_file.read_text())["rows"]]
     report_file = report.path / REPORT_FILE
     if not report_file.is_file():
         raise FileNotFoundError(f"compare: eval artifact {report.path} has no {REPORT_FILE}: bind the compare stage to "

@@ -70,6 +70,7 @@ from pretrain.stage import CHECKPOINT_TYPE
 
 EVAL_REPORT_TYPE = "eval_report"
 REPORT_FILE = "report.json"
+TIMING_FILE = "timing.json"  # wall-clock seconds and generation speed (a record: not in the digest)
 MC_ITEMS_FILE = "mc_items.jsonl"
 PASS_RATE_FILE = "pass_rate.jsonl"
 HAYSTACK_SEPARATOR = "\n\n"  # between held-out documents in the haystack / loss stream
@@ -504,10 +505,16 @@ def run(params: EvalParams, ctx: StageContext) -> None:
     for pos, v in loss["curve"]:
         ctx.log_metrics({"loss_by_position": v}, step=pos)
 
+    # wall-clock figures go to timing.json, a record (StageKind.records): report.json, which the compare stage
+    # reads, holds only what the same inputs reproduce, so a rerun keeps the artifact's digest
+    timing = {"seconds": round(time.monotonic() - start, 2)}
+    if passes is not None:
+        timing["pass_rate_tokens_per_second"] = passes.pop("tokens_per_second")
     report = {"trained_length": T, "context_lengths": lengths, "held_out": held.info, "params": params.model_dump(),
               "metrics": summary, "niah": niah, "multi_round_niah": mr, "loss_by_position": loss,
-              "multiple_choice": mc, "pass_rate": passes, "seconds": round(time.monotonic() - start, 2)}
+              "multiple_choice": mc, "pass_rate": passes}
     _write_json(ctx.out_dir / REPORT_FILE, report)
+    _write_json(ctx.out_dir / TIMING_FILE, timing)
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "eval")
     ctx.set_rows("niah_prompts", len(niah["trials"]))
     ctx.set_rows("mc_items", sum(r["items"] for r in mc.values()))
@@ -528,7 +535,7 @@ def validate_external(params: EvalParams) -> list[tuple[str, str]]:
 
 STAGE = StageKind(
     # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
-    records=("plots/*",),
+    records=(TIMING_FILE, "plots/*"),
     name="eval",
     params=EvalParams,
     run=run,

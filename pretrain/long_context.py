@@ -442,7 +442,7 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
 
 STAGE = StageKind(
     # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
-    records=("summary.json", "phases/*/summary.json", "plots/*"),
+    records=("summary.json", "train_log.jsonl", "phases/*/summary.json", "phases/*/train_log.jsonl", "plots/*"),
     name="long_context",
     params=LongContextParams,
     run=run,

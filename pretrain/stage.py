@@ -10,6 +10,8 @@ GPUs on a Ray cluster), as Ray Train workers; forwards their metrics to MLflow, 
     model/            HybridForCausalLM (``import model`` registers it) + tokenizer, token ids, chat template
     minimax/          the same weights as transformers' MiniMaxForCausalLM (no remote code) + tokenizer
     train_log.jsonl   every logged step (loss, aux_loss, lr, batch_size, grad_norm, tokens_per_second, mfu, ...)
+    loss_curve.json   step, tokens, loss and lr of those steps: what the compare stage reads (train_log.jsonl,
+                      summary.json and plots/ are records: verified, not in the artifact's digest)
     summary.json      eval_loss, unigram_loss, steps, tokens, skipped steps, drop rate
     expert_routed.npy / expert_dropped.npy   token slots per [layer, expert] over the run
     packing.json      what was packed (rows, tokens, held-out documents)
@@ -39,9 +41,12 @@ from pydantic import Field, model_validator
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
 from data.tokenizer import TOKENIZER_TYPE
+from pipeline.artifacts import write_json_atomic
 from pipeline.stage import InputSpec, Resources, StageContext, StageKind, StageParams
 
 CHECKPOINT_TYPE = "checkpoint"
+LOSS_CURVE_FILE = "loss_curve.json"
+LOSS_CURVE_FIELDS = ("step", "tokens", "loss", "lr")
 # model.configuration.PATTERN_SHORTHANDS and ATTENTION_KINDS (a test pins them equal): checked here, at spec validation,
 # where importing model/ (transformers, torch) would cost seconds for every `hylight validate`
 ATTENTION_PATTERNS = ("hybrid", "all-lightning", "all-softmax")
@@ -328,6 +333,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
 
     summary = json.loads((ctx.out_dir / "summary.json").read_text())
     history = [json.loads(line) for line in (ctx.out_dir / "train_log.jsonl").read_text().splitlines() if line]
+    write_loss_curve(ctx.out_dir, history)
     _plots(ctx, history)
     last = history[-1] if history else {}
     ctx.log_summary({
@@ -342,6 +348,14 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     if summary["eval_loss"] >= summary["unigram_loss"]:
         ctx.progress(f"WARNING: eval_loss {summary['eval_loss']:.3f} is not below the unigram baseline "
                      f"{summary['unigram_loss']:.3f}: the model learned no more than token frequencies")
+
+
+def write_loss_curve(out_dir: Path, history: list[dict[str, Any]]) -> None:
+    """``loss_curve.json``: step, tokens, loss and lr of every logged step. It is the part of ``train_log.jsonl``
+    that the same inputs reproduce (no throughput or memory figures), so it is payload and the compare stage reads
+    it; train_log.jsonl is a record (StageKind.records), left out of the artifact's digest."""
+    rows = [{k: h[k] for k in LOSS_CURVE_FIELDS if k in h} for h in history]
+    write_json_atomic(out_dir / LOSS_CURVE_FILE, {"fields": list(LOSS_CURVE_FIELDS), "rows": rows})
 
 
 def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
@@ -383,7 +397,7 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
 
 STAGE = StageKind(
     # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
-    records=("summary.json", "plots/*"),
+    records=("summary.json", "train_log.jsonl", "plots/*"),
     name="pretrain",
     params=PretrainParams,
     run=run,

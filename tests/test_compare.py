@@ -50,13 +50,15 @@ def _report(niah: float, cloze_acc_norm: float, cloze_lan2: float, eval_loss_256
 def _variant(root: Path, name: str, pattern: str, report: dict[str, Any], *, params: dict[str, Any] | None = None,
              inputs: dict[str, Any] | None = None, tokens: int = 20480, eval_params: dict[str, Any] | None = None,
              ) -> tuple[Artifact, Artifact]:
-    """A checkpoint artifact (manifest, model/config.json of the tiny size, train_log.jsonl) and its eval artifact."""
+    """A checkpoint artifact (manifest, model/config.json of the tiny size, loss_curve.json) and its eval artifact."""
     from model.sizes import config_for
 
     ckpt = root / name
     config_for("tiny", attention_pattern=pattern).save_pretrained(ckpt / "model")
-    (ckpt / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "tokens": s * 2048, "loss": 9.0 - s / 10})
-                                                  + "\n" for s in (5, 10)))
+    from pretrain.stage import LOSS_CURVE_FIELDS, LOSS_CURVE_FILE
+
+    (ckpt / LOSS_CURVE_FILE).write_text(json.dumps({"fields": list(LOSS_CURVE_FIELDS), "rows": [
+        {"step": s, "tokens": s * 2048, "loss": 9.0 - s / 10, "lr": 1e-3} for s in (5, 10)]}))
     pretrain_params = {**PRETRAIN_PARAMS, "model_overrides": {"attention_pattern": pattern}, **(params or {})}
     manifest = {"type": "checkpoint", "digest": f"ckpt-{name}", "stage": name,
                 "key_material": {"params": pretrain_params, "inputs": inputs or INPUTS},

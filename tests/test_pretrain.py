@@ -372,6 +372,17 @@ def test_stage_eval_loss_is_clearly_below_the_unigram_loss(trained: TrainedRun) 
 
 
 @pytest.mark.slow
+def test_stage_writes_the_reproducible_part_of_its_log_as_the_loss_curve_compare_reads(trained: TrainedRun) -> None:
+    """loss_curve.json (payload) holds step, tokens, loss and lr of every logged step and nothing run-dependent;
+    train_log.jsonl, with its throughput and memory figures, is only a record."""
+    from pretrain.stage import LOSS_CURVE_FIELDS, LOSS_CURVE_FILE, STAGE
+
+    curve = json.loads((trained.out / LOSS_CURVE_FILE).read_text())
+    assert curve["fields"] == list(LOSS_CURVE_FIELDS) == ["step", "tokens", "loss", "lr"]
+    assert curve["rows"] == [{k: h[k] for k in LOSS_CURVE_FIELDS} for h in trained.history]
+    assert "train_log.jsonl" in STAGE.records and LOSS_CURVE_FILE not in STAGE.records
+
+
 def test_stage_logs_every_issue_metric_under_its_name_at_every_logged_step(trained: TrainedRun) -> None:
     sink = trained.ctx.sink
     steps = list(range(1, 41))
