@@ -74,9 +74,11 @@ class JsonlGzWriter:
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-            self._raw.close()
+            try:
+                self._fh.close()
+            finally:
+                self._fh = None
+                self._raw.close()
 
     def __enter__(self) -> JsonlGzWriter:
         return self

@@ -125,12 +125,15 @@ class SwiGLUExperts(nn.Module):
         return self.forward_loop(x, top_i, top_w, keep)
 
     def path_for(self, x: torch.Tensor) -> str:
-        """The path for N = len(x) tokens: "dense" for small N (DENSE_MAX_TOKENS, DENSE_MAX_MACS_CPU), else
-        "grouped" where the grouped GEMM runs (GROUPED_MM_DEVICES), else "loop"."""
+        """The path for N = len(x) tokens: "dense" for small N (DENSE_MAX_TOKENS, DENSE_MAX_MACS_CPU) when no
+        gradient is taken (decode), else "grouped" where the grouped GEMM runs (GROUPED_MM_DEVICES), else "loop".
+        Not dense with gradients: an expert a token did not choose is computed and masked, and an inf in its
+        activations would turn the masked zero gradient into NaN (0 * inf) in the weights' gradients."""
         n = x.shape[0]
         d, f = self.down_proj.shape[1:]
         dense_macs = n * self.num_experts * 3 * d * f
-        if n <= DENSE_MAX_TOKENS and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU):
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad)
+        if not grad and n <= DENSE_MAX_TOKENS and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU):
             return "dense"
         if x.device.type in GROUPED_MM_DEVICES and grouped_mm_supported(x.device, _compute_dtype(x), d, f):
             return "grouped"

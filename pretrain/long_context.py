@@ -48,7 +48,7 @@ from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
-from pretrain.stage import CHECKPOINT_TYPE, PretrainParams, RankLayout, _Relay, launch_ranks
+from pretrain.stage import CHECKPOINT_TYPE, PretrainParams, RankLayout, _Relay, launch_ranks, write_loss_curve
 
 _SHARED = PretrainParams.model_fields  # the training engine's knobs: one definition for both stages
 LONG_DATA_DIR = "long_data"
@@ -386,6 +386,7 @@ def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[d
     np.save(out / "expert_routed.npy", routed)
     np.save(out / "expert_dropped.npy", dropped)
     (out / "train_log.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    write_loss_curve(out, history)  # the payload a compare stage reads (train_log.jsonl is a record)
     f = phases[last]
     summary = {"eval_loss": f["eval_loss"], "unigram_loss": f["unigram_loss"], "seq_len": f["seq_len"],
                "rope_theta": f["rope_theta"], "steps": f["end_step"], "tokens": f["end_tokens"],

@@ -121,7 +121,7 @@ class _SlotsToRows(torch.autograd.Function):
 
 def _slots_to_rows(y: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     """sum over the k slots of each token; slot s = (choice s // n, token s % n) sits at row inverse[s] of y."""
-    return y.index_select(0, inverse).view(k, -1, y.shape[-1]).sum(0)
+    return y.index_select(0, inverse).view(k, y.shape[0] // k, y.shape[-1]).sum(0)
 
 
 def _ceil_capacity(tokens: torch.Tensor, capacity_factor: float, top_k: int, num_experts: int,

@@ -422,6 +422,9 @@ def test_stage_logs_continuing_curves_and_per_phase_eval_loss_to_mlflow(extended
     log = [json.loads(line) for line in (extended.out / "train_log.jsonl").read_text().splitlines()]
     assert [h["step"] for h in log] == list(range(1, 2 * STEPS + 1))
     assert [h["seq_len"] for h in log] == [256] * STEPS + [512] * STEPS
+    curve = json.loads((extended.out / "loss_curve.json").read_text())["rows"]  # what compare reads
+    assert curve == [{k: h[k] for k in ("step", "tokens", "loss", "lr") if k in h} for h in log]
+    assert [r["step"] for r in curve] == list(range(1, 2 * STEPS + 1)) and all("loss" in r for r in curve)
 
 
 @pytest.mark.slow

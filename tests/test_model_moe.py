@@ -253,15 +253,18 @@ def test_small_calls_take_the_dense_path_and_larger_ones_the_grouped_gemm_where_
         torch.randn(moe_module.DENSE_MAX_TOKENS, 64),
         torch.randn(moe_module.DENSE_MAX_TOKENS + 1, 64),
     )
-    assert experts.path_for(small) == "dense"
-    assert experts.path_for(large) == "loop"  # CPU default: the loop has no sync to save
-    monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
-    assert experts.path_for(large) == "grouped"
-    assert experts.double().path_for(large.double()) == "loop"  # float64: no grouped GEMM
-    assert SwiGLUExperts(4, 4, 6).path_for(torch.randn(100, 4)) == "loop"  # 16-byte strides unmet
-    # on CPU the dense path stops where its compute outgrows the loop's per-expert overhead
-    wide = SwiGLUExperts(4, 256, 512)
-    assert wide.path_for(torch.randn(10, 256)) == "dense" and wide.path_for(torch.randn(11, 256)) == "grouped"
+    assert experts.path_for(small) == "loop"  # gradients taken (training): never dense, see path_for
+    with torch.no_grad():
+        assert experts.path_for(small) == "dense"
+        assert experts.path_for(large) == "loop"  # CPU default: the loop has no sync to save
+        monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
+        assert experts.path_for(large) == "grouped"
+        assert experts.double().path_for(large.double()) == "loop"  # float64: no grouped GEMM
+        assert SwiGLUExperts(4, 4, 6).path_for(torch.randn(100, 4)) == "loop"  # 16-byte strides unmet
+        # on CPU the dense path stops where its compute outgrows the loop's per-expert overhead
+        wide = SwiGLUExperts(4, 256, 512)
+        assert wide.path_for(torch.randn(10, 256)) == "dense" and wide.path_for(torch.randn(11, 256)) == "grouped"
+    assert experts.path_for(small) == "grouped"  # with gradients: the grouped GEMM where it runs
 
 
 def test_grouped_mm_support_is_decided_by_dtype_and_strides():
@@ -280,7 +283,8 @@ def test_forward_dispatches_to_the_chosen_path(monkeypatch):
         raise AssertionError("took the per-expert loop")
 
     monkeypatch.setattr(SwiGLUExperts, "forward_loop", refuse)
-    moe(torch.randn(4, 8, 64))  # 32 tokens: dense
+    with torch.no_grad():  # dense only without gradients (decode)
+        moe(torch.randn(4, 8, 64))  # 32 tokens: dense
     monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
     moe(torch.randn(4, 80, 64))  # 320 tokens: grouped
     monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset())
@@ -340,7 +344,7 @@ def test_dropless_moe_runs_no_op_that_waits_for_the_host(monkeypatch, tokens, gr
     moe = _fp32_moe().eval()
     x, mask = torch.randn(1, tokens, 64), torch.ones(1, tokens, dtype=torch.bool)
     mask[0, :3] = False
-    with _RecordOps() as fast:
+    with _RecordOps() as fast, torch.no_grad():  # as in generate
         moe(x, mask)
     assert not fast.ops & _SYNCING_OPS, fast.ops & _SYNCING_OPS
     moe.experts.path_for = lambda _x: "loop"

@@ -133,6 +133,16 @@ def test_deepspeed_moe_layer_traces_under_torch_compile_with_the_eager_values_an
         assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12)
 
 
+def test_deepspeed_moe_layer_takes_an_empty_batch() -> None:
+    _, layer, _ = _moe_pair()
+    layer.train()
+    x = torch.zeros(1, 0, layer.hidden_size, dtype=torch.float64, requires_grad=True)
+    out = layer(x, None)
+    assert out.hidden.shape == (1, 0, layer.hidden_size) and int(out.routed.sum()) == 0
+    out.hidden.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 def test_export_model_state_round_trips_to_the_reference_state_dict_exactly() -> None:
     ref_model = _float64_model()
     ds_model = copy.deepcopy(ref_model)
