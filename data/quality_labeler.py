@@ -209,7 +209,22 @@ def parse_reply(reply: str, taxonomy: Sequence[str]) -> Label:
 
 
 # --- params ---------------------------------------------------------------------------------------
-class ReferenceLabelerParams(StageParams):
+class _CategoryFromMetadataParams(StageParams):
+    """For labelers that give no category themselves (reference, reward_model): it comes from the metadata."""
+
+    category_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_CATEGORY_MAP), description=(
+        "Ordered {pattern: category}: the first fnmatch pattern matching the document's domain or its id "
+        "gives its category; every category must be in taxonomy."))
+    default_category: str = Field("other", description="Category of documents no pattern matches.")
+
+
+def _model_path_not_blank(v: str) -> str:
+    if not v.strip():
+        raise ValueError("model_path is empty; give a local model directory or a model artifact")
+    return v
+
+
+class ReferenceLabelerParams(_CategoryFromMetadataParams):
     kind: Literal["reference"] = "reference"
     refs_dir: str | None = Field(None, description=(
         "Directory holding <dimension>.txt reference passages (knowledge_depth.txt, helpfulness.txt; "
@@ -218,10 +233,6 @@ class ReferenceLabelerParams(StageParams):
         "Random windows of the input corpus used as the negative class: equally many per domain, "
         "documents by id hash, reference source documents excluded."))
     regularization_c: float = Field(1.0, gt=0, description="Inverse L2 strength of the logistic classifiers.")
-    category_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_CATEGORY_MAP), description=(
-        "Ordered {pattern: category}: the first fnmatch pattern matching the document's domain or its id "
-        "gives its category; every category must be in taxonomy."))
-    default_category: str = Field("other", description="Category of documents no pattern matches.")
 
 
 class CausalLMLabelerParams(StageParams):
@@ -237,12 +248,7 @@ class CausalLMLabelerParams(StageParams):
         "Where the labeler model runs: auto = the stage's GPU when it has one (bf16; greedy replies may then "
         "differ from a CPU run's), else the CPU (fp32)."))
 
-    @field_validator("model_path")
-    @classmethod
-    def _path_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("model_path is empty; give a local model directory")
-        return v
+    _path_not_blank = field_validator("model_path")(_model_path_not_blank)
 
 
 # the user turn a document answers when the reward model scores it for each dimension
@@ -252,7 +258,7 @@ DEFAULT_REWARD_PROMPTS = {
 }
 
 
-class RewardModelLabelerParams(StageParams):
+class RewardModelLabelerParams(_CategoryFromMetadataParams):
     kind: Literal["reward_model"]
     model_path: str = Field(description=(
         "A reward_model stage artifact (its reward_model/ directory is used) or a saved reward model directory "
@@ -262,18 +268,10 @@ class RewardModelLabelerParams(StageParams):
         "be when the reward model scores it."))
     doc_tokens: int = Field(512, ge=16, description="The document is cut to this many tokens before scoring.")
     batch_size: int = Field(16, ge=1, description="Documents scored together (memory: batch x longest).")
-    category_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_CATEGORY_MAP), description=(
-        "Ordered {pattern: category}, as for the reference labeler: a reward model gives no category."))
-    default_category: str = Field("other", description="Category of documents no pattern matches.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "Where the reward model runs: auto = the stage's GPU when it has one (bf16), else the CPU (fp32)."))
 
-    @field_validator("model_path")
-    @classmethod
-    def _path_not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("model_path is empty; give a reward_model artifact or a reward model directory")
-        return v
+    _path_not_blank = field_validator("model_path")(_model_path_not_blank)
 
     @field_validator("prompts")
     @classmethod
@@ -584,19 +582,12 @@ def reward_model_directory(path: Path) -> Path:
 
 
 def mid_rank_percentiles(values: Sequence[float]) -> list[float]:
-    """Each value's mid-rank percentile in (0, 1): (average 0-based rank among equal values + 0.5) / n."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        pct = ((start + end) / 2 + 0.5) / len(values)
-        for i in order[start:end + 1]:
-            out[i] = pct
-        start = end + 1
-    return out
+    """Each value's mid-rank percentile in (0, 1): (average 1-based rank among equal values - 0.5) / n."""
+    from scipy.stats import rankdata  # a dependency of scikit-learn, which the quality stage needs
+
+    if not values:
+        return []
+    return [float(r) for r in (rankdata(values, method="average") - 0.5) / len(values)]
 
 
 class RewardModelLabeler:

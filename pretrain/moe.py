@@ -94,14 +94,14 @@ class _RowsToSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(src, inverse)
+        ctx.save_for_backward(inverse)
         ctx.k = k
         return x.index_select(0, src)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        src, inverse = ctx.saved_tensors
-        return _slots_to_rows(grad, src, inverse, ctx.k), None, None, None
+        (inverse,) = ctx.saved_tensors
+        return _slots_to_rows(grad, inverse, ctx.k), None, None, None
 
 
 class _SlotsToRows(torch.autograd.Function):
@@ -109,17 +109,16 @@ class _SlotsToRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(src, inverse)
-        ctx.k = k
-        return _slots_to_rows(y, src, inverse, k)
+        ctx.save_for_backward(src)
+        return _slots_to_rows(y, inverse, k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        src, _ = ctx.saved_tensors
+        (src,) = ctx.saved_tensors
         return grad.index_select(0, src), None, None, None
 
 
-def _slots_to_rows(y: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+def _slots_to_rows(y: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     """sum over the k slots of each token; slot s = (choice s // n, token s % n) sits at row inverse[s] of y."""
     return y.index_select(0, inverse).view(k, y.shape[0] // k, y.shape[-1]).sum(0)
 

@@ -502,7 +502,12 @@ def test_params_default_to_the_reference_labeler_and_check_categories_against_ta
         QualityParams(taxonomy=["code", "code", "other"])
     with pytest.raises(ValidationError, match="model_path"):
         QualityParams(labeler={"kind": "causal_lm"})
-    with pytest.raises(ValidationError, match="'llm' .* expected tags: 'reference', 'causal_lm'"):
+    for kind in ("causal_lm", "reward_model"):
+        with pytest.raises(ValidationError, match="model_path is empty"):
+            QualityParams(labeler={"kind": kind, "model_path": "  "})
+    with pytest.raises(ValidationError, match="categories not in taxonomy"):
+        QualityParams(labeler={"kind": "reward_model", "model_path": "/m", "default_category": "poetry"})
+    with pytest.raises(ValidationError, match="'llm' .* expected tags: 'reference', 'causal_lm', 'reward_model'"):
         QualityParams(labeler={"kind": "llm"})
     with pytest.raises(ValidationError, match="heldout_fraction=0.9"):
         QualityParams(heldout_fraction=0.9)
