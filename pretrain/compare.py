@@ -234,6 +234,16 @@ def rows(variants: list[Variant]) -> list[tuple[str, str, list[Any]]]:
         ("multi_round_niah_recall_2x", f"multi-round NIAH recall at {2 * T}",
          [v.metrics["multi_round_niah_recall_2x"] for v in variants]),
     ]
+    # the retrieval diagnostics (eval reports written before they existed lack them: "—")
+    chance = {v.report["niah"].get("choice_chance") for v in variants} - {None}
+    chance_note = f", chance {chance.pop():.2f}" if len(chance) == 1 else ""
+    for key, label in (("niah_choice_accuracy", f"NIAH forced choice at {T} (needle's number vs others{chance_note})"),
+                       ("niah_choice_accuracy_2x", f"NIAH forced choice at {2 * T}"),
+                       ("niah_answer_margin", f"NIAH answer margin at {T}, nats (needle's number minus others)"),
+                       ("copy_accuracy", "copy probe: second-copy top-1 accuracy (random tokens, repeated)"),
+                       ("copy_loss_gain", "copy probe: loss drop from first to second copy, nats")):
+        if any(key in v.metrics for v in variants):
+            out.append((key, label, [v.metrics.get(key) for v in variants]))
     for task in _mc_tasks(variants, every=False):  # a task some variant lacks (allow_unfair) shows "—" there
         mc = [v.report.get("multiple_choice", {}).get(task) for v in variants]
         items = "/".join(sorted({str(m["items"]) for m in mc if m}))

@@ -11,6 +11,9 @@ files. No model here: ``pretrain/evaluation.py`` runs them, ``pretrain/eval_metr
 * **Multiple choice**: cloze (the last word of a held-out sentence among words from other documents) and
   next-sentence choice (the sentence that follows among sentences of other documents), and lm-eval's JSONL shape
   ``{"query" | "context", "choices", "gold"}``.
+* **Diagnostics of retrieval** (why a NIAH accuracy is what it is): distractor numbers for a forced choice between
+  the needle's number and numbers the prompt never held, and the copy probe (a random token sequence repeated once:
+  how well the second copy is predicted is the induction, or copying, ability that NIAH's answer needs).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ MR_FINAL_REQUEST = "Earlier in our conversation you told me the special magic nu
 Encode = Callable[[str], list[int]]
 
 # numpy SeedSequence ignores trailing zeros: every purpose gets a distinct nonzero tag
-_NIAH_TAG, _MR_TAG, _CLOZE_TAG, _NEXT_TAG = 11, 12, 13, 14
+_NIAH_TAG, _MR_TAG, _CLOZE_TAG, _NEXT_TAG, _DISTRACTOR_TAG, _COPY_TAG = 11, 12, 13, 14, 15, 16
 
 
 class TokenStream:
@@ -113,6 +116,55 @@ def build_niah_trials(stream: TokenStream, encode: Encode, bos_id: int, lengths:
                 city = CITIES[int(rng.integers(len(CITIES)))]
                 out.append(niah_prompt(stream, int(rng.integers(len(stream))), length, depth, city, _number(rng),
                                        encode, bos_id))
+    return out
+
+
+def niah_distractors(trials: Sequence[NiahTrial], n: int, seed: int) -> list[list[str]]:
+    """``n`` numbers per trial, drawn like needles' numbers (7 digits), none equal to the trial's number or to each
+    other: the wrong answers of a forced choice. Their own random stream, so adding them changes no trial."""
+    rng = _rng(seed, _DISTRACTOR_TAG)
+    out = []
+    for t in trials:
+        picked: list[str] = []
+        while len(picked) < n:
+            x = _number(rng)
+            if x != t.number and x not in picked:
+                picked.append(x)
+        out.append(picked)
+    return out
+
+
+# --- the copy probe -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CopyTrial:
+    """``[BOS] R R``: ``R`` is ``n`` token ids drawn uniformly (with replacement) from the ordinary vocabulary."""
+
+    ids: list[int]
+    n: int
+
+    def first_copy_targets(self) -> range:
+        """Positions (in ``ids``) of the first copy's tokens after its first: text never seen, so the model can only
+        guess (uniform random ids have no language to model)."""
+        return range(2, 1 + self.n)
+
+    def second_copy_targets(self) -> range:
+        """Positions of the second copy's tokens after its first: each one is the token that followed the previous
+        one in the first copy, which an induction (copying) mechanism predicts."""
+        return range(self.n + 2, 1 + 2 * self.n)
+
+
+def build_copy_trials(vocab: Sequence[int], bos_id: int, trials: int, n: int, seed: int) -> list[CopyTrial]:
+    """``trials`` probes of ``n`` random tokens each, drawn from ``vocab`` (the ids that are not special tokens)."""
+    if n < 4:
+        raise ValueError(f"copy probe: {n} tokens per copy is too few (at least 4)")
+    if len(vocab) < 2:
+        raise ValueError("copy probe: the vocabulary has fewer than two ordinary tokens")
+    rng = _rng(seed, _COPY_TAG)
+    pool = np.asarray(vocab, np.int64)
+    out = []
+    for _ in range(trials):
+        r = pool[rng.integers(len(pool), size=n)].tolist()
+        out.append(CopyTrial([bos_id, *r, *r], n))
     return out
 
 

@@ -11,7 +11,16 @@ What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_
 
 * vanilla NIAH over context lengths (``context_multiples`` x T) x needle depths, greedy decoding through the model's
   recurrent cache (HF ``generate`` with ``HybridCache``), exact match of the number: ``niah_accuracy`` (at T),
-  ``niah_accuracy_2x`` (at 2T), ``niah_accuracy_at_<L>``, heat map ``plots/niah.png``;
+  ``niah_accuracy_2x`` (at 2T), ``niah_accuracy_at_<L>``, heat map ``plots/niah.png``; and, graded where that exact
+  match is all-or-nothing, a forced choice on the same prompts between the needle's number and ``niah_distractors``
+  numbers the prompt never held (teacher-forced log-likelihood of each as the answer): ``niah_choice_accuracy`` /
+  ``_2x`` (chance is 1 / (1 + niah_distractors)) and ``niah_answer_margin`` / ``_2x`` (nats: the needle's number's
+  log-likelihood minus the distractors' mean; 0 means the model ignores the needle);
+* the copy probe: ``[BOS] R R`` with ``R`` ``copy_tokens`` random token ids; ``copy_accuracy`` is the top-1 accuracy
+  on the second copy (its first token excepted), ``copy_loss_gain`` the first copy's mean loss minus the second's
+  (Olsson et al.'s in-context signature of induction heads). NIAH's answer is a copy of the needle's number, so a
+  model that cannot copy a repeated sequence cannot pass NIAH: the two together say whether a NIAH failure is the
+  mechanism (no copying yet) or the retrieval (copying, but not from the needle);
 * multi-round NIAH (needle rounds in a chat history at 25/50/75% depth, the last round asks for the numbers again):
   ``multi_round_niah_recall`` (at T), ``multi_round_niah_recall_2x``, ``multi_round_niah_recall_at_<L>``;
 * extrapolation: next-token loss by position on held-out windows of the longest context (``[BOS]`` + held-out
@@ -59,11 +68,13 @@ from pretrain.eval_tasks import (
     MCTask,
     TokenStream,
     build_cloze_task,
+    build_copy_trials,
     build_multi_round_trial,
     build_next_sentence_task,
     build_niah_trials,
     lm_eval_item_problem,
     needle_rounds,
+    niah_distractors,
     read_lm_eval_jsonl,
 )
 from pretrain.stage import CHECKPOINT_TYPE
@@ -104,6 +115,11 @@ class EvalParams(StageParams):
         "Power analysis: the accuracy gain to detect (minimal detectable effect), at significance alpha and power."))
     alpha: float = Field(0.05, gt=0, lt=1, description="Power analysis: two-sided significance level (95% confidence).")
     power: float = Field(0.8, gt=0, lt=1, description="Power analysis: probability of detecting the effect.")
+    niah_distractors: int = Field(3, ge=1, description=(
+        "NIAH forced choice: wrong 7-digit numbers scored against the needle's on every NIAH prompt "
+        "(niah_choice_accuracy, niah_answer_margin)."))
+    copy_trials: int = Field(8, ge=0, description="Copy probe sequences (0: no copy probe).")
+    copy_tokens: int = Field(64, ge=4, description="Copy probe: random tokens per copy ([BOS] R R).")
     generate_batch: int = Field(8, ge=1, description="NIAH prompts decoded together (same length, no padding).")
     pass_rate_prompts: int = Field(0, ge=0, description=(
         "With a `prompts` input: how many of its held-out `eval` pool prompts eval_pass_rate uses (0: all)."))
@@ -222,29 +238,28 @@ class Scorer:
                                       do_sample=False, use_cache=True, pad_token_id=self.pad, eos_token_id=self.eos)
         return [self.decode(row[ids.shape[1]:].tolist()) for row in out]
 
-    def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024) -> Any:
+    def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024, hits: bool = False) -> Any:
         """log p(ids[:, t + 1] | ids[:, :t + 1]) as float32 [B, T - 1]; the vocabulary projection in position chunks
-        (memory O(B x chunk x V), not O(B x T x V))."""
+        (memory O(B x chunk x V), not O(B x T x V)). With ``hits``, also bool [B, T - 1]: whether that token is the
+        model's top-1 prediction."""
         torch = self.torch
         with torch.no_grad():
             h = self.model.model(input_ids=ids, attention_mask=mask, use_cache=False,
                                  output_router_logits=False).last_hidden_state
-            out = []
+            out, top = [], []
             for s in range(0, ids.shape[1] - 1, chunk):
                 e = min(s + chunk, ids.shape[1] - 1)
                 logp = self.model.lm_head(h[:, s:e]).float().log_softmax(-1)
                 out.append(logp.gather(-1, ids[:, s + 1:e + 1, None]).squeeze(-1))
-        return torch.cat(out, dim=1)
+                if hits:
+                    top.append(logp.argmax(-1) == ids[:, s + 1:e + 1])
+        return (torch.cat(out, dim=1), torch.cat(top, dim=1)) if hits else torch.cat(out, dim=1)
 
-    def choice_logliks(self, item: MCItem, max_len: int) -> list[float]:
-        """Sum of log p over each choice's continuation tokens after ``[BOS] context`` (the context cut from the left
-        so the longest choice fits in ``max_len`` tokens); the choices of an item run as one right-padded batch."""
+    def continuation_logliks(self, prefix: Sequence[int], conts: Sequence[Sequence[int]]) -> list[float]:
+        """Sum of log p over each continuation's tokens after ``prefix``; the continuations run as one right-padded
+        batch."""
         torch = self.torch
-        ctx = self.encode(item.context)
-        conts = [self.encode(item.continuation(i)) for i in range(len(item.choices))]
-        room = max_len - 1 - max(len(c) for c in conts)
-        ctx = ctx[-room:] if room > 0 else []
-        seqs = [[self.bos, *ctx, *c] for c in conts]
+        seqs = [[*prefix, *c] for c in conts]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -252,8 +267,22 @@ class Scorer:
             ids[b, :len(s)] = torch.tensor(s)
             mask[b, :len(s)] = 1
         logp = self.token_logprobs(ids.to(self.device), mask.to(self.device)).cpu()
-        start = 1 + len(ctx)  # first continuation token; its log-prob sits at index start - 1
+        start = len(prefix)  # first continuation token; its log-prob sits at index start - 1
         return [float(logp[b, start - 1:start - 1 + len(c)].sum()) for b, c in enumerate(conts)]
+
+    def ordinary_token_ids(self) -> list[int]:
+        """Every vocabulary id that is not a special (added) token."""
+        special = set(self.tokenizer.get_added_tokens_decoder())
+        return [i for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)) if i not in special]
+
+    def choice_logliks(self, item: MCItem, max_len: int) -> list[float]:
+        """Sum of log p over each choice's continuation tokens after ``[BOS] context`` (the context cut from the left
+        so the longest choice fits in ``max_len`` tokens); the choices of an item run as one right-padded batch."""
+        ctx = self.encode(item.context)
+        conts = [self.encode(item.continuation(i)) for i in range(len(item.choices))]
+        room = max_len - 1 - max(len(c) for c in conts)
+        ctx = ctx[-room:] if room > 0 else []
+        return self.continuation_logliks([self.bos, *ctx], conts)
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -266,22 +295,68 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
           ctx: StageContext) -> dict[str, Any]:
     trials = build_niah_trials(stream, scorer.encode, scorer.bos, lengths, params.needle_depths, params.niah_trials,
                                params.seed)
+    distractors = niah_distractors(trials, params.niah_distractors, params.seed)
     rows = []
     done = 0
     for length in lengths:
-        mine = [t for t in trials if t.length == length]
+        mine = [(t, d) for t, d in zip(trials, distractors, strict=True) if t.length == length]
         for batch in _batches(mine, params.generate_batch):
-            answers = scorer.generate([t.ids for t in batch], params.niah_max_new_tokens)
-            for t, a in zip(batch, answers, strict=True):
+            answers = scorer.generate([t.ids for t, _ in batch], params.niah_max_new_tokens)
+            for (t, wrong), a in zip(batch, answers, strict=True):
+                # the forced choice: each number as the answer, spelt as the needle spells it (" 1234567")
+                ll = scorer.continuation_logliks(t.ids, [scorer.encode(f" {x}") for x in [t.number, *wrong]])
                 rows.append({"length": t.length, "depth": t.depth, "city": t.city, "number": t.number, "answer": a,
-                             "correct": niah_correct(a, t.number), "needle_start": t.needle_start})
+                             "correct": niah_correct(a, t.number), "needle_start": t.needle_start,
+                             "distractors": wrong, "answer_loglik": ll[0], "distractor_logliks": ll[1:],
+                             "choice_correct": bool(ll[0] > max(ll[1:])),
+                             "margin": float(ll[0] - np.mean(ll[1:]))})
             done += len(batch)
             ctx.progress(f"NIAH: {done}/{len(trials)} prompts (length {length})")
-    grid = [[float(np.mean([r["correct"] for r in rows if r["length"] == L and r["depth"] == d]))
-             for L in lengths] for d in params.needle_depths]
-    by_length = {L: float(np.mean([r["correct"] for r in rows if r["length"] == L])) for L in lengths}
-    return {"lengths": lengths, "depths": params.needle_depths, "accuracy": grid, "accuracy_by_length": by_length,
-            "trials": rows}
+
+    def mean(key: str, **where: Any) -> float:
+        return float(np.mean([r[key] for r in rows if all(r[k] == v for k, v in where.items())]))
+
+    grid = [[mean("correct", length=L, depth=d) for L in lengths] for d in params.needle_depths]
+    out = {"lengths": lengths, "depths": params.needle_depths, "accuracy": grid,
+           "accuracy_by_length": {L: mean("correct", length=L) for L in lengths},
+           "choice_chance": 1.0 / (1 + params.niah_distractors),
+           "choice_accuracy_by_length": {L: mean("choice_correct", length=L) for L in lengths},
+           "margin_by_length": {L: mean("margin", length=L) for L in lengths},
+           "trials": rows}
+    ctx.progress("NIAH forced choice (chance {:.2f}): ".format(out["choice_chance"]) + ", ".join(
+        f"{L}: {out['choice_accuracy_by_length'][L]:.2f} (margin {out['margin_by_length'][L]:+.2f} nats)"
+        for L in lengths))
+    return out
+
+
+def _copy_probe(scorer: Scorer, params: EvalParams, ctx: StageContext) -> dict[str, Any] | None:
+    """The copy probe (module docstring): per trial, the first copy's and the second copy's mean loss and the second
+    copy's top-1 accuracy."""
+    if not params.copy_trials:
+        return None
+    torch = scorer.torch
+    trials = build_copy_trials(scorer.ordinary_token_ids(), scorer.bos, params.copy_trials, params.copy_tokens,
+                               params.seed)
+    ids = torch.tensor([t.ids for t in trials], device=scorer.device)
+    logp, hits = scorer.token_logprobs(ids, hits=True)
+    logp, hits = logp.double().cpu().numpy(), hits.cpu().numpy()
+    rows = []
+    for b, t in enumerate(trials):  # the log-prob of the token at position p sits at index p - 1
+        first = np.asarray(t.first_copy_targets()) - 1
+        second = np.asarray(t.second_copy_targets()) - 1
+        rows.append({"first_copy_loss": float(-logp[b, first].mean()), "second_copy_loss": float(-logp[b, second].mean()),
+                     "second_copy_accuracy": float(hits[b, second].mean()),
+                     "first_copy_accuracy": float(hits[b, first].mean())})
+    out = {"trials": len(trials), "tokens_per_copy": params.copy_tokens,
+           "uniform_loss": math.log(len(scorer.ordinary_token_ids())),
+           "accuracy": float(np.mean([r["second_copy_accuracy"] for r in rows])),
+           "first_copy_loss": float(np.mean([r["first_copy_loss"] for r in rows])),
+           "second_copy_loss": float(np.mean([r["second_copy_loss"] for r in rows])), "rows": rows}
+    out["loss_gain"] = out["first_copy_loss"] - out["second_copy_loss"]
+    ctx.progress(f"copy probe ({len(trials)} x {params.copy_tokens} random tokens, repeated): second-copy accuracy "
+                 f"{out['accuracy']:.3f}, loss {out['first_copy_loss']:.3f} -> {out['second_copy_loss']:.3f} "
+                 f"(uniform {out['uniform_loss']:.3f})")
+    return out
 
 
 def mr_rounds(length: int, params: EvalParams) -> int:
@@ -464,6 +539,7 @@ def run(params: EvalParams, ctx: StageContext) -> None:
                      f"{max(lengths)}: haystacks repeat it")
 
     niah = _niah(scorer, stream, lengths, params, ctx)
+    copy = _copy_probe(scorer, params, ctx)
     mr = _multi_round(scorer, stream, lengths, params, ctx)
     loss = _loss_by_position(scorer, stream, lengths, params, ctx)
     built = [build_cloze_task(held.docs, params.cloze_items, params.mc_choices, params.mc_context_chars, params.seed),
@@ -484,7 +560,12 @@ def run(params: EvalParams, ctx: StageContext) -> None:
         "niah_accuracy": niah["accuracy_by_length"][T], "niah_accuracy_2x": niah["accuracy_by_length"][2 * T],
         "multi_round_niah_recall": mr["recall_by_length"][T],
         "multi_round_niah_recall_2x": mr["recall_by_length"][2 * T],
+        "niah_choice_accuracy": niah["choice_accuracy_by_length"][T],
+        "niah_choice_accuracy_2x": niah["choice_accuracy_by_length"][2 * T],
+        "niah_answer_margin": niah["margin_by_length"][T], "niah_answer_margin_2x": niah["margin_by_length"][2 * T],
     }
+    if copy is not None:
+        summary |= {"copy_accuracy": copy["accuracy"], "copy_loss_gain": copy["loss_gain"]}
     if mc:
         summary["mc_acc_norm"] = float(np.mean([r["acc_norm"] for r in mc.values()]))
         summary["mc_log_acc_norm2"] = float(np.mean([r["log_acc_norm2"] for r in mc.values()]))
@@ -511,7 +592,7 @@ def run(params: EvalParams, ctx: StageContext) -> None:
     if passes is not None:
         timing["pass_rate_tokens_per_second"] = passes.pop("tokens_per_second")
     report = {"trained_length": T, "context_lengths": lengths, "held_out": held.info, "params": params.model_dump(),
-              "metrics": summary, "niah": niah, "multi_round_niah": mr, "loss_by_position": loss,
+              "metrics": summary, "niah": niah, "copy_probe": copy, "multi_round_niah": mr, "loss_by_position": loss,
               "multiple_choice": mc, "pass_rate": passes}
     _write_json(ctx.out_dir / REPORT_FILE, report)
     _write_json(ctx.out_dir / TIMING_FILE, timing)

@@ -34,10 +34,12 @@ from pretrain.eval_tasks import (
     MCItem,
     TokenStream,
     build_cloze_task,
+    build_copy_trials,
     build_multi_round_trial,
     build_next_sentence_task,
     build_niah_trials,
     needle_rounds,
+    niah_distractors,
     niah_prompt,
     read_lm_eval_jsonl,
 )
@@ -119,6 +121,75 @@ def test_niah_trials_cover_the_grid_with_fresh_needles(tok: Tok) -> None:
     assert len({t.number for t in trials}) == len(trials) and all(len(t.number) == 7 for t in trials)
     again = build_niah_trials(stream, tok.encode, tok.bos, [128, 256], [0.0, 0.5, 1.0], trials=3, seed=5)
     assert [t.ids for t in again] == [t.ids for t in trials]  # seeded
+
+
+def test_niah_distractors_are_other_seven_digit_numbers_drawn_apart_from_the_trials(tok: Tok) -> None:
+    stream = TokenStream(np.arange(1000, 3000))
+    trials = build_niah_trials(stream, tok.encode, tok.bos, [128], [0.0, 0.5, 1.0], trials=4, seed=5)
+    wrong = niah_distractors(trials, 3, seed=5)
+    assert len(wrong) == len(trials)
+    for t, w in zip(trials, wrong, strict=True):
+        assert len(w) == 3 and len(set(w)) == 3 and t.number not in w
+        assert all(re.fullmatch(r"[1-9]\d{6}", x) for x in w)
+    assert niah_distractors(trials, 3, seed=5) == wrong and niah_distractors(trials, 3, seed=6) != wrong
+    # their own random stream: the trials a seed builds do not depend on whether distractors are drawn
+    again = build_niah_trials(stream, tok.encode, tok.bos, [128], [0.0, 0.5, 1.0], trials=4, seed=5)
+    assert [t.ids for t in again] == [t.ids for t in trials]
+
+
+def test_copy_trials_repeat_random_ordinary_tokens_once_after_bos() -> None:
+    vocab = list(range(10, 500))
+    trials = build_copy_trials(vocab, 1, trials=3, n=16, seed=0)
+    assert len(trials) == 3 and len({tuple(t.ids) for t in trials}) == 3
+    for t in trials:
+        r = t.ids[1:17]
+        assert t.ids == [1, *r, *r] and set(r) <= set(vocab)
+        # each second-copy target is the token that followed its predecessor in the first copy
+        assert [t.ids[p] for p in t.second_copy_targets()] == r[1:]
+        assert [t.ids[p] for p in t.first_copy_targets()] == r[1:]
+        assert min(t.second_copy_targets()) - 1 == 17  # predicted from the second copy's first token on
+    with pytest.raises(ValueError, match="too few"):
+        build_copy_trials(vocab, 1, trials=1, n=3, seed=0)
+
+
+class _InductionOracle:
+    """A stand-in for the eval stage's Scorer that predicts by induction alone: after a token seen before, the
+    token that followed its latest earlier occurrence (probability 0.9), else uniform. The copy probe must find
+    it copies (second copy) and cannot guess (first copy)."""
+
+    def __init__(self, vocab: int) -> None:
+        import torch
+
+        self.torch, self.device, self.bos, self.vocab = torch, torch.device("cpu"), 0, vocab
+
+    def ordinary_token_ids(self) -> list[int]:
+        return list(range(1, self.vocab))
+
+    def token_logprobs(self, ids, hits: bool = False):  # noqa: ANN001, ANN201
+        torch = self.torch
+        logp = torch.full((ids.shape[0], ids.shape[1] - 1), -math.log(self.vocab))
+        hit = torch.zeros_like(logp, dtype=torch.bool)
+        for b, row in enumerate(ids.tolist()):
+            last: dict[int, int] = {}
+            for t in range(len(row) - 1):
+                if row[t] in last:
+                    guess = row[last[row[t]] + 1]
+                    logp[b, t] = math.log(0.9) if guess == row[t + 1] else math.log(0.1 / self.vocab)
+                    hit[b, t] = guess == row[t + 1]
+                last[row[t]] = t
+        return (logp, hit) if hits else logp
+
+
+def test_copy_probe_credits_a_copying_model_on_the_second_copy_only(tmp_path: Path) -> None:
+    from pretrain.evaluation import _copy_probe
+
+    ctx = StageContext(tmp_path / "out", {}, stage_name="eval")
+    got = _copy_probe(_InductionOracle(vocab=5000), EvalParams(copy_trials=4, copy_tokens=32), ctx)
+    # with 5,000 ids and 32 draws a repeated id inside one copy is rare; the oracle then guesses its latest follower
+    assert got["accuracy"] > 0.95 and got["trials"] == 4
+    assert got["first_copy_loss"] == pytest.approx(math.log(5000), rel=0.05)
+    assert got["second_copy_loss"] < 0.3 and got["loss_gain"] > 8
+    assert _copy_probe(_InductionOracle(5000), EvalParams(copy_trials=0), ctx) is None
 
 
 # --- scoring ------------------------------------------------------------------------------------------------------
@@ -456,8 +527,11 @@ def test_stage_reports_every_metric_in_range(evaluated: EvalRun) -> None:
     s = evaluated.ctx.summary
     for name in ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
                  "mc_acc_norm", "mc_acc_norm.cloze", "mc_acc_norm.next_sentence", "mc_acc_norm.facts",
-                 "mc_acc.cloze", f"niah_accuracy_at_{SEQ}", f"niah_accuracy_at_{2 * SEQ}"):
+                 "mc_acc.cloze", f"niah_accuracy_at_{SEQ}", f"niah_accuracy_at_{2 * SEQ}", "niah_choice_accuracy",
+                 "niah_choice_accuracy_2x", "copy_accuracy"):
         assert 0.0 <= s[name] <= 1.0, name
+    for name in ("niah_answer_margin", "niah_answer_margin_2x", "copy_loss_gain"):
+        assert math.isfinite(s[name]), name
     for name in ("mc_log_acc_norm2", "mc_log_acc_norm2.cloze", "mc_log_acc_norm2.next_sentence", "mc_log_acc_norm2.facts"):
         assert -20 < s[name] < 0, name
     assert s["mc_items.cloze"] == 12 and s["mc_items.next_sentence"] == 10 and s["mc_items.facts"] == 5
@@ -511,6 +585,18 @@ def test_stage_niah_grid_is_scored_by_exact_match_over_every_cell(evaluated: Eva
     assert len(niah["trials"]) == 2 * 3 * 2
     for row in niah["trials"]:
         assert row["correct"] == niah_correct(row["answer"], row["number"])
+        assert row["choice_correct"] == (row["answer_loglik"] > max(row["distractor_logliks"]))
+        assert row["margin"] == pytest.approx(row["answer_loglik"] - np.mean(row["distractor_logliks"]))
+        assert len(row["distractors"]) == 3 and row["number"] not in row["distractors"]
+    for length in niah["lengths"]:
+        rows = [r for r in niah["trials"] if r["length"] == length]
+        assert niah["choice_accuracy_by_length"][str(length)] == pytest.approx(np.mean([r["choice_correct"] for r in rows]))
+        assert niah["margin_by_length"][str(length)] == pytest.approx(np.mean([r["margin"] for r in rows]))
+    assert evaluated.ctx.summary["niah_choice_accuracy_2x"] == niah["choice_accuracy_by_length"][str(2 * SEQ)]
+    copy = evaluated.report["copy_probe"]
+    assert copy["trials"] == 8 and len(copy["rows"]) == 8
+    assert evaluated.ctx.summary["copy_accuracy"] == pytest.approx(np.mean([r["second_copy_accuracy"] for r in copy["rows"]]))
+    assert copy["loss_gain"] == pytest.approx(copy["first_copy_loss"] - copy["second_copy_loss"])
     for j, length in enumerate(niah["lengths"]):
         for i, depth in enumerate(niah["depths"]):
             cell = [r["correct"] for r in niah["trials"] if r["length"] == length and r["depth"] == depth]
@@ -544,6 +630,13 @@ def test_stage_niah_answers_are_greedy_decoding_with_and_without_the_recurrent_c
         out = m.generate(ids, max_new_tokens=12, do_sample=False, use_cache=False, pad_token_id=m.config.pad_token_id,
                          eos_token_id=m.config.eos_token_id)
     assert tok.decode(out[0, ids.shape[1]:].tolist()) == row["answer"]
+    # the forced choice's log-likelihoods are an unpadded forward of prompt + " <number>" for each number
+    for number, got in zip([t.number, *row["distractors"]], [row["answer_loglik"], *row["distractor_logliks"]],
+                           strict=True):
+        cont = tok.encode(f" {number}")
+        with torch.no_grad():
+            logp = m(torch.tensor([[*t.ids, *cont]])).logits[0].double().log_softmax(-1)
+        assert got == pytest.approx(sum(float(logp[len(t.ids) - 1 + j, c]) for j, c in enumerate(cont)), abs=1e-4)
 
 
 @pytest.mark.slow
