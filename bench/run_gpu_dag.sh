@@ -20,7 +20,8 @@
 # "pretrain.train_tokens=4000000"), RUN_LIMIT_S (540: seconds after this script starts at which the run gets
 # SIGINT (SIGKILL 20 s later) and the record is still written; keep it ~50 s under the call's timeout), SITE (/tmp/site), ARCHIVE (.whl-dag/pack/site.tar.xz), WORK
 # (/tmp/hylight-gpu-dag; emptied first unless KEEP_WORK=1 and a previous call's run is there: then the run
-# resumes it, finished stages cache hits), OUT (results; $WORK/out when unset), PYTHON (python3),
+# resumes it, finished stages cache hits), OUT (results; $WORK/out when unset), PYTHON (python3), EXTRA_WHEELS (a
+# folder of wheels installed over the archive; carry it too),
 # EXTRA_PYTHONPATH (put before $SITE; tests only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +51,12 @@ if [ ! -f "$SITE/.unpacked" ]; then
     [ -f "$ARCHIVE" ] || { say "no $ARCHIVE: run bench/pack_gpu_dag.sh here and carry .whl-dag/pack"; exit 2; }
     rm -rf "$SITE" && mkdir -p "$SITE" && tar -C "$SITE" -xJf "$ARCHIVE" || { say "unpacking $ARCHIVE failed"; exit 2; }
     touch "$SITE/.unpacked"
+fi
+# wheels newer than the archive (EXTRA_WHEELS: a folder of cp312 wheels, carried too), e.g. one that a stage gained
+# after the archive was packed: installed over it
+if [ -n "${EXTRA_WHEELS:-}" ] && ls "$EXTRA_WHEELS"/*.whl >/dev/null 2>&1 && [ ! -f "$SITE/.extra" ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$EXTRA_WHEELS"/*.whl && touch "$SITE/.extra" || { say "installing $EXTRA_WHEELS failed"; exit 2; }
 fi
 phases+=("unpack=$(since "$t")")
 t=$(date +%s.%N)
@@ -119,6 +126,12 @@ def quality_encoder():
     from data.quality_scorer import SentenceEncoder
     print("  embedding dim", SentenceEncoder(max_tokens=16).encode(["a preflight sentence"]).shape[1])
 
+def stage_modules():  # every built-in stage kind's module imports (a package the archive lacks fails here)
+    from pipeline.registry import BUILTIN_STAGES, resolve
+    for name in BUILTIN_STAGES:
+        resolve(name)
+    print(f"  {len(BUILTIN_STAGES)} stage kinds")
+
 def posttrain_imports():  # TRL and datasets come from the archive; pyarrow, accelerate from the image
     import datasets, trl  # noqa: F401
     import posttrain.sft, posttrain.dpo, posttrain.rl, posttrain.reward_model  # noqa: F401
@@ -130,7 +143,8 @@ def pretrain_imports():
     print("  cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 
 failed = 0
-for check in (ray_, mlflow_sqlite, dedup_signature, clean_lid, quality_encoder, pretrain_imports, posttrain_imports):
+for check in (ray_, mlflow_sqlite, stage_modules, dedup_signature, clean_lid, quality_encoder, pretrain_imports,
+              posttrain_imports):
     try:
         check()
         print(f"preflight {check.__name__}: ok")
