@@ -521,7 +521,12 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     from pretrain.loss import install_loss
     from pretrain.moe import install_deepspeed_moe
     from pretrain.schedules import BatchSizeSchedule, WSDSchedule
-    from pretrain.sequence_parallel import loss_share, sequence_parallel_output, shard_batch
+    from pretrain.sequence_parallel import (
+        apply_sequence_parallel,
+        loss_share,
+        sequence_parallel_output,
+        shard_batch,
+    )
     from pretrain.stage import sequence_parallel_problems
 
     rank, world, device = init_distributed()
@@ -546,8 +551,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                           global_router=cfg.global_router, min_capacity=cfg.min_capacity)
     sp = None  # the sequence-parallel plan (pretrain/sequence_parallel.py), applied from outside the model
     if grid.sequence_parallel > 1:
-        from pretrain.sequence_parallel import apply_sequence_parallel
-
         sp = apply_sequence_parallel(model, grid.sequence_group())
     optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.peak_lr,
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=device.type == "cuda")
