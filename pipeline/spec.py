@@ -470,6 +470,9 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
     for name in resources_ok:
         if name in kinds:
             _check_resources(name, specs[name].resources, kinds[name], capacity, problem)
+        if name in params and kinds[name].validate_resources is not None:
+            for field_, msg in kinds[name].validate_resources(params[name], specs[name].resources):
+                problem(("stages", name, *field_.split(".")), name, field_, msg)
 
     if problems:
         raise SpecError(problems)

@@ -71,6 +71,10 @@ class StageKind(Generic[P]):
     # input files that must exist, and the like. Returns problems as (field, message) pairs, the field
     # dotted within params ("paths.1"; "" for the params as a whole) so the error points at its line.
     validate_external: Callable[[P], list[tuple[str, str]]] | None = None
+    # Checks, at validation time, the params against the stage's resources (e.g. ranks that must divide the GPUs
+    # of a node). Returns problems as (field, message) pairs, the field dotted from the stage ("params.x",
+    # "resources.gpus").
+    validate_resources: Callable[[P, Any], list[tuple[str, str]]] | None = None
     # The stage starts its own distributed workers (Ray Train, or a launcher on each node). Only such a
     # kind may ask for resources.nodes > 1; when it spans nodes or asks for GPUs on a Ray cluster its
     # own task reserves (almost) nothing, so the workers it starts can be given the resources.

@@ -48,7 +48,17 @@ from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
-from pretrain.stage import CHECKPOINT_TYPE, PretrainParams, RankLayout, _Relay, launch_ranks, write_loss_curve
+from pretrain.stage import (
+    CHECKPOINT_TYPE,
+    PretrainParams,
+    RankLayout,
+    _Relay,
+    check_rank_layout,
+    launch_ranks,
+    sequence_parallel_problems,
+    sequence_parallel_rank_problems,
+    write_loss_curve,
+)
 
 _SHARED = PretrainParams.model_fields  # the training engine's knobs: one definition for both stages
 LONG_DATA_DIR = "long_data"
@@ -107,7 +117,8 @@ class LongContextParams(StageParams):
     qa_last_frac: float = Field(0.2, ge=0, le=1, description="Final share of each phase that mixes in QA (§4.2: 20%).")
     batch_tokens: int = Field(4096, ge=64, description="Tokens per optimizer step; a multiple of every phase length.")
     micro_batch_tokens: int = Field(2048, ge=64, description=(
-        "Tokens per forward call on each rank; a multiple of every phase length, dividing batch_tokens."))
+        "Tokens per forward call on each rank (with sequence_parallel: on each group, every rank holding "
+        "1/sequence_parallel of them); a multiple of every phase length, dividing batch_tokens."))
     eval_rows: int = Field(16, ge=1, description="Held-out long documents (rows of the phase length) for eval_loss.")
     peak_lr: float = Field(1e-3, gt=0, description="Peak learning rate of each phase's WSD schedule.")
     warmup_frac: float = Field(0.1, ge=0, lt=1, description="Linear warm-up of each phase (fresh optimizer).")
@@ -119,6 +130,7 @@ class LongContextParams(StageParams):
     grad_clip: float = _SHARED["grad_clip"]
     zero_stage: Literal[1, 2] = _SHARED["zero_stage"]
     expert_parallel_size: int = _SHARED["expert_parallel_size"]
+    sequence_parallel: int = _SHARED["sequence_parallel"]
     global_router: bool = _SHARED["global_router"]
     token_drop: bool = _SHARED["token_drop"]
     capacity_factor: float = _SHARED["capacity_factor"]
@@ -150,6 +162,11 @@ class LongContextParams(StageParams):
             raise ValueError(f"short_max_tokens={self.short_bound} must be below medium_max_tokens={self.medium_bound}")
         if min(self.document_lengths) < 3:
             raise ValueError(f"long_document_lengths={self.document_lengths}: lengths of 3 tokens or more")
+        problems = sequence_parallel_problems(
+            self.sequence_parallel, seq_lens={f"phases.{i}.seq_len": p.seq_len for i, p in enumerate(self.phases)},
+            expert_parallel_size=self.expert_parallel_size, compile_=self.compile)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     @property
@@ -258,12 +275,15 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
     checkpoint, mixture = ctx.input("checkpoint"), ctx.input("mixture")
     documents, tokenizer = ctx.input("documents"), ctx.input("tokenizer")
     base = _checkpoint_packing(checkpoint.path, mixture.path)
+    check_rank_layout(params, ctx.resources, "long_context")
     layout = RankLayout.of(params.processes, ctx.resources, "long_context")
+    replicas = layout.world // params.sequence_parallel  # a sequence-parallel group reads one set of rows
     for i, p in enumerate(params.phases):
         rows, micro = params.batch_tokens // p.seq_len, params.micro_batch_tokens // p.seq_len
-        if rows % (micro * layout.world):
+        if rows % (micro * replicas):
             raise ValueError(f"long_context: phase {i} has {rows} rows per batch, not a multiple of {micro} rows per "
-                             f"forward call x {layout.world} ranks; raise batch_tokens")
+                             f"forward call x {replicas} data-parallel replicas ({layout.world} ranks / "
+                             f"sequence_parallel={params.sequence_parallel}); raise batch_tokens")
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
 
     long_dir = ctx.resume_dir / LONG_DATA_DIR
@@ -461,4 +481,5 @@ STAGE = StageKind(
         "asked for at its end) are made here and kept in the artifact. Every phase's checkpoint is kept; a killed "
         "run resumes in the phase it was in.",
     launches_workers=True,
+    validate_resources=sequence_parallel_rank_problems,
 )

@@ -27,13 +27,18 @@ all-gather form of §3.2.1's context parallelism, not its ring).
 MoE layers are per token, but the §2.1 balance loss (1/E)·Σ f_i·m_i is a product of means over ALL tokens:
 the applied plan all-reduces each layer's per-expert probability sums, slot counts and token count (2E+1
 numbers), so every rank gets the single-process aux loss. Token-drop capacity stays per rank (as on
-data-parallel ranks); train dropless (``moe_token_drop=False``) where SP must equal one process exactly.
+data-parallel ranks); train dropless (``moe_token_drop=False``) where SP must equal one process exactly. Both
+``model.moe.MoEFeedForward`` and the pretrain stage's ``pretrain.moe.DeepSpeedMoEFeedForward`` are handled.
 
 Use (every rank):
     sp = apply_sequence_parallel(model, group)
     shard = shard_batch(input_ids, labels, position_ids, cu_seqlens, rank, world)     # labels shifted globally
     loss = sequence_parallel_loss(model, sp, shard)   # Σ over ranks = the single-process loss
     loss.backward()                                   # then all-reduce (SUM) grads over the SP group
+
+The pretrain stage (``pretrain/train.py``, param ``sequence_parallel``) calls the DeepSpeed engine through
+:func:`sequence_parallel_output` and :func:`loss_share`, and scales the share by P instead of the SUM: DeepSpeed
+averages gradients over every rank.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,9 +67,12 @@ __all__ = [
     "apply_sequence_parallel",
     "expected_step_bytes",
     "lasp_lightning_attention",
+    "loss_share",
     "sequence_parallel_loss",
+    "sequence_parallel_output",
     "sequence_parallel_softmax_attention",
     "shard_batch",
+    "shard_cross_entropy_sum",
 ]
 
 
@@ -365,6 +374,11 @@ class SequenceShard:
     layout: ShardLayout
     num_label_tokens: int  # labelled tokens of the whole batch
 
+    def to(self, device: torch.device | str) -> SequenceShard:
+        """The token tensors on ``device``; ``cu_seqlens`` stays where it is (host bounds cost no device sync)."""
+        return replace(self, input_ids=self.input_ids.to(device), shifted_labels=self.shifted_labels.to(device),
+                       position_ids=self.position_ids.to(device))  # fmt: skip
+
 
 def shard_batch(
     input_ids: torch.Tensor,
@@ -484,13 +498,24 @@ def _global_aux_moe(sp: SequenceParallel, moe, forward, hidden, token_mask=None)
     return replace(out, aux_loss=(f * m).sum() / experts)
 
 
+def _is_moe_feed_forward(module: torch.nn.Module) -> bool:
+    """Both MoE layers honour ``forward(hidden, token_mask) -> MoEOutput`` with router logits and slot counts,
+    which is all the global balance loss reads. DeepSpeed is imported only for a model that has its layers."""
+    from model.moe import MoEFeedForward
+
+    if isinstance(module, MoEFeedForward):
+        return True
+    from pretrain.moe import DeepSpeedMoEFeedForward
+
+    return isinstance(module, DeepSpeedMoEFeedForward)
+
+
 def apply_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> SequenceParallel:
     """Make every attention layer of a ``HybridForCausalLM`` (or ``HybridModel``) run sequence-parallel over
     ``group`` (default: the world): lightning layers LASP+, softmax layers the K/V all-gather, MoE layers a
     global balance loss. Replaces the attention modules' ``attend`` seam and the MoE ``forward`` on the
     instances; the model's classes are untouched."""
     from model.modeling import LightningAttention, SoftmaxAttention
-    from model.moe import MoEFeedForward
 
     if not dist.is_initialized():
         raise RuntimeError("apply_sequence_parallel: torch.distributed is not initialised (init_process_group first)")
@@ -506,31 +531,47 @@ def apply_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup | N
             layer.attn.attend = functools.partial(_softmax_attend, sp, layer.attn)
         else:
             raise TypeError(f"apply_sequence_parallel: layer {i} has an unknown attention {type(layer.attn).__name__}")
-        if isinstance(layer.moe, MoEFeedForward):
-            layer.moe.forward = functools.partial(_global_aux_moe, sp, layer.moe, layer.moe.forward)
-        else:
+        if not _is_moe_feed_forward(layer.moe):
             raise TypeError(
                 f"apply_sequence_parallel: layer {i}'s feed-forward is {type(layer.moe).__name__}; only "
-                "model.moe.MoEFeedForward gets the global balance loss (DeepSpeed-MoE layers: see docs/notes/lasp.md)"
+                "model.moe.MoEFeedForward and pretrain.moe.DeepSpeedMoEFeedForward get the global balance loss"
             )
+        layer.moe.forward = functools.partial(_global_aux_moe, sp, layer.moe, layer.moe.forward)
     return sp
 
 
-def sequence_parallel_loss(model: torch.nn.Module, sp: SequenceParallel, shard: SequenceShard) -> torch.Tensor:
-    """This rank's share of the loss: CE summed over its labels / the batch's label count, plus 1/P of
-    ``router_aux_loss_coef`` × the (global) aux loss when the model adds it. Summed over the ranks it is the
-    single-process loss; so are the parameter gradients (all-reduce them with SUM over the SP group)."""
+def sequence_parallel_output(model: Any, sp: SequenceParallel, shard: SequenceShard, **kwargs: Any) -> Any:
+    """The model's output on this rank's slice: logits [B, L, V] of its tokens, the (global) aux loss, the MoE
+    slot counts of its tokens. ``model`` is the model or anything that calls it (a DeepSpeed engine); ``kwargs``
+    go to its forward (no ``labels``: the loss needs the globally shifted ones, :func:`loss_share`)."""
     with sp.batch(shard.layout):
-        out = model(input_ids=shard.input_ids, position_ids=shard.position_ids, cu_seqlens=shard.cu_seqlens,
-                    use_cache=False)  # fmt: skip
-    logits = out.logits
+        return model(input_ids=shard.input_ids, position_ids=shard.position_ids, cu_seqlens=shard.cu_seqlens,
+                     use_cache=False, **kwargs)  # fmt: skip
+
+
+def shard_cross_entropy_sum(logits: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Cross-entropy summed over this rank's labelled tokens (float32 or wider)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shard.shifted_labels.reshape(-1).to(logits.device),
-                         ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
-    loss = ce / max(shard.num_label_tokens, 1)
-    if model.config.output_router_logits:
-        loss = loss + model.config.router_aux_loss_coef * out.aux_loss / shard.layout.world
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shard.shifted_labels.reshape(-1).to(logits.device),
+                           ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
+
+
+def loss_share(out: Any, shard: SequenceShard, aux_loss_coef: float) -> torch.Tensor:
+    """This rank's share of the loss: CE summed over its labels / the batch's label count, plus 1/P of
+    ``aux_loss_coef`` × the (global) aux loss. Summed over the ranks it is the single-process loss."""
+    loss = shard_cross_entropy_sum(out.logits, shard) / max(shard.num_label_tokens, 1)
+    if aux_loss_coef:
+        loss = loss + aux_loss_coef * out.aux_loss / shard.layout.world
     return loss
+
+
+def sequence_parallel_loss(model: torch.nn.Module, sp: SequenceParallel, shard: SequenceShard) -> torch.Tensor:
+    """This rank's share of the loss (:func:`loss_share`, the aux term when the model adds it). Summed over the
+    ranks it is the single-process loss; so are the parameter gradients (all-reduce them with SUM over the SP
+    group, or scale the share by P where a data-parallel engine averages over all ranks: pretrain/train.py)."""
+    out = sequence_parallel_output(model, sp, shard)
+    coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
+    return loss_share(out, shard, coef)
 
 
 def expected_step_bytes(config, layout: ShardLayout, batch: int, dtype: torch.dtype) -> dict[str, int]:  # noqa: ANN001

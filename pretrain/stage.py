@@ -60,7 +60,8 @@ class PretrainParams(StageParams):
         "after every 7 lightning ones), all-lightning, all-softmax or a per-layer list, for the §2.2.2.3 ablation); "
         "vocab_size and the special token ids always come from the tokenizer."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
-    micro_batch_rows: int = Field(4, ge=1, description="Rows per forward call on each rank.")
+    micro_batch_rows: int = Field(4, ge=1, description=(
+        "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))
     batch_rows: int = Field(8, ge=1, description="Initial global batch in rows (gradient accumulation fills it).")
     max_batch_rows: int = Field(64, ge=1, description="Cap of the batch-size schedule.")
     double_batch_at_tokens: list[int] = Field(default_factory=list, description=(
@@ -78,6 +79,14 @@ class PretrainParams(StageParams):
     grad_clip: float = Field(1.0, gt=0, description="Gradient clipping (global norm).")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage (DeepSpeed refuses its MoE under 3).")
     expert_parallel_size: int = Field(1, ge=1, description="Ranks that split each layer's experts (DeepSpeed-MoE).")
+    sequence_parallel: int = Field(1, ge=1, description=(
+        "Ranks that split each row (sequence parallelism, §3.2.2 LASP+: lightning layers exchange only their d x d "
+        "states, softmax layers all-gather K and V): each group of this many consecutive ranks is one data-parallel "
+        "replica and every rank holds a contiguous 1/sequence_parallel of each of its rows, so a row too long for "
+        "one GPU trains over several. It must divide the processes per node (default: the GPUs), and each row must "
+        "split into equal slices of at least 16 tokens. batch_rows and micro_batch_rows count a group's rows once. "
+        "Not with expert_parallel_size > 1 or compile. Token-drop capacity is per rank's slice: train dropless "
+        "(token_drop: false) for the exact single-GPU result."))
     global_router: bool = Field(True, description=(
         "§2.1 global router: all-gather per-expert counts over the expert-parallel group; capacity applied globally."))
     token_drop: bool = Field(True, description="Capacity-based token drop in training (False: dropless).")
@@ -117,6 +126,14 @@ class PretrainParams(StageParams):
         return self
 
     @model_validator(mode="after")
+    def _sequence_parallel(self) -> PretrainParams:
+        problems = sequence_parallel_problems(self.sequence_parallel, seq_lens={"seq_len": self.seq_len},
+                                              expert_parallel_size=self.expert_parallel_size, compile_=self.compile)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _batches(self) -> PretrainParams:
         if self.max_batch_rows < self.batch_rows:
             raise ValueError(f"max_batch_rows={self.max_batch_rows} < batch_rows={self.batch_rows}")
@@ -126,6 +143,60 @@ class PretrainParams(StageParams):
         if self.batch_rows % self.micro_batch_rows:
             raise ValueError(f"batch_rows={self.batch_rows} must be a multiple of micro_batch_rows={self.micro_batch_rows}")
         return self
+
+
+MIN_TOKENS_PER_SEQUENCE_RANK = 16  # the smallest chunk of the Triton lightning kernel
+
+
+def sequence_parallel_problems(sequence_parallel: int, *, seq_lens: dict[str, int], expert_parallel_size: int,
+                               compile_: bool) -> list[str]:
+    """What is wrong with splitting rows over ``sequence_parallel`` ranks (nothing: []). ``seq_lens``: the row
+    lengths, by the field that sets each. Checked by the params of pretrain and long_context, and by every rank
+    (``pretrain/train.py``)."""
+    sp = sequence_parallel
+    if sp == 1:
+        return []
+    problems = []
+    for field_, n in seq_lens.items():
+        if n % sp:
+            problems.append(f"{field_}={n} is not divisible by sequence_parallel={sp}: each rank of a group holds an "
+                            f"equal slice of every row; make it a multiple of {sp}")
+        elif n // sp < MIN_TOKENS_PER_SEQUENCE_RANK:
+            problems.append(f"{field_}={n} over sequence_parallel={sp} leaves {n // sp} tokens per rank, fewer than "
+                            f"{MIN_TOKENS_PER_SEQUENCE_RANK} (one chunk of the lightning kernel); sequence parallelism "
+                            "is for rows too long for one GPU: lower sequence_parallel")
+    if expert_parallel_size > 1:
+        problems.append(f"sequence_parallel={sp} with expert_parallel_size={expert_parallel_size}: the two are not "
+                        "supported together (the expert all-to-all groups would cut across the sequence-parallel "
+                        "groups, untested); use one of them")
+    if compile_:
+        problems.append(f"compile: true with sequence_parallel={sp} is not supported: the sequence-parallel attention "
+                        "and MoE wrappers run collectives that the compiled layers have not been tested to trace; set "
+                        "compile: false")
+    return problems
+
+
+def ranks_per_node(processes: int | None, gpus: float) -> int:
+    """Training ranks on each node: ``processes``, by default one per GPU (1 on a CPU)."""
+    return processes or max(1, int(gpus))
+
+
+def sequence_parallel_rank_problems(params: Any, resources: Any) -> list[tuple[str, str]]:
+    """``sequence_parallel`` against the ranks per node (``StageKind.validate_resources`` of pretrain and
+    long_context, and their ``run``): a group of consecutive ranks stays on one node."""
+    sp, per_node = params.sequence_parallel, ranks_per_node(params.processes, resources.gpus)
+    if per_node % sp == 0:
+        return []
+    how = f"processes={params.processes}" if params.processes else f"one per GPU, resources.gpus={resources.gpus:g}"
+    return [("params.sequence_parallel", f"sequence_parallel={sp} must divide the {per_node} training processes per "
+             f"node ({how}): each group of {sp} consecutive ranks, on one node, splits one row")]
+
+
+def check_rank_layout(params: Any, resources: Any, stage: str) -> None:
+    """:func:`sequence_parallel_rank_problems` as an error, for a stage run without spec validation."""
+    problems = sequence_parallel_rank_problems(params, resources)
+    if problems:
+        raise ValueError(f"{stage}: " + "; ".join(msg for _, msg in problems))
 
 
 def _train_command(config_path: Path, world: int) -> list[str]:
@@ -268,7 +339,7 @@ class RankLayout:
 
     @classmethod
     def of(cls, processes: int | None, r: Resources, stage: str) -> RankLayout:
-        per_node = processes or max(1, int(r.gpus))
+        per_node = ranks_per_node(processes, r.gpus)
         if r.gpus and per_node > int(r.gpus):
             raise ValueError(f"{stage}: processes={per_node} but the stage has {r.gpus:g} GPUs per node "
                              "(one rank each)")
@@ -303,6 +374,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     from pretrain.data import build_packed_dataset
     from pretrain.train import TrainConfig
 
+    check_rank_layout(params, ctx.resources, "pretrain")
     mixture, documents, tokenizer = ctx.input("mixture"), ctx.input("documents"), ctx.input("tokenizer")
     data_dir = ctx.resume_dir / "data"
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
@@ -327,8 +399,10 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
                       double_below_loss=params.double_batch_below_loss, **fields)
     relay = _Relay(ctx)
     where = f" on {r.nodes} node(s) through Ray Train" if layout.ray_train else ""
+    split = (f" ({world // params.sequence_parallel} data-parallel x {params.sequence_parallel} sequence-parallel)"
+             if params.sequence_parallel > 1 else "")
     ctx.progress(f"training {params.size} on {packing['train']['rows']:,} rows x {params.seq_len} tokens, "
-                 f"{world} process(es){where}, target {params.train_tokens:,} tokens")
+                 f"{world} process(es){split}{where}, target {params.train_tokens:,} tokens")
     launch_ranks(cfg, layout, relay, ctx, name="pretrain")
 
     summary = json.loads((ctx.out_dir / "summary.json").read_text())
@@ -344,7 +418,8 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     })
     ctx.set_rows("tokens", summary["tokens"])
     ctx.set_rows("steps", summary["steps"])
-    ctx.set_tags({"hylight.model_size": params.size, "hylight.world_size": world})
+    ctx.set_tags({"hylight.model_size": params.size, "hylight.world_size": world,
+                  "hylight.sequence_parallel": params.sequence_parallel})
     if summary["eval_loss"] >= summary["unigram_loss"]:
         ctx.progress(f"WARNING: eval_loss {summary['eval_loss']:.3f} is not below the unigram baseline "
                      f"{summary['unigram_loss']:.3f}: the model learned no more than token frequencies")
@@ -413,4 +488,5 @@ STAGE = StageKind(
         "transformers MiniMax checkpoints with the tokenizer. One process, torchrun on one node, or Ray Train "
         "workers across nodes (resources.nodes).",
     launches_workers=True,
+    validate_resources=sequence_parallel_rank_problems,
 )

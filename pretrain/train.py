@@ -8,6 +8,12 @@ builds the ``model/`` hybrid with DeepNorm init, swaps its MoE layers for DeepSp
 β = (0.9, 0.95) and weight decay 0.1, gradient clipping, bf16 on GPU / fp32 on CPU), under the WSD learning-rate
 schedule and the critical-batch-size doubling of §4.2 (``pretrain/schedules.py``).
 
+Sequence parallelism (``sequence_parallel`` = SP > 1, :class:`RankGrid`): groups of SP consecutive ranks are one
+data-parallel replica each. A group's ranks read the same rows, each takes its contiguous slice of them
+(``pretrain/sequence_parallel.py``: LASP+ for lightning layers, a K/V all-gather for softmax ones, the balance loss
+made global), and backpropagates SP x its share of the loss: the shares sum to the rows' loss and DeepSpeed
+averages gradients over all ranks, so the update is the data-parallel one. The logged loss is the group's sum.
+
 Rank 0 reports to the parent through stdout lines ``@@hylight {json}`` (metrics, progress, events), which the stage
 forwards to MLflow, and appends every logged step to ``train_log.jsonl`` in the export directory.
 
@@ -77,6 +83,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     zero_stage: int = 1
     expert_parallel_size: int = 1
+    sequence_parallel: int = 1  # ranks that split each row (LASP+, pretrain/sequence_parallel.py): RankGrid
     global_router: bool = True
     token_drop: bool = True
     capacity_factor: float = 1.25
@@ -143,6 +150,45 @@ def memory_gb(device: torch.device) -> float:
 
 
 # --- setup ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """The ranks as data-parallel replicas x sequence-parallel groups. Ranks [g·sp, (g+1)·sp) (consecutive: one
+    node's GPUs when the ranks per node are a multiple of sp) form replica g: they read the same rows and each holds
+    one contiguous slice of every row (``pretrain/sequence_parallel.py``, §3.2.2 LASP+). With sp = 1 every rank
+    is a replica of its own."""
+
+    rank: int
+    world: int
+    sequence_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel < 1 or self.world % self.sequence_parallel:
+            raise ValueError(f"sequence_parallel={self.sequence_parallel} must divide the {self.world} training "
+                             "ranks (processes x nodes): each group of that many consecutive ranks splits one row")
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas: the rows of one optimizer step are shared out over these."""
+        return self.world // self.sequence_parallel
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.sequence_parallel
+
+    @property
+    def sequence_rank(self) -> int:
+        """Which slice of each row this rank holds."""
+        return self.rank % self.sequence_parallel
+
+    def sequence_group(self) -> Any:
+        """This rank's sequence-parallel process group. A collective: every rank creates every group, in order."""
+        import torch.distributed as dist
+
+        sp = self.sequence_parallel
+        groups = [dist.new_group(list(range(g * sp, (g + 1) * sp))) for g in range(self.data_parallel)]
+        return groups[self.data_rank]
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -249,8 +295,16 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     return split_params_into_different_moe_groups_for_optimizer(groups)
 
 
+def accumulation_steps(batch_rows: int, micro_batch_rows: int, data_parallel: int) -> int:
+    """Micro-batches per optimizer step: ``batch_rows`` shared out over the data-parallel replicas (a
+    sequence-parallel group is one replica: its ranks read the same rows)."""
+    return max(1, batch_rows // (micro_batch_rows * data_parallel))
+
+
 def deepspeed_config(cfg: TrainConfig, world: int, device: torch.device) -> dict[str, Any]:
-    gas = max(1, cfg.batch_rows // (cfg.micro_batch_rows * world))
+    gas = accumulation_steps(cfg.batch_rows, cfg.micro_batch_rows, world // cfg.sequence_parallel)
+    # DeepSpeed takes every rank for a data-parallel one (it averages gradients over all of them, and checks
+    # train_batch_size = micro x gas x ranks): its train_batch_size counts each row once per sequence-parallel rank
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_rows,
         "gradient_accumulation_steps": gas,
@@ -461,15 +515,28 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def train(cfg: TrainConfig) -> dict[str, float]:
     import deepspeed
+    import torch.distributed as dist
 
     from pretrain.data import PackedRows, RowLoader, make_batch, unigram_loss
     from pretrain.loss import install_loss
     from pretrain.moe import install_deepspeed_moe
     from pretrain.schedules import BatchSizeSchedule, WSDSchedule
+    from pretrain.sequence_parallel import (
+        apply_sequence_parallel,
+        loss_share,
+        sequence_parallel_output,
+        shard_batch,
+    )
+    from pretrain.stage import sequence_parallel_problems
 
     rank, world, device = init_distributed()
     if cfg.expert_parallel_size < 1 or world % cfg.expert_parallel_size:
         raise ValueError(f"expert_parallel_size={cfg.expert_parallel_size} must divide the world size {world}")
+    problems = sequence_parallel_problems(cfg.sequence_parallel, seq_lens={"seq_len": cfg.seq_len},
+                                          expert_parallel_size=cfg.expert_parallel_size, compile_=cfg.compile)
+    if problems:
+        raise ValueError("; ".join(problems))
+    grid = RankGrid(rank, world, cfg.sequence_parallel)
     packing = json.loads((Path(cfg.data_dir) / "packing.json").read_text())
     if packing["seq_len"] != cfg.seq_len:
         raise ValueError(f"packed rows are {packing['seq_len']} tokens but seq_len={cfg.seq_len}")
@@ -482,6 +549,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     ep_rank = rank % cfg.expert_parallel_size  # DeepSpeed's E+D layout: ranks [0..ep) form expert group 0
     install_deepspeed_moe(model, ep_size=cfg.expert_parallel_size, ep_rank=ep_rank,
                           global_router=cfg.global_router, min_capacity=cfg.min_capacity)
+    sp = None  # the sequence-parallel plan (pretrain/sequence_parallel.py), applied from outside the model
+    if grid.sequence_parallel > 1:
+        sp = apply_sequence_parallel(model, grid.sequence_group())
     optimizer = torch.optim.AdamW(optimizer_groups(model, cfg.weight_decay), lr=cfg.peak_lr,
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=device.type == "cuda")
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
@@ -500,7 +570,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         decay_frac=cfg.decay_frac, final_lr_ratio=cfg.final_lr_ratio)
     batch_schedule = BatchSizeSchedule(cfg.batch_rows, cfg.max_batch_rows, cfg.double_at_tokens,
                                        cfg.double_below_loss)
-    loader = RowLoader(rows, seed=cfg.seed, rank=rank, world_size=world, shuffle=not cfg.ordered_rows)
+    # the ranks of a sequence-parallel group read the same rows (each then takes its slice of them)
+    loader = RowLoader(rows, seed=cfg.seed, rank=grid.data_rank, world_size=grid.data_parallel,
+                       shuffle=not cfg.ordered_rows)
 
     step, tokens_seen, history = 0, 0, []
     num_layers = model_config.num_hidden_layers
@@ -531,8 +603,8 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     def save_checkpoint() -> None:
         client = {"step": step, "tokens_seen": tokens_seen, "history": history, "loader": loader.state_dict(),
                   "batch_schedule": batch_schedule.state_dict(), "guard": guard.state_dict(),
-                  "rng": _rng_state(), "expert_routed": _sum_over_data_parallel(routed_sum).cpu(),
-                  "expert_dropped": _sum_over_data_parallel(dropped_sum).cpu()}  # collectives: every rank
+                  "rng": _rng_state(), "expert_routed": _sum_over_ranks(routed_sum).cpu(),
+                  "expert_dropped": _sum_over_ranks(dropped_sum).cpu()}  # collectives: every rank
         engine.save_checkpoint(str(ckpt_dir), tag=f"step{step:08d}", client_state=client)
         if rank == 0:  # keep the newest few
             tags = sorted(p for p in ckpt_dir.glob("step*") if p.is_dir())
@@ -543,6 +615,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
 
     window_t, window_tokens, window_losses, window_aux = time.perf_counter(), 0, [], []
     window_flops = 0.0  # model FLOPs of this rank's batches since the last log (model.accounting.packed_flops)
+    aux_coef = model_config.router_aux_loss_coef  # what the model adds to the loss (cfg.aux_loss_coef)
     window_start = torch.stack([routed_sum.sum(), dropped_sum.sum()])  # routed, dropped at the last log
     if not resumed:  # a valid checkpoint exists from the start: the guard's error can always point at one
         save_checkpoint()
@@ -550,7 +623,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     engine.train()
     while tokens_seen < cfg.train_tokens:
         batch_rows = batch_schedule.batch_size
-        gas = max(1, batch_rows // (cfg.micro_batch_rows * world))
+        gas = accumulation_steps(batch_rows, cfg.micro_batch_rows, grid.data_parallel)
         if gas != engine.gradient_accumulation_steps():
             engine.set_train_batch_size(cfg.micro_batch_rows * gas * world)
         lr = lr_schedule.lr(tokens_seen // initial_batch_tokens)
@@ -561,25 +634,38 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         step_tokens = 0
         for _ in range(gas):
             batch = make_batch(rows, loader.next_indices(cfg.micro_batch_rows))
-            out = forward(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device),
-                          cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids.to(device),  # bounds: host
-                          output_router_logits=True)
-            loss = out.loss
+            if sp is None:
+                out = forward(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device),
+                              cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids.to(device),  # bounds: host
+                              output_router_logits=True)
+                loss = out.loss
+            else:
+                shard = shard_batch(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens,
+                                    grid.sequence_rank, grid.sequence_parallel).to(device)
+                out = sequence_parallel_output(forward, sp, shard, output_router_logits=True)
+                # The group's shares sum to the row's loss, so the sum of their gradients is the row's gradient;
+                # DeepSpeed averages over all world = DP x SP ranks, so each share is scaled by SP: the average of
+                # SP x (share gradients) is the mean over the DP replicas of the whole-row gradients
+                loss = loss_share(out, shard, aux_coef) * grid.sequence_parallel
             if step in cfg.inject_nan_at_steps:
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-            aux = out.aux_loss.detach()
-            step_loss_t += (loss.detach() - cfg.aux_loss_coef * aux).double() / gas
+            aux = out.aux_loss.detach()  # global over a sequence-parallel group: every rank has the row's
+            # the row's cross-entropy (under SP this rank's part; the group's parts are summed after the step)
+            step_loss_t += (loss.detach() - aux_coef * aux).double() / (gas * grid.sequence_parallel)
             step_aux_t += aux.double() / gas
-            step_tokens += batch.input_ids.numel()
-            window_flops += packed_flops(model_config, np.diff(batch.cu_seqlens.numpy()))  # this rank's documents
+            step_tokens += batch.input_ids.numel()  # this replica's rows
+            # this rank's documents; a sequence-parallel rank computes 1/SP of its replica's
+            window_flops += packed_flops(model_config, np.diff(batch.cu_seqlens.numpy())) / grid.sequence_parallel
             routed_sum += out.moe_routed.detach()  # on the device: no sync until the next log
             dropped_sum += out.moe_dropped.detach()
         skipped = guard.after_step(bool(getattr(optimizer, "overflow", False)))
+        if sp is not None:  # the row's loss, the sum of the group's parts (the same on each: the batch schedule)
+            dist.all_reduce(step_loss_t, group=sp.group)
         step_loss, step_aux = torch.stack([step_loss_t, step_aux_t]).tolist()  # one host sync per step
         step += 1
-        global_tokens = step_tokens * world
+        global_tokens = step_tokens * grid.data_parallel
         tokens_seen += global_tokens
         window_tokens += global_tokens
         if guard.consecutive >= cfg.max_consecutive_skips:
@@ -599,7 +685,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             tps = window_tokens / (now - window_t)
             totals = torch.stack([routed_sum.sum(), dropped_sum.sum()])
             window = torch.cat([totals - window_start, totals.new_tensor([window_flops])])
-            window_routed, window_dropped, flops_all = _sum_over_data_parallel(window).tolist()  # all ranks
+            window_routed, window_dropped, flops_all = _sum_over_ranks(window).tolist()  # all ranks
             window_start = totals
             metrics = {
                 "loss": statistics.fmean(window_losses) if window_losses else float("nan"),
@@ -629,10 +715,10 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     # --- end: held-out loss, expert load, export -------------------------------------------------------------
     engine.eval()
     with eager_layers(engine.module):
-        eval_loss = evaluate(engine, eval_rows, make_batch, cfg, device)
+        eval_loss = evaluate(engine, eval_rows, make_batch, cfg, device, grid, sp)
     uni = unigram_loss(eval_rows, np.load(Path(cfg.data_dir) / "unigram_counts.npy"))
-    routed_all = _sum_over_data_parallel(routed_sum).cpu()
-    dropped_all = _sum_over_data_parallel(dropped_sum).cpu()
+    routed_all = _sum_over_ranks(routed_sum).cpu()
+    dropped_all = _sum_over_ranks(dropped_sum).cpu()
     from pretrain.export import export_checkpoint
 
     export_checkpoint(engine.module, model_config, cfg, rank)
@@ -645,41 +731,61 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         np.save(Path(cfg.export_dir) / "expert_dropped.npy", dropped_all.numpy())
         (Path(cfg.export_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     emit("summary", {"summary": summary}, rank)
-    import torch.distributed as dist
-
     dist.barrier()
     dist.destroy_process_group()
     return summary
 
 
 @torch.no_grad()
-def evaluate(engine: Any, eval_rows: Any, make_batch: Any, cfg: TrainConfig, device: torch.device) -> float:
-    """Mean next-token cross-entropy (nats) over the held-out rows' label positions, dropless (eval mode)."""
+def evaluate(engine: Any, eval_rows: Any, make_batch: Any, cfg: TrainConfig, device: torch.device,
+             grid: RankGrid | None = None, sp: Any = None) -> float:
+    """Mean next-token cross-entropy (nats) over the held-out rows' label positions, dropless (eval mode). The rows
+    are shared out over the data-parallel replicas; under sequence parallelism (``sp``, the plan of
+    ``pretrain/sequence_parallel.py``) each rank of a replica scores its slice of them."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from pretrain.sequence_parallel import (
+        IGNORE_INDEX,
+        sequence_parallel_output,
+        shard_batch,
+        shard_cross_entropy_sum,
+    )
+
+    grid = grid or RankGrid(dist.get_rank(), dist.get_world_size())
     n = min(len(eval_rows), cfg.eval_max_rows)
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    mine = list(range(rank, n, world))
-    # every rank runs the same number of calls (expert parallelism needs all ranks in each layer's all-to-all)
-    calls = math.ceil(math.ceil(n / world) / cfg.micro_batch_rows)
+    mine = list(range(grid.data_rank, n, grid.data_parallel))
+    # every rank runs the same number of calls (expert parallelism needs all ranks in each layer's all-to-all,
+    # sequence parallelism all ranks of a group in each layer's all-gather)
+    calls = math.ceil(math.ceil(n / grid.data_parallel) / cfg.micro_batch_rows)
     for c in range(calls):
         idx = mine[c * cfg.micro_batch_rows:(c + 1) * cfg.micro_batch_rows] or [0]
         batch = make_batch(eval_rows, idx)
-        out = engine(input_ids=batch.input_ids.to(device), cu_seqlens=batch.cu_seqlens.to(device),
-                     position_ids=batch.position_ids.to(device), output_router_logits=False)
-        if c * cfg.micro_batch_rows >= len(mine):
-            continue  # a padding call of a rank with fewer rows
-        logits = out.logits[0, :-1].float()
-        labels = batch.labels[0, 1:].to(device)
-        total[0] += F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum").double()
-        total[1] += (labels != -100).sum()
+        padding = c * cfg.micro_batch_rows >= len(mine)  # a padding call of a rank with fewer rows
+        if sp is None:
+            out = engine(input_ids=batch.input_ids.to(device), cu_seqlens=batch.cu_seqlens.to(device),
+                         position_ids=batch.position_ids.to(device), output_router_logits=False)
+            if padding:
+                continue
+            logits = out.logits[0, :-1].float()
+            labels = batch.labels[0, 1:].to(device)
+            total[0] += F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").double()
+            total[1] += (labels != IGNORE_INDEX).sum()
+        else:
+            shard = shard_batch(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens,
+                                grid.sequence_rank, grid.sequence_parallel).to(device)
+            out = sequence_parallel_output(engine, sp, shard, output_router_logits=False)
+            if padding:
+                continue
+            total[0] += shard_cross_entropy_sum(out.logits, shard).double()
+            total[1] += (shard.shifted_labels != IGNORE_INDEX).sum()
     dist.all_reduce(total)
     return float(total[0] / total[1].clamp(min=1))
 
 
-def _sum_over_data_parallel(t: torch.Tensor) -> torch.Tensor:
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Sum over every rank (each counts its own tokens: a sequence-parallel rank those of its slice)."""
     import torch.distributed as dist
 
     if dist.get_world_size() == 1:
