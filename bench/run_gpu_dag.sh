@@ -17,7 +17,8 @@
 #   diagnostics.txt     only if something failed: Ray's error logs and the stage error files
 #
 # Env: DAG (dags/gpu-small.yaml), HYLIGHT_SET (more `--set` overrides, space separated, e.g.
-# "pretrain.train_tokens=4000000"), RUN_LIMIT_S (540: seconds after this script starts at which the run gets
+# "pretrain.train_tokens=4000000"), RUN_ARGS (more `hylight run` arguments, space separated, e.g. "--stage eval" to run
+# one stage and what it needs first), RUN_LIMIT_S (540: seconds after this script starts at which the run gets
 # SIGINT (SIGKILL 20 s later) and the record is still written; keep it ~50 s under the call's timeout), SITE (/tmp/site), ARCHIVE (.whl-dag/pack/site.tar.xz), WORK
 # (/tmp/hylight-gpu-dag; emptied first unless KEEP_WORK=1 and a previous call's run is there: then the run
 # resumes it, finished stages cache hits), OUT (results; $WORK/out when unset), PYTHON (python3), EXTRA_WHEELS (a
@@ -167,6 +168,7 @@ fi
 # --- the run ----------------------------------------------------------------------------------------------
 sets=(--set "artifact_root=$WORK/root")
 for s in ${HYLIGHT_SET:-}; do sets+=(--set "$s"); done
+for a in ${RUN_ARGS:-}; do sets+=("$a"); done
 left=$(awk -v a="$(since "$T0")" -v l="$RUN_LIMIT_S" 'BEGIN { printf "%d", l - a }')
 say "hylight run $DAG ${sets[*]} (stopped in ${left}s if still running)"
 t=$(date +%s.%N)

@@ -53,7 +53,6 @@ from pretrain.stage import (
     PretrainParams,
     RankLayout,
     _Relay,
-    check_rank_layout,
     launch_ranks,
     sequence_parallel_problems,
     sequence_parallel_rank_problems,
@@ -272,10 +271,12 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
     from pretrain.long_mix import SOURCES, corpus_shares, phase_sources, write_phase_rows
     from pretrain.train import special_token_ids
 
+    problems = long_context_resource_problems(params, ctx.resources)  # also without spec validation
+    if problems:
+        raise ValueError("long_context: " + "; ".join(msg for _, msg in problems))
     checkpoint, mixture = ctx.input("checkpoint"), ctx.input("mixture")
     documents, tokenizer = ctx.input("documents"), ctx.input("tokenizer")
     base = _checkpoint_packing(checkpoint.path, mixture.path)
-    check_rank_layout(params, ctx.resources, "long_context")
     layout = RankLayout.of(params.processes, ctx.resources, "long_context")
     replicas = layout.world // params.sequence_parallel  # a sequence-parallel group reads one set of rows
     for i, p in enumerate(params.phases):
@@ -461,6 +462,20 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
     ctx.log_figure(fig, "source_schedule.png")
 
 
+def long_context_resource_problems(params: LongContextParams, resources: Any) -> list[tuple[str, str]]:
+    """Spec-time checks of the params against the stage's resources: :func:`sequence_parallel_rank_problems`, and
+    ``compile: true`` on GPUs refused. On an H100 (2026-11-23, dags/ablation-retrieval-gpu.yaml, BENCHMARKS.md) the
+    first backward of a compiled long-context phase failed with "accessing tensor output of CUDAGraphs that has been
+    overwritten by a subsequent run" (an RMSNorm output), where the same compiled layers train in ``pretrain``. The
+    cause is not found; until it is, the stage says so before any work instead of failing a minute into a phase."""
+    problems = sequence_parallel_rank_problems(params, resources)
+    if params.compile and resources.gpus > 0:
+        problems.append(("params.compile", "compile: true is not supported on GPUs in long_context yet: on an H100 "
+                         "the first compiled backward failed with a CUDA-graphs error (overwritten RMSNorm output; "
+                         "BENCHMARKS.md, 'Retrieval after long_context'); set compile: false (eager)"))
+    return problems
+
+
 STAGE = StageKind(
     # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
     records=("summary.json", "train_log.jsonl", "phases/*/summary.json", "phases/*/train_log.jsonl", "plots/*"),
@@ -481,5 +496,5 @@ STAGE = StageKind(
         "asked for at its end) are made here and kept in the artifact. Every phase's checkpoint is kept; a killed "
         "run resumes in the phase it was in.",
     launches_workers=True,
-    validate_resources=sequence_parallel_rank_problems,
+    validate_resources=long_context_resource_problems,
 )
