@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -55,11 +54,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import HybridForCausalLM, config_for
-from model import modeling
+from model import HybridForCausalLM, config_for, modeling
 from model.configuration import SOFTMAX
 from pretrain.data import IGNORE_INDEX, PackedRows, make_batch, unigram_loss
-
 
 # --- residual-layout monkeypatches (controls, not model changes) -----------------------------------------------
 
@@ -111,7 +108,7 @@ class Probe:
             k = k.repeat_interleave(mod.num_heads // mod.num_kv_heads, dim=1)
             bounds = layout.cu_seqlens.tolist()
             ents = []
-            for a, e in zip(bounds[:-1], bounds[1:]):
+            for a, e in zip(bounds[:-1], bounds[1:], strict=True):
                 if e - a < 8:
                     continue
                 s = (q[0, :, a:e] @ k[0, :, a:e].transpose(-1, -2)) * D**-0.5
@@ -192,7 +189,7 @@ def truncate_docs(batch, max_doc):
     the first label of each piece is masked, as at any segment start)."""
     cu = batch.cu_seqlens.tolist()
     new = []
-    for a, e in zip(cu[:-1], cu[1:]):
+    for a, e in zip(cu[:-1], cu[1:], strict=True):
         new.extend(range(a, e, max_doc))
     new.append(cu[-1])
     cu_t = torch.tensor(new, dtype=torch.int32)
@@ -289,7 +286,7 @@ def cmd_packing(args):
             packed = model(input_ids=b.input_ids, cu_seqlens=b.cu_seqlens, position_ids=b.position_ids).logits[0]
             cu = b.cu_seqlens.tolist()
             worst = 0.0
-            for a, e in zip(cu[:-1], cu[1:]):
+            for a, e in zip(cu[:-1], cu[1:], strict=True):
                 alone = model(input_ids=b.input_ids[:, a:e]).logits[0]
                 worst = max(worst, (alone - packed[a:e]).abs().max().item())
             # the same row with a plain (unpacked) causal mask over the whole row, for contrast
