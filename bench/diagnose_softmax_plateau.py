@@ -37,7 +37,8 @@ Findings (tiny, 48 steps x 2,048 tokens, lr 3e-3, unigram eval loss 7.282; logs 
                         residual term, hidden states of all tokens identical from layer 2 on (cos 1.00), router
                         load 0.50 (every token to the same 2 of 4 experts); grad norm 0.4-0.5, clipped 1/48 steps
   hybrid                eval 6.895; lightning outputs stay 0.2-0.4, cos(out) 0.08-0.49, load 0.39-0.50
-  all-softmax, --lm-bias (output bias initialised to the log unigram): eval 6.306, no collapse (cos <= 0.06)
+  --lm-bias (output bias initialised to the log unigram): all-softmax 6.306, no collapse (cos <= 0.06);
+                        hybrid 6.282
   not the cause: packing (packed = alone to 4e-16), grad clipping, pre-norm residual (7.225), docs cut to 16 tokens
   (7.232), 64-token rows in this loop (7.225), lr 1e-3 (7.486, collapsing too), alpha 6 (7.232), seed 1 (7.245)
 """
