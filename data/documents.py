@@ -72,7 +72,7 @@ class JsonlGzWriter:
         self._fh.write(orjson.dumps(row) + b"\n")
         self.count += 1
 
-    def write_pieces(self, pieces: Iterable[bytes], buffer_bytes: int = 1 << 20) -> None:
+    def write_pieces(self, pieces: Iterable[bytes], buffer_bytes: int = 1 << 16) -> None:
         """One row given as consecutive pieces of its JSON text, for a row too long to build at once (dedup's
         cluster with every member). The pieces joined must be what :meth:`write` would write for the row, less
         the newline; the file is then the same bytes (deflate's output does not depend on how its input is cut)."""
@@ -84,7 +84,8 @@ class JsonlGzWriter:
             if len(buffer) >= buffer_bytes:
                 self._fh.write(buffer)
                 buffer.clear()
-        self._fh.write(buffer + b"\n")
+        self._fh.write(buffer)
+        self._fh.write(b"\n")
         self.count += 1
 
     def close(self) -> None:
