@@ -86,7 +86,7 @@ import struct
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -288,15 +288,22 @@ CREATE TABLE cluster (rep INTEGER PRIMARY KEY, dup_count INTEGER NOT NULL, membe
 """
 
 
-def _open_state(path: Path) -> sqlite3.Connection:
+@contextmanager
+def _state(path: Path) -> Iterator[sqlite3.Connection]:
     """A fresh state database: scratch (no journal, no fsync), one transaction for the whole stage (dirty pages
-    spill to the file when the cache is full), page cache capped at ``_CACHE_KIB``."""
+    spill to the file when the cache is full), page cache capped at ``_CACHE_KIB``. Committed, never rolled
+    back, when closed: without a journal there is nothing to roll back with."""
     path.unlink(missing_ok=True)
     db = sqlite3.connect(path, isolation_level=None)
-    db.executescript("PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; PRAGMA locking_mode = EXCLUSIVE; "
-                     f"PRAGMA temp_store = FILE; PRAGMA cache_size = -{_CACHE_KIB};" + _SCHEMA)
-    db.execute("BEGIN")
-    return db
+    try:
+        db.executescript("PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; PRAGMA locking_mode = EXCLUSIVE; "
+                         f"PRAGMA temp_store = FILE; PRAGMA cache_size = -{_CACHE_KIB};" + _SCHEMA)
+        db.execute("BEGIN")
+        yield db
+    finally:
+        with suppress(sqlite3.Error):
+            db.commit()
+        db.close()
 
 
 def _scalar(db: sqlite3.Connection, sql: str, args: tuple[Any, ...] = ()) -> Any:
@@ -878,7 +885,7 @@ def run(params: DedupParams, ctx: StageContext) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sig_step = signature_step(params, work / "signatures", shingler)
-    with closing(_open_state(work / "state.sqlite")) as db:
+    with _state(work / "state.sqlite") as db:
         # pass 1: exact groups + contamination + signatures of the leaders; then LSH buckets
         ctx.progress(f"reading {docs_path} (MinHash {params.bands}x{params.rows}, {params.n_grams}-grams, "
                      f"{params.word_tokenizer} words, S-curve {params.s_curve_threshold:.3f}, verify: "
