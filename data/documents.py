@@ -72,6 +72,22 @@ class JsonlGzWriter:
         self._fh.write(orjson.dumps(row) + b"\n")
         self.count += 1
 
+    def write_pieces(self, pieces: Iterable[bytes], buffer_bytes: int = 1 << 16) -> None:
+        """One row given as consecutive pieces of its JSON text, for a row too long to build at once (dedup's
+        cluster with every member). The pieces joined must be what :meth:`write` would write for the row, less
+        the newline; the file is then the same bytes (deflate's output does not depend on how its input is cut)."""
+        if self._fh is None:
+            raise ValueError(f"JsonlGzWriter: {self.path} is closed")
+        buffer = bytearray()
+        for piece in pieces:
+            buffer += piece
+            if len(buffer) >= buffer_bytes:
+                self._fh.write(buffer)
+                buffer.clear()
+        self._fh.write(buffer)
+        self._fh.write(b"\n")
+        self.count += 1
+
     def close(self) -> None:
         if self._fh is not None:
             try:
