@@ -661,8 +661,13 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             routed_sum += out.moe_routed.detach()  # on the device: no sync until the next log
             dropped_sum += out.moe_dropped.detach()
         skipped = guard.after_step(bool(getattr(optimizer, "overflow", False)))
-        if sp is not None:  # the row's loss, the sum of the group's parts (the same on each: the batch schedule)
-            dist.all_reduce(step_loss_t, group=sp.group)
+        if world > 1:
+            # the step's loss over the whole batch, the same number on every rank: a sequence-parallel group's parts
+            # summed into its rows' loss, then the mean over the data-parallel replicas. The batch schedule's
+            # loss triggers (double_batch_below_loss) read it, so every rank changes the batch size at the same
+            # step (with each replica's own loss they could disagree and wait on each other forever)
+            dist.all_reduce(step_loss_t)
+            step_loss_t /= grid.data_parallel
         step_loss, step_aux = torch.stack([step_loss_t, step_aux_t]).tolist()  # one host sync per step
         step += 1
         global_tokens = step_tokens * grid.data_parallel
