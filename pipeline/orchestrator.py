@@ -353,19 +353,37 @@ class Orchestrator:
         tracking.log_lineage(c, run_id, inputs)
         return run_id
 
-    def _finish_stage_run(self, c: Any, run_id: str, art: Artifact, cache_hit: bool) -> None:
+    @staticmethod
+    def _artifact_tags(art: Artifact, state: str) -> dict[str, str]:
         m = art.manifest
-        tracking.set_tags(c, run_id, {
-            tracking.TAG_STATE: "cached" if cache_hit else "done",
+        return {
+            tracking.TAG_STATE: state,
             tracking.TAG_ARTIFACT_URI: art.path.as_uri(), tracking.TAG_ARTIFACT_DIGEST: art.digest,
             tracking.TAG_PRODUCER: (m.get("producer") or {}).get("run_id") or "",
             "hylight.rows": json.dumps(m.get("rows", {})),
             "hylight.summary_keys": json.dumps(list(m.get("summary", {}))),
-        })
-        if cache_hit and m.get("summary"):
-            tracking.log_metrics_now(c, run_id, m["summary"])
+        }
+
+    def _finish_stage_run(self, c: Any, run_id: str, art: Artifact) -> None:
+        tracking.set_tags(c, run_id, self._artifact_tags(art, "done"))
         tracking.retry(c.log_artifact, run_id, str(art.path / "manifest.json"))
         tracking.end_run(c, run_id, "FINISHED")
+
+    def _cached_stage_run(self, c: Any, exp: str, parent: str, st: ResolvedStage, key: str,
+                          inputs: dict[str, list[dict[str, Any]]], art: Artifact) -> str:
+        """A cache hit's run, made whole at once: created with every tag, then one batch of its params and the
+        artifact's summary metrics, its lineage, the manifest, terminated. Four database transactions on a
+        sqlite store where a run that trains takes seven (the warm 200-stage DAG, BENCHMARKS.md)."""
+        run_id = tracking.start_run(c, exp, st.name, parent_run_id=parent, tags={
+            tracking.TAG_STAGE: st.name, tracking.TAG_KIND: st.kind.name, tracking.TAG_CACHE_KEY: key,
+            **self._owner_tags(), tracking.TAG_CACHE_HIT: "true", **self._artifact_tags(art, "cached")})
+        tracking.log_record(c, run_id, params={"params": st.params.model_dump(mode="json"),
+                                               "resources": st.resources.model_dump()},
+                            metrics=art.manifest.get("summary") or {})
+        tracking.log_lineage(c, run_id, inputs)
+        tracking.retry(c.log_artifact, run_id, str(art.path / "manifest.json"))
+        tracking.end_run(c, run_id, "FINISHED")
+        return run_id
 
     # --- main loop ---------------------------------------------------------------------------
     def run(self) -> RunReport:
@@ -539,10 +557,7 @@ class Orchestrator:
                 res.seconds = 0.0
                 say(f"✓ {name} cache hit ({hit.path.relative_to(spec.artifact_root)})")
                 if c:
-                    rid = self._stage_run(c, exp, parent, st, key, lineage,
-                                          {tracking.TAG_CACHE_HIT: "true", tracking.TAG_STATE: "cached"})
-                    res.run_id = rid
-                    self._finish_stage_run(c, rid, hit, cache_hit=True)
+                    res.run_id = self._cached_stage_run(c, exp, parent, st, key, lineage, hit)
                 continue
             why = ("forced" if name in forced else "cached artifact failed verification" if rejected
                    else "no cached artifact for its key")
@@ -602,7 +617,7 @@ class Orchestrator:
         self.console.say(f"✓ {name} done in {outcome.seconds:.1f}s  {_fmt_summary(outcome.summary)}")
         if c:
             self._replay_journal(c, run_id, art.path)
-            self._finish_stage_run(c, run_id, art, cache_hit=False)
+            self._finish_stage_run(c, run_id, art)
 
 
 @dataclass

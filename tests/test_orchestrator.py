@@ -219,6 +219,29 @@ def test_mlflow_parent_nested_params_metrics_lineage(env):
     assert hit.data.tags[tracking.TAG_CACHE_HIT] == "true"
     assert hit.data.tags[tracking.TAG_PRODUCER] == ab.info.run_id
     assert hit.data.metrics["parts"] == 2
+    # made whole at once (tracking.log_record): the same record as a run that trained, finished
+    assert hit.info.status == "FINISHED" and hit.data.tags[tracking.TAG_STATE] == "cached"
+    assert hit.data.params == ab.data.params and hit.data.tags[tracking.TAG_ARTIFACT_DIGEST] == first.stages["ab"].digest
+    assert {d.dataset.digest for d in hit.inputs.dataset_inputs} == digests
+    assert "manifest.json" in [f.path for f in c.list_artifacts(hit.info.run_id)]
+
+
+def test_log_record_fits_any_number_of_params_tags_and_metrics_in_mlflow_batches(tmp_path):
+    """MLflow refuses a log_batch of more than 100 params, 100 tags or 1000 entities: log_record splits, and
+    everything arrives (nested params flattened, as log_params)."""
+    c = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = c.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    rid = c.create_run(exp).info.run_id
+    params = {"p": {f"k{i}": i for i in range(150)}}
+    tags = {f"t{i}": str(i) for i in range(120)}
+    metrics = {f"m{i}": float(i) for i in range(1100)}
+    tracking.log_record(c, rid, params=params, tags=tags, metrics=metrics, step=3)
+    data = c.get_run(rid).data
+    assert {k: v for k, v in data.params.items()} == {f"p.k{i}": str(i) for i in range(150)}
+    assert {k: data.tags[k] for k in tags} == tags
+    assert data.metrics == metrics
+    assert [m.step for m in c.get_metric_history(rid, "m1099")] == [3]
+    tracking.log_record(c, rid)  # nothing to log is not an error
 
 
 def test_failed_stage_recorded_in_mlflow(env):
