@@ -51,7 +51,7 @@ Where the state lives (memory stays bounded on any corpus size):
 * scoring: :data:`SCORE_BLOCK_DOCS` documents at a time (read, predicted, written, counted);
 * the report: counts per category, per domain and category, and per category x dimension x bucket in memory;
   every document's rounded scores in ``work_dir/scores/`` (float64, 16 bytes per document, once for the whole
-  corpus and once per domain), read back through read-only memory maps for the report's means and histograms
+  corpus and once per domain), read back through read-only memory maps for the report's means
   (clean file pages) and the violins (at most :data:`PLOT_POINTS_CAP` points per domain).
 
 What still grows: in memory, the number of domains and categories (not documents); on disk, 1.5 KB of
@@ -213,6 +213,7 @@ class QualityParams(StageParams):
 # --- the stage ------------------------------------------------------------------------------------
 SCORE_BLOCK_DOCS = 4096  # documents scored at once: embeddings read from disk, predicted, written, counted
 _ID_BLOCK = 4096  # ids inserted into the uniqueness table at once
+HIST_EDGES = np.linspace(SCORE_MIN, SCORE_MAX, 11)  # the report's score histograms
 PLOT_POINTS_CAP = 50_000  # a domain's violin is drawn from at most this many scores (evenly spaced rows)
 
 
@@ -469,7 +470,7 @@ def _embed_all(docs_path: Path, n_docs: int, params: QualityParams, ctx: StageCo
 
 class _ScoreStats:
     """What the report and the plots need from every document's scores, gathered a block at a time. In memory:
-    counts per category, per (domain, category) and per (category, dimension, bucket) -- they grow with the
+    counts per category, per (domain, category), per (category, dimension, bucket) and the histograms -- they grow with the
     number of domains and categories, not documents. On disk in work_dir: every document's rounded scores
     (float64 [N, 2]) and each domain's (one .npy per domain, 16 bytes per document each), written a block at
     a time and read back through read-only memmaps for the report's exact means (the same numpy reductions
@@ -492,11 +493,14 @@ class _ScoreStats:
                                                          for d in domains}
         self.edges = np.array(QUALITY_BUCKETS, dtype=float)
         self.grid = np.zeros((len(categories), dims, len(self.edges) - 1), dtype=np.int64)
+        self.histograms = np.zeros((dims, len(HIST_EDGES) - 1), dtype=np.int64)  # the report's, per dimension
 
     def add(self, rounded: np.ndarray, cat_idx: np.ndarray, domains: Sequence[str]) -> None:
         with open(self.all_file, "ab") as f:
             f.write(np.ascontiguousarray(rounded, dtype="<f8").tobytes())
         np.add.at(self.category_counts, cat_idx, 1)
+        for i in range(rounded.shape[1]):  # each score's bin does not depend on the others: block sums are exact
+            self.histograms[i] += np.histogram(rounded[:, i], bins=HIST_EDGES)[0]
         for i in range(rounded.shape[1]):
             buckets = np.clip(np.searchsorted(self.edges, rounded[:, i], side="right") - 1, 0, len(self.edges) - 2)
             np.add.at(self.grid[:, i, :], (cat_idx, buckets), 1)
@@ -708,7 +712,7 @@ def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_r
             "categories": stats.category_counter(stats.domain_categories[dom])}
         del s
     scores = stats.scores()
-    hist_edges = np.linspace(SCORE_MIN, SCORE_MAX, 11)
+    hist_edges = HIST_EDGES
     return {
         "documents": corpus.n_docs,
         "labeler": outcome.info | ({"fit": fit_report} if fit_report else {}),
@@ -727,7 +731,7 @@ def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_r
         "heldout": metrics,
         "scores": {d: {"mean": float(scores[:, i].mean()),
                        "histogram": {"edges": hist_edges.tolist(),
-                                     "counts": np.histogram(scores[:, i], bins=hist_edges)[0].tolist()}}
+                                     "counts": stats.histograms[i].tolist()}}
                    for i, d in enumerate(DIMENSIONS)},
         "categories": stats.category_counter(stats.category_counts),
         "per_domain": per_domain,
