@@ -39,13 +39,33 @@ Output artifact:
 
 Embeddings are computed once per document into ``ctx.work_dir`` (the labeled sample reuses them) and
 never written to the artifact.
+
+Where the state lives (memory stays bounded on any corpus size):
+
+* first pass: ids' uniqueness in an on-disk SQLite table (``work_dir/ids.sqlite``, removed after it), documents
+  per domain, a heap of the ``label_sample`` smallest hashes (the sample's ids and domains only) and a digest of
+  every id (the writing pass checks the input did not change); the second pass keeps the sample's texts and a
+  heap per domain of the reference labeler's negatives (with their texts);
+* embeddings: one .npy per shard task in ``work_dir``, appended a chunk at a time with plain writes (no memory
+  map: dirty mapped pages would count in the task's RSS) and read back a block of rows at a time;
+* scoring: :data:`SCORE_BLOCK_DOCS` documents at a time (read, predicted, written, counted);
+* the report: counts per category, per domain and category, and per category x dimension x bucket in memory;
+  every document's rounded scores in ``work_dir/scores/`` (float64, 16 bytes per document, once for the whole
+  corpus and once per domain), read back through read-only memory maps for the report's means
+  (clean file pages) and the violins (at most :data:`PLOT_POINTS_CAP` points per domain).
+
+What still grows: in memory, the number of domains and categories (not documents); on disk, 1.5 KB of
+embeddings, 32 bytes of scores and an id row per document in ``work_dir``; the read-only maps of the score
+files touch 16 bytes per document of page cache while the report is computed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import re
+import sqlite3
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -191,53 +211,141 @@ class QualityParams(StageParams):
 
 
 # --- the stage ------------------------------------------------------------------------------------
+SCORE_BLOCK_DOCS = 4096  # documents scored at once: embeddings read from disk, predicted, written, counted
+_ID_BLOCK = 4096  # ids inserted into the uniqueness table at once
+HIST_EDGES = np.linspace(SCORE_MIN, SCORE_MAX, 11)  # the report's score histograms
+PLOT_POINTS_CAP = 50_000  # a domain's violin is drawn from at most this many scores (evenly spaced rows)
+
+
+class _UniqueIds:
+    """Ids seen so far in an on-disk SQLite table (a Python set of every id grew with the corpus); a repeated
+    id raises. SQLite's page cache is bounded (its default 2 MB); the table is a file in work_dir."""
+
+    def __init__(self, path: Path, docs_path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        self.docs_path = docs_path
+        self.db = sqlite3.connect(path, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=OFF")
+        self.db.execute("PRAGMA synchronous=OFF")
+        self.db.execute("CREATE TABLE ids (id TEXT PRIMARY KEY) WITHOUT ROWID")
+        self.block: list[str] = []
+
+    def add(self, doc_id: str) -> None:
+        self.block.append(doc_id)
+        if len(self.block) >= _ID_BLOCK:
+            self.flush()
+
+    def flush(self) -> None:
+        block, self.block = self.block, []
+        before = self.db.total_changes
+        self.db.execute("BEGIN")
+        self.db.executemany("INSERT OR IGNORE INTO ids VALUES (?)", [(i,) for i in block])
+        if self.db.total_changes - before < len(block):  # a repeat: undo the block and name the first one
+            self.db.execute("ROLLBACK")
+            seen: set[str] = set()
+            for i in block:
+                if i in seen or self.db.execute("SELECT 1 FROM ids WHERE id = ?", (i,)).fetchone():
+                    raise ValueError(f"quality: document id {i!r} occurs twice in {self.docs_path}; ids must be "
+                                     "unique (ingest quarantines duplicate ids)")
+                seen.add(i)
+        self.db.execute("COMMIT")
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def _ids_digest() -> Any:
+    return hashlib.blake2b(digest_size=16)
+
+
+def _add_id(digest: Any, doc_id: str) -> None:
+    b = doc_id.encode("utf-8", "surrogatepass")
+    digest.update(len(b).to_bytes(8, "little") + b)
+
+
 @dataclass
 class _Corpus:
-    ids: list[str]
-    domains: list[str]
+    """What the stage keeps of its input after the first pass: counts per domain and the label sample (the
+    ids of the sampled documents only, not every id)."""
+
+    n_docs: int
+    domains: dict[str, int]  # documents per domain, in first-seen order
+    negative_domains: int  # domains with a document the reference labeler may take as a negative
+    sample: list[int]  # positions of the label sample, in input order
+    ids: dict[int, str]  # position -> id of the sampled documents
+    sample_domains: dict[int, str]  # position -> domain of the sampled documents
+    ids_digest: str  # of every id in input order: the writing pass checks the input is unchanged
 
 
-def _scan(docs_path: Path, ctx: StageContext) -> _Corpus:
-    ids: list[str] = []
-    domains: list[str] = []
-    seen: set[str] = set()
-    for rec in ctx.track(iter_documents(docs_path), what="documents scanned"):
-        if rec["id"] in seen:
-            raise ValueError(f"quality: document id {rec['id']!r} occurs twice in {docs_path}; ids must be "
-                             "unique (ingest quarantines duplicate ids)")
-        seen.add(rec["id"])
-        ids.append(rec["id"])
-        domains.append(rec.get("domain") or "unknown")
-    if not ids:
+def _domain(rec: dict[str, Any]) -> str:
+    return rec.get("domain") or "unknown"
+
+
+def _scan(docs_path: Path, ctx: StageContext, k: int, seed: int, exclude: set[str]) -> _Corpus:
+    """One pass: unique ids (on disk), documents per domain, and the k documents with the smallest (seed,
+    "label", id) hashes (a heap of size k; ties by position, like ``heapq.nsmallest``)."""
+    unique = _UniqueIds(ctx.work_dir / "ids.sqlite", docs_path)
+    digest = _ids_digest()
+    domains: Counter[str] = Counter()
+    negative_domains: set[str] = set()
+    heap: list[tuple[float, int, str, str]] = []  # (-hash, -position, id, domain): the root is the largest
+    n = 0
+    try:
+        for n, rec in enumerate(ctx.track(iter_documents(docs_path), what="documents scanned"), start=1):
+            doc_id, dom = rec["id"], _domain(rec)
+            unique.add(doc_id)
+            _add_id(digest, doc_id)
+            domains[dom] += 1
+            if doc_id not in exclude:
+                negative_domains.add(dom)
+            item = (-unit_hash(seed, "label", doc_id), -(n - 1), doc_id, dom)
+            if len(heap) < k:
+                heapq.heappush(heap, item)
+            elif item > heap[0]:
+                heapq.heapreplace(heap, item)
+        unique.flush()
+    finally:
+        unique.close()
+        (ctx.work_dir / "ids.sqlite").unlink(missing_ok=True)
+    if not n:
         raise ValueError(f"quality: documents artifact {docs_path} holds no documents")
-    return _Corpus(ids, domains)
+    picked = sorted((-m, doc_id, dom) for _, m, doc_id, dom in heap)
+    return _Corpus(n, dict(domains), len(negative_domains), [m for m, _, _ in picked],
+                   {m: i for m, i, _ in picked}, {m: d for m, _, d in picked}, digest.hexdigest())
 
 
-def _smallest(ids: Sequence[str], k: int, seed: int, purpose: str) -> list[int]:
-    """Positions of the k documents with the smallest (seed, purpose, id) hashes, in input order."""
-    picked = heapq.nsmallest(k, ((unit_hash(seed, purpose, i), n) for n, i in enumerate(ids)))
-    return sorted(n for _, n in picked)
-
-
-def _negative_positions(corpus: _Corpus, k: int, seed: int, exclude: set[str]) -> list[int]:
-    """About ``k`` documents for the reference labeler's negatives, equally many per domain (by hash).
+def _texts_and_negatives(docs_path: Path, corpus: _Corpus, k: int, seed: int, exclude: set[str] | None,
+                         max_chars: int) -> tuple[dict[int, str], list[int]]:
+    """The sample's texts and, when ``exclude`` is given (the reference labeler), about ``k`` negatives with
+    their texts: equally many per domain, the smallest (seed, "negative", id) hashes of each (a heap per
+    domain of that size, each holding the texts it keeps: bounded by ``k`` plus a document per domain).
 
     Stratified so a small domain's register (licences, man pages) is contrasted with the references as
     much as a large one's; with uniform sampling the labels mostly learn "not code".
     """
-    by_domain: dict[str, list[int]] = defaultdict(list)
-    for n, d in enumerate(corpus.domains):
-        if corpus.ids[n] not in exclude:
-            by_domain[d].append(n)
-    per_domain = -(-k // max(1, len(by_domain)))
-    picked: list[int] = []
-    for rows in by_domain.values():
-        picked += heapq.nsmallest(per_domain, rows, key=lambda n: unit_hash(seed, "negative", corpus.ids[n]))
-    return sorted(picked)
-
-
-def _texts_at(docs_path: Path, positions: set[int], max_chars: int) -> dict[int, str]:
-    return {n: rec["text"][:max_chars] for n, rec in enumerate(iter_documents(docs_path)) if n in positions}
+    wanted = set(corpus.sample)
+    texts: dict[int, str] = {}
+    per_domain = -(-k // max(1, corpus.negative_domains))
+    heaps: dict[str, list[tuple[float, int, str, str]]] = defaultdict(list)  # (-hash, -position, id, text)
+    for n, rec in enumerate(iter_documents(docs_path)):
+        if n in wanted:
+            texts[n] = rec["text"][:max_chars]
+        if exclude is None or rec["id"] in exclude or per_domain == 0:
+            continue
+        heap = heaps[_domain(rec)]
+        key = (-unit_hash(seed, "negative", rec["id"]), -n)
+        if len(heap) < per_domain:
+            heapq.heappush(heap, (*key, rec["id"], rec["text"][:max_chars]))
+        elif key > heap[0][:2]:
+            heapq.heapreplace(heap, (*key, rec["id"], rec["text"][:max_chars]))
+    negatives: list[int] = []
+    for heap in heaps.values():
+        for _, m, doc_id, text in heap:
+            negatives.append(-m)
+            texts[-m] = text
+            corpus.ids.setdefault(-m, doc_id)
+    return texts, sorted(negatives)
 
 
 def _negative_window(text: str, doc_id: str, length: int, seed: int) -> str:
@@ -249,6 +357,7 @@ def _negative_window(text: str, doc_id: str, length: int, seed: int) -> str:
 
 
 EMBED_CHUNK_DOCS = 512  # documents encoded per call; shard boundaries are multiples of it (same batches)
+_F32 = np.dtype("<f4")
 
 
 @dataclass
@@ -266,39 +375,85 @@ class EmbedShard:
     chunk_docs: int
 
 
+def _npy_header(f: Any, shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """Write an .npy header for a C-ordered array of ``shape``; returns the data's offset."""
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                             "shape": shape})
+    return f.tell()
+
+
 def embed_shard(shard: EmbedShard, progress: Callable[[str], None]) -> int:
     """A shard's embeddings, [stop - start, E] float32, encoded ``chunk_docs`` documents per call counted from
-    ``start`` (a multiple of ``chunk_docs``): every chunk is the one a single task would encode."""
+    ``start`` (a multiple of ``chunk_docs``): every chunk is the one a single task would encode. Each chunk is
+    appended to the file with a plain write: nothing is mapped, so the written pages are not this process's."""
     encoder = SentenceEncoder(shard.max_tokens, shard.batch_size, shard.threads)
     n = shard.stop - shard.start
-    emb = np.lib.format.open_memmap(shard.out, mode="w+", dtype=np.float32, shape=(n, encoder.dim))
     start = time.perf_counter()
     row = 0
     chunk: list[str] = []
+    with open(shard.out, "wb") as f:
+        _npy_header(f, (n, encoder.dim), _F32)
 
-    def flush() -> None:
-        nonlocal row, chunk
-        emb[row:row + len(chunk)] = encoder.encode(chunk)
-        row += len(chunk)
-        chunk = []
-        progress(f"embedded {row}/{n} documents ({row / (time.perf_counter() - start):.1f} docs/s)")
+        def flush() -> None:
+            nonlocal row, chunk
+            if row + len(chunk) > n:
+                raise RuntimeError(f"quality: more than {n} documents in {shard.docs_path}[{shard.start}:"
+                                   f"{shard.stop}] (the input changed while the stage ran)")
+            f.write(np.ascontiguousarray(encoder.encode(chunk), dtype=_F32).tobytes())
+            row += len(chunk)
+            chunk = []
+            progress(f"embedded {row}/{n} documents ({row / (time.perf_counter() - start):.1f} docs/s)")
 
-    for rec in iter_document_range(shard.docs_path, shard.start, shard.stop, shard.file_counts):
-        chunk.append(rec["text"])
-        if len(chunk) >= shard.chunk_docs:
+        for rec in iter_document_range(shard.docs_path, shard.start, shard.stop, shard.file_counts):
+            chunk.append(rec["text"])
+            if len(chunk) >= shard.chunk_docs:
+                flush()
+        if chunk:
             flush()
-    if chunk:
-        flush()
     if row != n:
         raise RuntimeError(f"quality: embedded {row} documents of {shard.docs_path}[{shard.start}:{shard.stop}], "
                            f"expected {n} (the input changed while the stage ran)")
-    emb.flush()
     return row
 
 
-def _embed_all(docs_path: Path, n_docs: int, params: QualityParams, ctx: StageContext) -> tuple[np.ndarray, float]:
-    """Embeddings [N, E] of every document into a memmap in ctx.work_dir, in ``resources.tasks`` shards; returns
-    it and the seconds spent. One shard encodes on ``cpus`` threads, several on one thread each."""
+class _Embeddings:
+    """Every document's embedding, in the shards' .npy files in work_dir, read a block of rows at a time
+    (``np.fromfile`` at the rows' offset: nothing is mapped, nothing whole-corpus is in memory)."""
+
+    def __init__(self, shards: Sequence[EmbedShard]) -> None:
+        self.parts: list[tuple[int, int, str, int]] = []  # (start, stop, path, data offset)
+        self.dim = 0
+        for s in shards:
+            with open(s.out, "rb") as f:
+                np.lib.format.read_magic(f)  # version 1.0: written by _npy_header
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                if shape[0] != s.stop - s.start or fortran or dtype != _F32:
+                    raise RuntimeError(f"quality: {s.out} holds {shape} {dtype}, expected {s.stop - s.start} rows")
+                self.parts.append((s.start, s.stop, s.out, f.tell()))
+                self.dim = shape[1]
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Rows [a, b) as float32 [b - a, E]."""
+        out = np.empty((b - a, self.dim), dtype=np.float32)
+        for start, stop, path, offset in self.parts:
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                out[lo - a:hi - a] = np.fromfile(path, dtype=_F32, count=(hi - lo) * self.dim,
+                                                 offset=offset + (lo - start) * self.dim * 4).reshape(hi - lo, self.dim)
+        return out
+
+    def take(self, positions: Sequence[int]) -> np.ndarray:
+        """Rows at ``positions`` (the labeled documents) as float32 [len(positions), E]."""
+        out = np.empty((len(positions), self.dim), dtype=np.float32)
+        for j, n in enumerate(positions):
+            out[j] = self.rows(n, n + 1)[0]
+        return out
+
+
+def _embed_all(docs_path: Path, n_docs: int, params: QualityParams, ctx: StageContext) -> tuple[_Embeddings, float]:
+    """Embeddings [N, E] of every document into .npy files in ctx.work_dir, in ``resources.tasks`` shards (left
+    as they are: no concatenated copy); returns their reader and the seconds spent. One shard encodes on ``cpus``
+    threads, several on one thread each."""
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     ranges = split_ranges(n_docs, ctx.resources.tasks, align=EMBED_CHUNK_DOCS)
@@ -310,37 +465,90 @@ def _embed_all(docs_path: Path, n_docs: int, params: QualityParams, ctx: StageCo
     embedded = ctx.map_shards(embed_shard, shards, what="embeddings")
     if sum(embedded) != n_docs:
         raise RuntimeError(f"quality: embedded {sum(embedded)} documents, expected {n_docs}")
-    parts = [np.load(s.out, mmap_mode="r") for s in shards]
-    if len(parts) == 1:
-        return parts[0], time.perf_counter() - start
-    emb = np.lib.format.open_memmap(ctx.work_dir / "embeddings.npy", mode="w+", dtype=np.float32,
-                                    shape=(n_docs, parts[0].shape[1]))
-    for s, part in zip(shards, parts, strict=True):
-        emb[s.start:s.stop] = part
-    emb.flush()
-    return emb, time.perf_counter() - start
+    return _Embeddings(shards), time.perf_counter() - start
+
+
+class _ScoreStats:
+    """What the report and the plots need from every document's scores, gathered a block at a time. In memory:
+    counts per category, per (domain, category), per (category, dimension, bucket) and the histograms -- they grow with the
+    number of domains and categories, not documents. On disk in work_dir: every document's rounded scores
+    (float64 [N, 2]) and each domain's (one .npy per domain, 16 bytes per document each), written a block at
+    a time and read back through read-only memmaps for the report's exact means (the same numpy reductions
+    over the same arrays as before) and the violins. Those pages are file-backed and clean (reclaimable)."""
+
+    def __init__(self, work_dir: Path, domains: dict[str, int], categories: Sequence[str]) -> None:
+        self.dir = work_dir / "scores"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.n_docs = sum(domains.values())
+        self.domains = domains
+        self.domain_files = {dom: self.dir / f"domain-{i:05d}.npy" for i, dom in enumerate(domains)}
+        self.all_file = self.dir / "all.npy"
+        dims = len(DIMENSIONS)
+        for path, rows in [(self.all_file, self.n_docs), *((self.domain_files[d], c) for d, c in domains.items())]:
+            with open(path, "wb") as f:
+                _npy_header(f, (rows, dims), np.dtype("<f8"))
+        self.categories = list(categories)
+        self.category_counts = np.zeros(len(categories), dtype=np.int64)
+        self.domain_categories: dict[str, np.ndarray] = {d: np.zeros(len(categories), dtype=np.int64)
+                                                         for d in domains}
+        self.edges = np.array(QUALITY_BUCKETS, dtype=float)
+        self.grid = np.zeros((len(categories), dims, len(self.edges) - 1), dtype=np.int64)
+        self.histograms = np.zeros((dims, len(HIST_EDGES) - 1), dtype=np.int64)  # the report's, per dimension
+
+    def add(self, rounded: np.ndarray, cat_idx: np.ndarray, domains: Sequence[str]) -> None:
+        with open(self.all_file, "ab") as f:
+            f.write(np.ascontiguousarray(rounded, dtype="<f8").tobytes())
+        np.add.at(self.category_counts, cat_idx, 1)
+        for i in range(rounded.shape[1]):  # each score's bin does not depend on the others: block sums are exact
+            self.histograms[i] += np.histogram(rounded[:, i], bins=HIST_EDGES)[0]
+        for i in range(rounded.shape[1]):
+            buckets = np.clip(np.searchsorted(self.edges, rounded[:, i], side="right") - 1, 0, len(self.edges) - 2)
+            np.add.at(self.grid[:, i, :], (cat_idx, buckets), 1)
+        rows_of: dict[str, list[int]] = defaultdict(list)
+        for j, d in enumerate(domains):
+            rows_of[d].append(j)
+        for d, rows in rows_of.items():
+            with open(self.domain_files[d], "ab") as f:
+                f.write(np.ascontiguousarray(rounded[rows], dtype="<f8").tobytes())
+            np.add.at(self.domain_categories[d], cat_idx[rows], 1)
+
+    def scores(self) -> np.ndarray:
+        """Every document's rounded scores, [N, 2] float64, a read-only memmap."""
+        return np.load(self.all_file, mmap_mode="r")
+
+    def domain_scores(self, dom: str) -> np.ndarray:
+        return np.load(self.domain_files[dom], mmap_mode="r")
+
+    def category_counter(self, counts: np.ndarray) -> dict[str, int]:
+        return dict(sorted((self.categories[c], int(v)) for c, v in enumerate(counts) if v))
 
 
 def run(params: QualityParams, ctx: StageContext) -> None:
     docs_path = ctx.input("documents").path
     threads = max(1, int(ctx.resources.cpus))
-    corpus = _scan(docs_path, ctx)
-    n_docs = len(corpus.ids)
+    ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    # the reference labeler is cheap to make, and its references' ids are kept out of the negatives
+    labeler = make_labeler(params.labeler, params.taxonomy) if isinstance(params.labeler, ReferenceLabelerParams) \
+        else None
+    exclude = labeler.source_ids if isinstance(labeler, ReferenceLabeler) else None
+    corpus = _scan(docs_path, ctx, params.label_sample, params.seed, exclude or set())
+    n_docs = corpus.n_docs
     ctx.progress(f"{n_docs} documents in {docs_path}")
 
     # 1. label a deterministic sample ------------------------------------------------------------
-    labeler = make_labeler(params.labeler, params.taxonomy)
-    sample = _smallest(corpus.ids, params.label_sample, params.seed, "label")
-    negatives_at: list[int] = []
-    if isinstance(labeler, ReferenceLabeler):
-        negatives_at = _negative_positions(corpus, params.labeler.negatives, params.seed, labeler.source_ids)
-    texts = _texts_at(docs_path, set(sample) | set(negatives_at), max(params.label_chars, NEGATIVE_SPAN_CHARS))
+    if labeler is None:
+        labeler = make_labeler(params.labeler, params.taxonomy)
+    sample = corpus.sample
+    negatives_k = params.labeler.negatives if isinstance(labeler, ReferenceLabeler) else 0
+    texts, negatives_at = _texts_and_negatives(docs_path, corpus, negatives_k, params.seed, exclude,
+                                               max(params.label_chars, NEGATIVE_SPAN_CHARS))
     fit_report: dict[str, Any] = {}
     if isinstance(labeler, ReferenceLabeler):
         window = labeler.window_chars()
         fit_report = labeler.fit([_negative_window(texts[n], corpus.ids[n], window, params.seed)
                                   for n in negatives_at])
-    label_docs = [LabelDoc(corpus.ids[n], texts[n][: params.label_chars], corpus.domains[n]) for n in sample]
+    label_docs = [LabelDoc(corpus.ids[n], texts[n][: params.label_chars], corpus.sample_domains[n]) for n in sample]
+    del texts
     ctx.progress(f"labeling {len(label_docs)} documents with the {labeler.kind} labeler")
     start = time.perf_counter()
     outcome = labeler.label(label_docs, progress=ctx.progress)
@@ -359,7 +567,7 @@ def run(params: QualityParams, ctx: StageContext) -> None:
             f"{params.min_labels}. Examples: {json.dumps(outcome.rejected_examples())[:600]}")
 
     if (only := single_label_category(outcome)) is not None:
-        warning = _single_category_warning(only, len(outcome.labels), labeler.kind, corpus.domains)
+        warning = _single_category_warning(only, len(outcome.labels), labeler.kind, list(corpus.domains))
         ctx.logger.warning("quality: %s", warning)
         ctx.progress(f"WARNING: {warning}")
         ctx.set_tags({"quality.single_category": only})
@@ -382,7 +590,7 @@ def run(params: QualityParams, ctx: StageContext) -> None:
 
     def label_arrays(rows: list[int]) -> tuple[np.ndarray, np.ndarray, list[str]]:
         labels = [outcome.labels[corpus.ids[n]] for n in rows]
-        return emb[rows], np.array([lab.scores() for lab in labels], dtype=np.float64), \
+        return emb.take(rows), np.array([lab.scores() for lab in labels], dtype=np.float64), \
             [lab.category for lab in labels]
 
     x_tr, y_tr, c_tr = label_arrays(train)
@@ -404,24 +612,34 @@ def run(params: QualityParams, ctx: StageContext) -> None:
     ctx.progress(f"held-out category accuracy {metrics[CATEGORY]['accuracy']:.3f} vs majority "
                  f"{metrics[CATEGORY]['baseline_accuracy']:.3f}")
 
-    # 4. score and write every document ----------------------------------------------------------
-    scores, cat_idx = scorer.predict(emb)
-    categories = scorer.categories
-    qualities = scorer.score_embeddings(emb)
+    # 4. score and write every document, a block at a time ---------------------------------------
+    stats = _ScoreStats(ctx.work_dir, corpus.domains, scorer.categories)
+    digest = _ids_digest()
     written = 0
     with DocumentWriter(ctx.out_dir) as w:
-        for n, rec in enumerate(ctx.track(iter_documents(docs_path), total=n_docs, what="documents written")):
-            assert rec["id"] == corpus.ids[n], "the input changed while the stage ran"
-            rec["metadata"] = dict(rec.get("metadata") or {}) | {QUALITY: qualities[n]}
-            w.write(rec)
-            written += 1
-    assert written == n_docs, f"quality: wrote {written} documents of {n_docs}"  # no document is dropped
+        docs = iter(ctx.track(iter_documents(docs_path), total=n_docs, what="documents written"))
+        for a in range(0, n_docs, SCORE_BLOCK_DOCS):
+            scores, cat_idx = scorer.predict(emb.rows(a, min(n_docs, a + SCORE_BLOCK_DOCS)))
+            qualities = scorer.qualities(scores, cat_idx)
+            domains = []
+            for q, rec in zip(qualities, docs, strict=False):
+                _add_id(digest, rec["id"])
+                domains.append(_domain(rec))
+                rec["metadata"] = dict(rec.get("metadata") or {}) | {QUALITY: q}
+                w.write(rec)
+            written += len(domains)
+            if len(domains) != len(qualities):
+                break
+            stats.add(np.round(scores.astype(np.float64), 4), cat_idx, domains)
+        written += sum(1 for _ in docs)
+    if written != n_docs or digest.hexdigest() != corpus.ids_digest:  # no document is dropped
+        raise RuntimeError(f"quality: wrote {written} documents of {n_docs}, or other ids than the first pass "
+                           f"read in {docs_path} (the input changed while the stage ran)")
+    del scores, cat_idx, qualities
     _write_labels(ctx.out_dir / LABELS_NAME, sample, corpus, outcome, set(heldout))
 
     # 5. report ------------------------------------------------------------------------------------
-    rounded = np.round(scores.astype(np.float64), 4)
-    predicted_cats = [categories[int(c)] for c in cat_idx]
-    report = _report(params, corpus, outcome, fit_report, metrics, scorer, rounded, predicted_cats,
+    report = _report(params, corpus, outcome, fit_report, metrics, scorer, stats,
                      len(sample), len(train), len(heldout), label_seconds, embed_seconds)
     (ctx.out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_NAME)
@@ -445,8 +663,8 @@ def run(params: QualityParams, ctx: StageContext) -> None:
     ctx.set_rows("documents", n_docs)
     ctx.set_rows("labeled", len(outcome.labels))
 
-    ctx.log_figure(_distribution_figure(corpus.domains, rounded), "score_distributions.png")
-    ctx.log_figure(_heatmap_figure(predicted_cats, rounded, params.taxonomy), "category_quality_heatmap.png")
+    ctx.log_figure(_distribution_figure(stats), "score_distributions.png")
+    ctx.log_figure(_heatmap_figure(stats, params.taxonomy), "category_quality_heatmap.png")
     pred_ho, _ = scorer.predict(x_ho)
     ctx.log_figure(_agreement_figure(y_ho, pred_ho, metrics), "heldout_agreement.png")
 
@@ -471,7 +689,7 @@ def _write_labels(path: Path, sample: list[int], corpus: _Corpus, outcome: Label
     with JsonlGzWriter(path) as f:
         for n in sample:
             doc_id = corpus.ids[n]
-            row: dict[str, Any] = {"id": doc_id, "domain": corpus.domains[n]}
+            row: dict[str, Any] = {"id": doc_id, "domain": corpus.sample_domains[n]}
             label: Label | None = outcome.labels.get(doc_id)
             if label is not None:
                 row |= {"status": "accepted", "split": "heldout" if n in heldout else "train"} | label.as_dict()
@@ -483,21 +701,20 @@ def _write_labels(path: Path, sample: list[int], corpus: _Corpus, outcome: Label
 
 
 def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_report: dict[str, Any],
-            metrics: dict[str, Any], scorer: QualityScorer, scores: np.ndarray, cats: list[str],
+            metrics: dict[str, Any], scorer: QualityScorer, stats: _ScoreStats,
             n_sample: int, n_train: int, n_heldout: int, label_seconds: float,
             embed_seconds: float) -> dict[str, Any]:
-    by_domain: dict[str, list[int]] = defaultdict(list)
-    for n, d in enumerate(corpus.domains):
-        by_domain[d].append(n)
     per_domain = {}
-    for dom, rows in sorted(by_domain.items()):
-        s = scores[rows]
-        per_domain[dom] = {"documents": len(rows)} | {
+    for dom in sorted(corpus.domains):
+        s = stats.domain_scores(dom)  # the domain's rows in input order, as scores[rows] was
+        per_domain[dom] = {"documents": corpus.domains[dom]} | {
             f"mean_{d}": float(s[:, i].mean()) for i, d in enumerate(DIMENSIONS)} | {
-            "categories": dict(sorted(Counter(cats[n] for n in rows).items()))}
-    hist_edges = np.linspace(SCORE_MIN, SCORE_MAX, 11)
+            "categories": stats.category_counter(stats.domain_categories[dom])}
+        del s
+    scores = stats.scores()
+    hist_edges = HIST_EDGES
     return {
-        "documents": len(corpus.ids),
+        "documents": corpus.n_docs,
         "labeler": outcome.info | ({"fit": fit_report} if fit_report else {}),
         "labels": {"sample": n_sample, "accepted": len(outcome.labels),
                    "rejected": sum(outcome.rejected_counts.values()),
@@ -514,31 +731,40 @@ def _report(params: QualityParams, corpus: _Corpus, outcome: LabelOutcome, fit_r
         "heldout": metrics,
         "scores": {d: {"mean": float(scores[:, i].mean()),
                        "histogram": {"edges": hist_edges.tolist(),
-                                     "counts": np.histogram(scores[:, i], bins=hist_edges)[0].tolist()}}
+                                     "counts": stats.histograms[i].tolist()}}
                    for i, d in enumerate(DIMENSIONS)},
-        "categories": dict(sorted(Counter(cats).items())),
+        "categories": stats.category_counter(stats.category_counts),
         "per_domain": per_domain,
         "params": params.model_dump(mode="json"),
     }
 
 
 # --- plots ----------------------------------------------------------------------------------------
-def _distribution_figure(domains: list[str], scores: np.ndarray) -> Any:
+def _violin_data(scores: np.ndarray, i: int) -> np.ndarray:
+    """Dimension ``i`` of a domain's scores (a memmap), every row up to :data:`PLOT_POINTS_CAP`, evenly spaced
+    rows beyond (the violin's kernel density would otherwise hold the whole domain in memory)."""
+    step = -(-len(scores) // PLOT_POINTS_CAP)
+    return np.ascontiguousarray(scores[::step, i])
+
+
+def _distribution_figure(stats: _ScoreStats) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    doms = sorted(set(domains))
+    doms = sorted(stats.domains)
     fig, axes = plt.subplots(1, len(DIMENSIONS), figsize=(5 + 0.8 * len(doms), 3.8), sharey=True)
     for ax, (i, d) in zip(np.atleast_1d(axes), enumerate(DIMENSIONS), strict=True):
-        data = [scores[[n for n, x in enumerate(domains) if x == dom], i] for dom in doms]
+        data = [_violin_data(stats.domain_scores(dom), i) for dom in doms]
         varied = [j for j, v in enumerate(data) if np.ptp(v) > 0]
         if varied:
             ax.violinplot([data[j] for j in varied], positions=varied, showmedians=True)
-        ax.scatter(range(len(doms)), [float(np.mean(v)) for v in data], marker="x", color="black",
+        means = [float(np.mean(v)) if len(v) == stats.domains[dom] else float(stats.domain_scores(dom)[:, i].mean())
+                 for dom, v in zip(doms, data, strict=True)]  # of every score, also where the violin has fewer
+        ax.scatter(range(len(doms)), means, marker="x", color="black",
                    label="mean", zorder=3)
-        ax.set_xticks(range(len(doms)), [f"{dom}\n(n={len(v)})" for dom, v in zip(doms, data, strict=True)],
+        ax.set_xticks(range(len(doms)), [f"{dom}\n(n={stats.domains[dom]})" for dom in doms],
                       fontsize=8)
         ax.set_title(d.replace("_", " "), fontsize=10)
         ax.set_ylim(SCORE_MIN - 0.2, SCORE_MAX + 0.2)
@@ -548,20 +774,21 @@ def _distribution_figure(domains: list[str], scores: np.ndarray) -> Any:
     return fig
 
 
-def _heatmap_figure(cats: list[str], scores: np.ndarray, taxonomy: Sequence[str]) -> Any:
+def _heatmap_figure(stats: _ScoreStats, taxonomy: Sequence[str]) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    present = [t for t in taxonomy if t in set(cats)]
-    edges = np.array(QUALITY_BUCKETS, dtype=float)
+    predicted = {stats.categories[c] for c, v in enumerate(stats.category_counts) if v}
+    present = [t for t in taxonomy if t in predicted]
+    edges = stats.edges
     fig, axes = plt.subplots(1, len(DIMENSIONS), figsize=(10, 0.5 * len(present) + 2), sharey=True)
     for ax, (i, d) in zip(np.atleast_1d(axes), enumerate(DIMENSIONS), strict=True):
         grid = np.zeros((len(present), len(edges) - 1), dtype=int)
-        buckets = np.clip(np.searchsorted(edges, scores[:, i], side="right") - 1, 0, len(edges) - 2)
-        for c, b in zip(cats, buckets, strict=True):
-            grid[present.index(c), b] += 1
+        for c, name in enumerate(stats.categories):
+            if name in present:
+                grid[present.index(name)] = stats.grid[c, i]
         share = grid / np.maximum(grid.sum(axis=1, keepdims=True), 1)  # colour: share of the category
         ax.imshow(share, cmap="viridis", aspect="auto", vmin=0, vmax=1)
         for (r, k), v in np.ndenumerate(grid):

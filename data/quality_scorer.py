@@ -139,7 +139,10 @@ class QualityScorer:
         return scores, logits.argmax(axis=1)
 
     def score_embeddings(self, embeddings: np.ndarray) -> list[dict[str, Any]]:
-        scores, cat = self.predict(embeddings)
+        return self.qualities(*self.predict(embeddings))
+
+    def qualities(self, scores: np.ndarray, cat: np.ndarray) -> list[dict[str, Any]]:
+        """``predict``'s output as ``[{"knowledge_depth": .., "helpfulness": .., "category": str}, ...]``."""
         cats = self.categories
         return [{**{d: round(float(s[i]), 4) for i, d in enumerate(DIMENSIONS)}, CATEGORY: cats[int(c)]}
                 for s, c in zip(scores, cat, strict=True)]
