@@ -237,19 +237,24 @@ class _UniqueIds:
             self.flush()
 
     def flush(self) -> None:
+        """Check the block against itself and the table, then insert it. Checked before inserting: with no journal
+        a ROLLBACK is undefined in SQLite (pages of a large block may already be written)."""
         block, self.block = self.block, []
-        before = self.db.total_changes
-        self.db.execute("BEGIN")
-        self.db.executemany("INSERT OR IGNORE INTO ids VALUES (?)", [(i,) for i in block])
-        if self.db.total_changes - before < len(block):  # a repeat: undo the block and name the first one
-            self.db.execute("ROLLBACK")
-            seen: set[str] = set()
-            for i in block:
-                if i in seen or self.db.execute("SELECT 1 FROM ids WHERE id = ?", (i,)).fetchone():
-                    raise ValueError(f"quality: document id {i!r} occurs twice in {self.docs_path}; ids must be "
-                                     "unique (ingest quarantines duplicate ids)")
-                seen.add(i)
-        self.db.execute("COMMIT")
+        seen: set[str] = set()
+        for i in block:
+            if i in seen:
+                self._repeated(i)
+            seen.add(i)
+        for a in range(0, len(block), 500):  # well under SQLite's limit of bound variables
+            part = block[a:a + 500]
+            found = self.db.execute(f"SELECT id FROM ids WHERE id IN ({','.join('?' * len(part))})", part).fetchone()
+            if found:
+                self._repeated(found[0])
+        self.db.executemany("INSERT INTO ids VALUES (?)", [(i,) for i in block])
+
+    def _repeated(self, doc_id: str) -> None:
+        raise ValueError(f"quality: document id {doc_id!r} occurs twice in {self.docs_path}; ids must be unique "
+                         "(ingest quarantines duplicate ids)")
 
     def close(self) -> None:
         self.db.close()

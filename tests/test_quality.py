@@ -823,3 +823,20 @@ def test_a_repeated_id_is_named_across_and_within_blocks(tmp_path, monkeypatch):
         unique.add(i)
     unique.flush()
     unique.close()
+
+
+def test_a_repeated_id_at_the_end_of_a_block_larger_than_the_page_cache_is_the_one_named(tmp_path, monkeypatch):
+    """A block bigger than SQLite's page cache (pages spill to the file) still names the repeated id, not the
+    block's first: nothing depends on undoing a half-inserted block, which SQLite cannot do without a journal."""
+    from data.quality import _UniqueIds
+
+    monkeypatch.setattr("data.quality._ID_BLOCK", 200_000)
+    ids = [f"document-{i:032d}" for i in range(200_000)]
+    unique = _UniqueIds(tmp_path / "ids.sqlite", tmp_path / "docs")
+    for i in ids:
+        unique.add(i)  # the first block: flushed when full
+    second = [f"other-{i:035d}" for i in range(199_999)] + [ids[123_456]]
+    with pytest.raises(ValueError, match=f"document id '{ids[123_456]}' occurs twice"):
+        for i in second:
+            unique.add(i)
+    unique.close()
