@@ -174,35 +174,29 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def log_params(c: Any, run_id: str, params: dict[str, Any]) -> None:
-    from mlflow.entities import Param
-
-    items = [Param(k, v[:6000]) for k, v in flatten(params).items()]
-    for i in range(0, len(items), 100):
-        retry(c.log_batch, run_id, params=items[i:i + 100])
-
-
 def log_record(c: Any, run_id: str, params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
                metrics: dict[str, float] | None = None, step: int | None = None) -> None:
-    """Params (nested, flattened as :func:`log_params`), tags and metrics in as few ``log_batch`` calls as MLflow's
+    """Params (nested ones flattened, :func:`flatten`), tags and metrics in as few ``log_batch`` calls as MLflow's
     limits allow (100 params, 100 tags, 500 metrics a call): one for a stage's usual few dozen, where separate
     calls would cost one database transaction each."""
     from mlflow.entities import Metric, Param, RunTag
 
-    ts = int(time.time() * 1000)
+    now_ms = int(time.time() * 1000)
     ps = [Param(k, v[:6000]) for k, v in flatten(params or {}).items()]
-    ts_ = [RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()]
-    ms = [Metric(k, float(v), ts, step or 0) for k, v in (metrics or {}).items()]
-    calls = max(math.ceil(len(ps) / 100), math.ceil(len(ts_) / 100), math.ceil(len(ms) / 500), 1)
+    tgs = [RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()]
+    ms = [Metric(k, float(v), now_ms, step or 0) for k, v in (metrics or {}).items()]
+    calls = max(math.ceil(len(ps) / 100), math.ceil(len(tgs) / 100), math.ceil(len(ms) / 500))  # 0: nothing to log
     for i in range(calls):
-        retry(c.log_batch, run_id, params=ps[i * 100:(i + 1) * 100], tags=ts_[i * 100:(i + 1) * 100],
+        retry(c.log_batch, run_id, params=ps[i * 100:(i + 1) * 100], tags=tgs[i * 100:(i + 1) * 100],
               metrics=ms[i * 500:(i + 1) * 500])
 
 
-def set_tags(c: Any, run_id: str, tags: dict[str, Any]) -> None:
-    from mlflow.entities import RunTag
+def log_params(c: Any, run_id: str, params: dict[str, Any]) -> None:
+    log_record(c, run_id, params=params)
 
-    retry(c.log_batch, run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
+
+def set_tags(c: Any, run_id: str, tags: dict[str, Any]) -> None:
+    log_record(c, run_id, tags=tags)
 
 
 def _log_metric_rows(c: Any, run_id: str, rows: list[tuple[str, float, int | None, int]],
@@ -216,8 +210,7 @@ def _log_metric_rows(c: Any, run_id: str, rows: list[tuple[str, float, int | Non
 
 
 def log_metrics_now(c: Any, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
-    ts = int(time.time() * 1000)
-    _log_metric_rows(c, run_id, [(k, v, step, ts) for k, v in metrics.items()])
+    log_record(c, run_id, metrics=metrics, step=step)
 
 
 def log_lineage(c: Any, run_id: str, inputs: dict[str, list[dict[str, Any]]]) -> None:

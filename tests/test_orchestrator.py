@@ -228,7 +228,7 @@ def test_mlflow_parent_nested_params_metrics_lineage(env):
 
 def test_log_record_fits_any_number_of_params_tags_and_metrics_in_mlflow_batches(tmp_path):
     """MLflow refuses a log_batch of more than 100 params, 100 tags or 1000 entities: log_record splits, and
-    everything arrives (nested params flattened, as log_params)."""
+    everything arrives (nested params flattened)."""
     c = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = c.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
     rid = c.create_run(exp).info.run_id
