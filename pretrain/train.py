@@ -12,7 +12,8 @@ Sequence parallelism (``sequence_parallel`` = SP > 1, :class:`RankGrid`): groups
 data-parallel replica each. A group's ranks read the same rows, each takes its contiguous slice of them
 (``pretrain/sequence_parallel.py``: LASP+ for lightning layers, a K/V all-gather for softmax ones, the balance loss
 made global), and backpropagates SP x its share of the loss: the shares sum to the rows' loss and DeepSpeed
-averages gradients over all ranks, so the update is the data-parallel one. The logged loss is the group's sum.
+averages gradients over all ranks, so the update is the data-parallel one. The logged loss (the one the batch
+schedule reads) is the whole batch's on every rank: each group's parts summed, averaged over the replicas.
 
 Rank 0 reports to the parent through stdout lines ``@@hylight {json}`` (metrics, progress, events), which the stage
 forwards to MLflow, and appends every logged step to ``train_log.jsonl`` in the export directory.
