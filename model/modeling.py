@@ -44,6 +44,7 @@ from transformers.modeling_outputs import (
 
 from kernels.host_values import host_ints, remember_host_ints
 from kernels.lightning import lightning_attention, lightning_attention_decode, lightning_decay_rates
+from kernels.softmax_decode import softmax_decode_attention
 from kernels.softmax_varlen import document_causal_attention
 from model.configuration import LIGHTNING, SOFTMAX, HybridConfig
 from model.moe import MoEFeedForward, SwiGLUExperts, TopKRouter
@@ -264,9 +265,94 @@ class HybridCache:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held by the lightning states and by the softmax KV cache."""
-        lightning = sum(t.numel() * t.element_size() for t in self.lightning_states.values())
-        kv = sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
-        return {"lightning": lightning, "softmax_kv": kv}
+        return _cache_nbytes(self)
+
+
+def _cache_nbytes(cache: HybridCache | StaticHybridCache) -> dict[str, int]:
+    lightning = sum(t.numel() * t.element_size() for t in cache.lightning_states.values())
+    kv = sum(t.numel() * t.element_size() for store in (cache.keys, cache.values) for t in store.values())
+    return {"lightning": lightning, "softmax_kv": kv}
+
+
+class StaticHybridCache:
+    """Preallocated decoding state for ``model/generation.py``: per lightning layer one [B, H, D, D] fp32 state,
+    per softmax layer keys/values [B, H_kv, capacity, D], and ``lengths`` [B] (tokens cached per row, on the
+    device). Nothing is reallocated while decoding, so a decode step keeps every address and can be replayed as
+    a CUDA graph; the lightning state is the same exact O(1) recurrence as ``HybridCache``'s.
+
+    Filled by a packed prefill: the prompts along one row with ``cu_seqlens`` (no padding computed, no padded
+    state), prompt i going to rows ``i * copies ... i * copies + copies - 1`` (``num_return_sequences``); see
+    :meth:`begin_prefill`. Then one token per row per decode step, at position ``lengths[b]``; the caller
+    advances ``lengths`` after the step (``generation.DecodeEngine``), so every layer of a step sees the same
+    positions. Rows differ in length; a softmax layer reads only each row's own keys
+    (``kernels.softmax_decode``)."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, config: HybridConfig, batch: int, capacity: int, device: torch.device | str,
+                 dtype: torch.dtype):
+        self.batch, self.capacity = batch, capacity
+        H, D, kv = config.num_attention_heads, config.head_dim, config.num_key_value_heads
+        self.lightning_states: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        for i, kind in enumerate(config.attention_pattern):
+            if kind == LIGHTNING:  # fp32 whatever the activations, as HybridCache's states under bf16
+                self.lightning_states[i] = torch.zeros(batch, H, D, D, device=device, dtype=torch.float32)
+            else:
+                self.keys[i] = torch.zeros(batch, kv, capacity, D, device=device, dtype=dtype)
+                self.values[i] = torch.zeros(batch, kv, capacity, D, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch, device=device, dtype=torch.long)
+        self.prefill_rows: torch.Tensor | None = None  # [N] first cache row of each packed prompt
+        self.prefill_token_rows: torch.Tensor | None = None  # [T_total] that row, per packed token
+        self.prefill_token_pos: torch.Tensor | None = None  # [T_total] the token's position in its row
+        self.copies = 1
+
+    def begin_prefill(self, prompt_lengths: list[int], copies: int = 1) -> None:
+        """Plan a packed prefill of ``len(prompt_lengths)`` prompts (each >= 1 token, copies of each fill
+        consecutive rows). Rows past them are emptied (zero state, length 0); ``lengths`` is set for after it."""
+        n = len(prompt_lengths)
+        if n * copies > self.batch:
+            raise ValueError(f"StaticHybridCache: {n} prompts x {copies} copies need more than {self.batch} rows")
+        if min(prompt_lengths, default=1) < 1 or max(prompt_lengths, default=0) > self.capacity:
+            raise ValueError(f"StaticHybridCache: prompt lengths must lie in [1, {self.capacity}], got "
+                             f"{min(prompt_lengths)}..{max(prompt_lengths)}")
+        device = self.lengths.device
+        lengths = torch.tensor(prompt_lengths, dtype=torch.long)
+        first_row = torch.arange(n, dtype=torch.long) * copies
+        self.prefill_rows = first_row.to(device)
+        self.prefill_token_rows = first_row.repeat_interleave(lengths).to(device)
+        self.prefill_token_pos = torch.cat([torch.arange(int(n_i)) for n_i in lengths]).to(device)
+        self.copies = copies
+        for state in self.lightning_states.values():
+            state.zero_()
+        row_lengths = torch.zeros(self.batch, dtype=torch.long)
+        row_lengths[: n * copies] = lengths.repeat_interleave(copies)
+        self.lengths.copy_(row_lengths.to(device))
+
+    def store_prefill_state(self, layer_idx: int, final: torch.Tensor) -> None:
+        """final [N, H, D, D]: each prompt's state after its last token, into its rows."""
+        state = self.lightning_states[layer_idx]
+        for c in range(self.copies):
+            state.index_copy_(0, self.prefill_rows + c, final.to(state.dtype))
+
+    def store_prefill_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [1, H_kv, T_total, D] of the packed prompts, into their rows at positions 0..len - 1."""
+        for store, x in ((self.keys, k), (self.values, v)):
+            rows = x[0].transpose(0, 1).to(store[layer_idx].dtype)  # [T_total, H_kv, D]
+            for c in range(self.copies):
+                store[layer_idx][self.prefill_token_rows + c, :, self.prefill_token_pos] = rows
+
+    def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, H_kv, 1, D] of a decode step, at each row's position ``lengths[b]`` (no host read)."""
+        rows = torch.arange(self.batch, device=k.device)
+        self.keys[layer_idx][rows, :, self.lengths] = k[:, :, 0].to(self.keys[layer_idx].dtype)
+        self.values[layer_idx][rows, :, self.lengths] = v[:, :, 0].to(self.values[layer_idx].dtype)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by the lightning states and by the softmax KV buffers (their whole capacity)."""
+        return _cache_nbytes(self)
 
 
 # --- attention layers ---------------------------------------------------------------------------------------
@@ -323,6 +409,8 @@ class LightningAttention(nn.Module):
         from outside (``pretrain/sequence_parallel.py``, LASP+ §3.2.2) swaps in its own computation."""
         B, H, T, D = q.shape
         decay = self.decay_rates
+        if isinstance(cache, StaticHybridCache):
+            return self.attend_static(q, k, v, layout, cache)
         state = None if cache is None else cache.lightning_states.get(self.layer_idx)
 
         if layout.cu_seqlens is not None:  # packed documents: one varlen row, state reset at each boundary
@@ -340,6 +428,24 @@ class LightningAttention(nn.Module):
             )  # fmt: skip
         if cache is not None:
             cache.lightning_states[self.layer_idx] = state
+        return o
+
+    def attend_static(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cache: StaticHybridCache
+    ) -> torch.Tensor:
+        """Generation over a preallocated cache: a packed prefill (one prompt per document, its final state into
+        its rows) or one decode token per row, the state updated in place."""
+        B, H, T, D = q.shape
+        if layout.cu_seqlens is not None:
+            flat = [t.transpose(0, 1).reshape(1, H, B * T, D) for t in (q, k, v)]
+            o, final = lightning_attention(
+                *flat, self.decay_rates, block_size=self.block_size, cu_seqlens=layout.cu_seqlens,
+                output_final_state=True, impl=self.impl,
+            )  # fmt: skip
+            cache.store_prefill_state(self.layer_idx, final)
+            return o.reshape(H, B, T, D).transpose(0, 1)
+        state = cache.lightning_states[self.layer_idx]
+        o, _ = lightning_attention_decode(q, k, v, self.decay_rates, state, impl=self.impl, out_state=state)
         return o
 
 
@@ -382,14 +488,21 @@ class SoftmaxAttention(nn.Module):
         replaces from outside (``pretrain/sequence_parallel.py``), as in ``LightningAttention.attend``."""
         B, _, T, D = q.shape
         gqa = self.num_kv_heads != self.num_heads
+        static = isinstance(cache, StaticHybridCache)
         if layout.softmax_by_documents:  # packed: one row of all B*T tokens, as in LightningAttention
-            if cache is not None:
+            if cache is not None and not static:
                 raise ValueError(
                     "packed documents (cu_seqlens, restarting position_ids) cannot use a KV cache"
                 )
             flat = [t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q, k, v)]
             o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa)
+            if static:  # packed prefill of a generation cache: each prompt's keys/values into its rows
+                cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])
             return o.reshape(self.num_heads, B, T, D).transpose(0, 1)
+        if static:  # one decode token per row against the row's own cached keys
+            cache.append_kv(self.layer_idx, k, v)
+            return softmax_decode_attention(q, cache.keys[self.layer_idx], cache.values[self.layer_idx],
+                                            cache.lengths + 1)
         if cache is not None:
             k, v = cache.update_kv(self.layer_idx, k, v)
         mask = layout.softmax_mask
@@ -429,7 +542,8 @@ class HybridDecoderLayer(GradientCheckpointingLayer):
         x: torch.Tensor,
         layout: SequenceLayout,
         rope: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: HybridCache | None = None,
+        past_key_values: HybridCache | StaticHybridCache | None = None,
+        moe_stats: bool = True,
     ):
         h = self.attn_norm(x)
         if self.kind == SOFTMAX:
@@ -438,7 +552,7 @@ class HybridDecoderLayer(GradientCheckpointingLayer):
             a = self.attn(h, layout, past_key_values)
         x = h * self.attn_alpha + a * self.attn_beta  # residual after the norm, as released
         h = self.ffn_norm(x)
-        moe = self.moe(h, layout.token_mask)
+        moe = self.moe(h, layout.token_mask) if moe_stats else self.moe(h, layout.token_mask, stats=False)
         return h * self.mlp_alpha + moe.hidden * self.mlp_beta, moe
 
 
@@ -545,31 +659,49 @@ class HybridModel(HybridPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: HybridCache | None = None,
+        past_key_values: HybridCache | StaticHybridCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
         output_router_logits: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_moe_stats: bool = True,
         **kwargs,
     ) -> HybridModelOutput:
+        """``output_moe_stats=False`` skips the balance loss and the routing counters (``aux_loss``,
+        ``moe_routed``, ``moe_dropped`` are None): a decode step has no use for them.
+
+        With a ``StaticHybridCache`` (model/generation.py) a call is either its packed prefill (``cu_seqlens``,
+        after ``begin_prefill``) or one decode token per row at the positions ``cache.lengths``."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if kwargs.get("output_attentions"):
             raise ValueError("output_attentions is not supported: lightning layers never form attention maps")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
-        if past_key_values is not None and not isinstance(past_key_values, HybridCache):
+        static = isinstance(past_key_values, StaticHybridCache)
+        if past_key_values is not None and not (static or isinstance(past_key_values, HybridCache)):
             raise TypeError(
-                f"past_key_values must be a model.modeling.HybridCache, got {type(past_key_values).__name__}"
+                f"past_key_values must be a model.modeling.HybridCache or StaticHybridCache, got "
+                f"{type(past_key_values).__name__}"
             )
+        if static:
+            if attention_mask is not None or (cu_seqlens is None and T != 1):
+                raise ValueError(
+                    "a StaticHybridCache takes a packed prefill (cu_seqlens, no attention_mask) or one token per "
+                    "row (no attention_mask: positions come from cache.lengths)"
+                )
+            if cu_seqlens is None:
+                position_ids = past_key_values.lengths[:, None]
         # training forwards build no cache unless the caller asks for one (generate does, e.g. GRPO rollouts with the
         # policy in training mode: without the cache each decode step would see only its newest token)
         asked = use_cache is True or past_key_values is not None
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        past = 0 if past_key_values is None or static else past_key_values.get_seq_length()
         layout = SequenceLayout.build(B, T, past, x.device, attention_mask, position_ids, cu_seqlens)
-        if (self.training and not asked) or layout.cu_seqlens is not None:
+        if static:
+            use_cache = True
+        elif (self.training and not asked) or layout.cu_seqlens is not None:
             use_cache = False  # packed documents have no single state to continue
         if use_cache and past_key_values is None:
             past_key_values = HybridCache()
@@ -581,12 +713,12 @@ class HybridModel(HybridPreTrainedModel):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(x)
-            x, moe = layer(x, layout, rope, past_key_values=cache)
+            x, moe = layer(x, layout, rope, past_key_values=cache, moe_stats=output_moe_stats)
             moe_outputs.append(moe)
         x = self.norm(x)
         if all_hidden is not None:
             all_hidden.append(x)
-        if cache is not None:
+        if cache is not None and not static:
             cache.seen_tokens += T
 
         want_logits = (
@@ -597,9 +729,9 @@ class HybridModel(HybridPreTrainedModel):
             past_key_values=cache,
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
             router_logits=tuple(m.router_logits for m in moe_outputs) if want_logits else None,
-            aux_loss=torch.stack([m.aux_loss for m in moe_outputs]).mean(),
-            moe_routed=torch.stack([m.routed for m in moe_outputs]),
-            moe_dropped=torch.stack([m.dropped for m in moe_outputs]),
+            aux_loss=torch.stack([m.aux_loss for m in moe_outputs]).mean() if output_moe_stats else None,
+            moe_routed=torch.stack([m.routed for m in moe_outputs]) if output_moe_stats else None,
+            moe_dropped=torch.stack([m.dropped for m in moe_outputs]) if output_moe_stats else None,
         )
 
 
@@ -625,6 +757,30 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, fast_decode: bool = True,
+                 **kwargs):
+        """``GenerationMixin.generate``, served by ``model/generation.py`` (preallocated cache, packed prefill,
+        CUDA-graph decode) whenever the call asks only for what that path implements: greedy or sampled
+        (temperature, top-k, top-p), eos and pad, min/max new tokens, ``num_return_sequences``. Anything else
+        (beam search, penalties, logits processors, returned scores, ...) or ``fast_decode=False`` runs
+        transformers' own loop over ``HybridCache``; ``model.last_generation_refusal`` says why it did."""
+        from model import generation
+
+        input_ids = kwargs.pop("input_ids", inputs)
+        spec, why = (None, "fast_decode=False") if not fast_decode else generation.GenerationSpec.resolve(
+            self, input_ids, generation_config, kwargs)
+        if spec is not None:
+            mask = kwargs.get("attention_mask")
+            if mask is None and spec.pad not in spec.eos and bool((input_ids == spec.pad).any()):
+                mask = input_ids != spec.pad  # transformers infers the mask from pad tokens the same way
+            prompts = generation.prompt_tokens(input_ids, mask)
+            if isinstance(prompts, str):
+                spec, why = None, prompts
+        self.last_generation_refusal = why
+        if spec is None:
+            return super().generate(input_ids, generation_config=generation_config, **kwargs)
+        return generation.generate(self, input_ids, prompts, spec)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -639,6 +795,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
+        output_moe_stats: bool = True,
         **kwargs,
     ) -> HybridCausalLMOutput | tuple:
         """Next-token logits; with ``labels``, the shifted cross-entropy plus, when router logits are
@@ -656,6 +813,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             cu_seqlens=cu_seqlens,
             output_router_logits=want_router,
             output_hidden_states=output_hidden_states,
+            output_moe_stats=output_moe_stats,
             output_attentions=kwargs.pop("output_attentions", None),
         )
         h = out.last_hidden_state

@@ -35,11 +35,13 @@ from torch import nn
 
 @dataclass
 class MoEOutput:
+    """``aux_loss``, ``routed`` and ``dropped`` are None when the caller asked for no statistics (decode)."""
+
     hidden: torch.Tensor  # [B, T, d]
-    aux_loss: torch.Tensor  # scalar, (1/E) sum_i f_i m_i (unscaled by alpha_aux)
+    aux_loss: torch.Tensor | None  # scalar, (1/E) sum_i f_i m_i (unscaled by alpha_aux)
     router_logits: torch.Tensor  # [N, E] for the tokens of this call (padding included)
-    routed: torch.Tensor  # int64 [E]: token slots that chose each expert (padding excluded)
-    dropped: torch.Tensor  # int64 [E]: of those, slots over capacity (0 in eval / dropless)
+    routed: torch.Tensor | None  # int64 [E]: token slots that chose each expert (padding excluded)
+    dropped: torch.Tensor | None  # int64 [E]: of those, slots over capacity (0 in eval / dropless)
 
 
 class TopKRouter(nn.Module):
@@ -274,12 +276,16 @@ class MoEFeedForward(nn.Module):
             config.moe_token_drop,
         )
 
-    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> MoEOutput:
+    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None, stats: bool = True) -> MoEOutput:
+        """``stats=False``: no balance loss and no counters (None), dropless; the decode step's few kernels."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         mask = None if token_mask is None else token_mask.reshape(-1).bool()
         logits, probs, top_w, top_i = self.router(x)
         valid = torch.ones_like(top_i, dtype=torch.bool) if mask is None else mask[:, None].expand_as(top_i)
+        if not stats:
+            out = self.experts(x, top_i, top_w, valid)
+            return MoEOutput(hidden=out.view(shape), aux_loss=None, router_logits=logits, routed=None, dropped=None)
         routed = slots_per_expert(torch.where(valid, top_i, self.num_experts), self.num_experts)
         if self.training and self.token_drop:
             n_real = x.shape[0] if mask is None else int(mask.sum())

@@ -184,7 +184,9 @@ class DeepSpeedMoEFeedForward(MoE):
         return e.w13, e.w2
 
     # --- forward ------------------------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> MoEOutput:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None,  # type: ignore[override]
+                stats: bool = True) -> MoEOutput:
+        """``stats`` is accepted for the model's contract and ignored: the counters are part of the dispatch."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         n, k, E = x.shape[0], self.top_k, self.num_experts

@@ -134,12 +134,14 @@ def lightning_attention_decode(
     state: torch.Tensor,
     *,
     impl: str = "auto",
+    out_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoding step (q, k, v [B, H, 1, d]; state [B, H, d_k, d_v]) -> (o, new state).
 
     Takes the same ``impl`` names as ``lightning_attention`` so one model setting drives both;
-    "naive" and "chunk" both mean the PyTorch step (a single token has only one form).
+    "naive" and "chunk" both mean the PyTorch step (a single token has only one form). ``out_state`` (may be
+    ``state``) receives the new state in place: a preallocated generation cache keeps its address.
     """
     which = _resolve(impl, "decode", q)
     fn = _triton_impl("decode")[0] if which == "triton" else lightning_attn_decode
-    return fn(q, k, v, decay_rates, state)
+    return fn(q, k, v, decay_rates, state, out_state)

@@ -72,11 +72,14 @@ def lightning_attn_triton_decode(
     v: torch.Tensor,
     decay_rates: torch.Tensor,
     state: torch.Tensor,
+    out_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [B,H,1,d_k], v [B,H,1,d_v], state [B,H,d_k,d_v] -> (o [B,H,1,d_v] in q's dtype, new state).
 
-    Math in float32; the new state keeps ``state``'s dtype. float64 (q or state) and head dims above
-    128 go to the PyTorch step, which computes in float64 / any size.
+    Math in float32; the new state keeps ``state``'s dtype. ``out_state`` (contiguous, like ``state``; may be
+    ``state`` itself: each program reads its tile before it writes it) receives the new state instead of a new
+    tensor, which keeps a preallocated cache's address fixed for CUDA graphs. float64 (q or state) and head dims
+    above 128 go to the PyTorch step, which computes in float64 / any size.
     """
     check_lightning_inputs(q, k, v, decay_rates, state, caller="lightning_attn_triton_decode")
     if q.shape[2] != 1:
@@ -91,10 +94,15 @@ def lightning_attn_triton_decode(
         )
     d_k, d_v = q.shape[-1], v.shape[-1]
     if torch.float64 in (q.dtype, state.dtype) or max(d_k, d_v) > MAX_HEAD_DIM:
-        return lightning_attn_decode(q, k, v, decay_rates, state)
+        return lightning_attn_decode(q, k, v, decay_rates, state, out_state)
     batch, heads = q.shape[:2]
-    state = state.contiguous()
-    new_state = torch.empty_like(state)
+    if out_state is not None:
+        if out_state.shape != state.shape or not (out_state.is_contiguous() and state.is_contiguous()):
+            raise ValueError("lightning_attn_triton_decode: out_state must be contiguous and shaped like state")
+        new_state = out_state
+    else:
+        state = state.contiguous()
+        new_state = torch.empty_like(state)
     o = torch.empty(batch, heads, 1, d_v, device=q.device, dtype=q.dtype)
     rates = decay_rates.detach().to(device=q.device, dtype=torch.float32).contiguous()
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))

@@ -1,0 +1,336 @@
+"""Fast generation for ``HybridForCausalLM``: a preallocated hybrid cache, a packed prefill, and a decode step with
+no host work, replayed as a CUDA graph on GPUs (report §2.2 and §3.3: the lightning state is O(1) per layer, so a
+decode step's cost should not grow with the context).
+
+    generate(model, input_ids, prompts, spec)  what ``HybridForCausalLM.generate`` runs
+    GenerationSpec.resolve(...)   the generation config transformers would use, or the reason only its own loop can
+                                  serve the call (beam search, logits processors, returned scores, ...)
+    DecodeEngine                  a ``StaticHybridCache`` for a batch bucket x capacity, the decode step over it and,
+                                  on CUDA, that step captured once as a CUDA graph
+    next_tokens                   greedy, temperature, top-k, top-p on the device (transformers' warper semantics)
+
+One call: the prompts' real tokens (the attention mask's 1s, left or right padding) are packed along one row and run
+once through the model with ``cu_seqlens`` - no compute on padding, no padded lightning state - and each prompt's
+lightning states and softmax keys/values land in its cache rows (copies of a prompt for ``num_return_sequences``).
+The logits at each prompt's last token give the first new token. Every later token is one replay of the step: the
+model on one token per row at the row's own position, the choice of the next token, eos bookkeeping (a finished row
+emits pad from then on, as transformers does), and the token's write into a device buffer. The host reads the device
+only every ``CHECK_EVERY`` steps (have all rows finished?), so the GPU runs ahead of it.
+
+Equal to transformers' loop: greedy tokens are the same as ``GenerationMixin.generate`` on the same model up to
+float rounding (packing changes the order of some sums; tests/test_generation.py checks token identity in fp32).
+Sampling draws from the same distribution with a different random stream (the Gumbel/exponential trick instead of
+``torch.multinomial``), so sampled tokens differ from transformers' under one seed. The MoE runs dropless (no
+token dropping) whatever the model's train/eval mode: a row's tokens must not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from model.modeling import StaticHybridCache
+
+CHECK_EVERY = 8  # decode steps between host reads of "every row finished"
+CAPACITY_ROUND = 256  # cache capacity (prompt + new tokens) is rounded up to this, so calls can share a graph
+ENGINES_KEPT = 2  # decode engines (cache + graph) kept per model, most recently used first
+# What a generation config may set (beyond transformers' defaults) for this path to serve the call; anything else
+# (beams, penalties, processors, streamers, returned scores ...) goes to transformers' own loop.
+SERVED = frozenset({
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p",
+    "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "num_return_sequences",
+    "transformers_version", "_from_model_config", "cache_implementation", "disable_compile", "compile_config",
+    "return_dict_in_generate",
+})  # fmt: skip
+NEUTRAL = {"num_beams": 1, "num_beam_groups": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+           "no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": 0.0,
+           "guidance_scale": 1.0}  # values that change nothing
+BEAM_ONLY = frozenset({"length_penalty", "early_stopping", "diversity_penalty"})  # read only when num_beams > 1
+SERVED_KWARGS = frozenset({"input_ids", "attention_mask", "use_cache", "disable_compile"})
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What one generate call asks for, in the terms the decode step needs (hashable: it keys the graphs)."""
+
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    eos: tuple[int, ...] = ()
+    pad: int = 0
+    copies: int = 1  # num_return_sequences
+
+    @classmethod
+    def resolve(cls, model: Any, input_ids: torch.Tensor | None, generation_config: Any,
+                kwargs: dict[str, Any]) -> tuple[GenerationSpec | None, str | None]:
+        """(spec, None), or (None, why transformers' loop must serve it). Merges ``generation_config`` (or the
+        model's) with ``kwargs`` the way ``GenerationMixin.generate`` does."""
+        if input_ids is None or input_ids.dim() != 2:
+            return None, "no 2-D input_ids (inputs_embeds or other inputs)"
+        base = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+        unused = base.update(**{k: v for k, v in kwargs.items() if k not in SERVED_KWARGS})
+        if unused:  # model inputs or arguments of transformers' loop (logits_processor, streamer, ...)
+            return None, f"arguments only transformers' loop takes: {sorted(unused)}"
+        diff = sorted(k for k, v in base.to_diff_dict().items()
+                      if k not in SERVED and v not in (None, False) and NEUTRAL.get(k, object()) != v
+                      and k not in BEAM_ONLY)
+        if diff:
+            return None, f"generation settings only transformers' loop implements: {diff}"
+        if base.return_dict_in_generate:
+            return None, "return_dict_in_generate"
+        if kwargs.get("use_cache") is False or base.use_cache is False:
+            return None, "use_cache=False"
+        width = input_ids.shape[1]
+        new = base.max_new_tokens if base.max_new_tokens is not None else base.max_length - width
+        if new is None or new < 1:
+            return None, f"no new tokens to generate (max_new_tokens={base.max_new_tokens}, max_length=" \
+                         f"{base.max_length}, prompt width {width})"
+        min_new = base.min_new_tokens or max(0, (base.min_length or 0) - width)
+        eos = base.eos_token_id
+        eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        pad = base.pad_token_id if base.pad_token_id is not None else (eos[0] if eos else 0)
+        sample = bool(base.do_sample)
+        return cls(
+            max_new_tokens=int(new), min_new_tokens=int(min_new), do_sample=sample,
+            temperature=float(base.temperature if sample and base.temperature is not None else 1.0),
+            top_k=int(base.top_k or 0) if sample else 0,
+            top_p=float(base.top_p if sample and base.top_p is not None else 1.0),
+            eos=eos, pad=int(pad), copies=int(base.num_return_sequences or 1),
+        ), None  # fmt: skip
+
+
+def next_tokens(logits: torch.Tensor, spec: GenerationSpec, generated: torch.Tensor,
+                eos: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, V] (fp32) -> [B] token ids, on the device, with no host read.
+
+    In transformers' order: eos masked while fewer than ``min_new_tokens`` are generated (``generated`` [1], the
+    count so far), then temperature, top-k, top-p (its ``TopPLogitsWarper``: drop the tokens whose ascending
+    cumulative probability is <= 1 - top_p, keep at least one), then argmax or one categorical draw."""
+    if spec.min_new_tokens and eos is not None:
+        early = generated < spec.min_new_tokens  # [1]
+        logits = logits.index_fill(1, eos, float("-inf")).where(early[:, None], logits)
+    if not spec.do_sample:
+        return logits.argmax(-1)
+    if spec.temperature != 1.0:
+        logits = logits / spec.temperature
+    if 0 < spec.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, spec.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if spec.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)
+        remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - spec.top_p
+        remove[:, -1] = False
+        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    probs = logits.softmax(-1)
+    # argmax(p / E) with E ~ Exp(1) i.i.d. draws index i with probability p_i (one kernel, no host sync)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+
+@dataclass
+class GenerationStats:
+    """One generate call: rows x steps decoded, of which ``new_tokens`` were real (up to and including eos)."""
+
+    rows: int = 0
+    steps: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    cuda_graph: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def padding_waste(self) -> float:
+        """Share of decoded row-steps spent on rows that had already finished (held by the batch's longest)."""
+        slots = self.rows * self.steps
+        return 0.0 if slots == 0 else 1.0 - self.new_tokens / slots
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.prefill_seconds + self.decode_seconds
+        return self.new_tokens / total if total > 0 else 0.0
+
+
+def batch_bucket(rows: int) -> int:
+    """Rows are padded to a power of two, so calls of nearby sizes share one cache and graph."""
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+class DecodeEngine:
+    """One preallocated cache (``batch`` rows x ``capacity`` tokens) and the decode step over it; on CUDA the step
+    is captured once as a CUDA graph and each later token is one replay. Reused across calls of one spec."""
+
+    def __init__(self, model: Any, batch: int, capacity: int, spec: GenerationSpec, cuda_graph: bool):
+        param = next(model.parameters())
+        self.model, self.spec, self.batch, self.capacity = model, spec, batch, capacity
+        self.device = param.device
+        self.cache = StaticHybridCache(model.config, batch, capacity, self.device, param.dtype)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.out = torch.full((batch, capacity), spec.pad, dtype=torch.long, device=self.device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        self.finish_step = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.step_idx = torch.zeros(1, dtype=torch.long, device=self.device)  # column of the next token
+        self.all_done = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.eos = torch.tensor(spec.eos, dtype=torch.long, device=self.device) if spec.eos else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if cuda_graph:
+            self._capture()
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor) -> None:
+        """Pick, record and feed back the next token of every row (logits [batch, V] fp32)."""
+        tok = next_tokens(logits, self.spec, self.step_idx, self.eos)
+        tok = torch.where(self.finished, self.spec.pad, tok)
+        self.out.index_copy_(1, self.step_idx, tok[:, None])
+        if self.eos is not None:
+            hit = torch.isin(tok, self.eos) & ~self.finished
+            self.finish_step.copy_(torch.where(hit, self.step_idx, self.finish_step))
+            self.finished.logical_or_(hit)
+        self.all_done.copy_(self.finished.all())
+        self.tokens.copy_(tok)
+        self.step_idx.add_(1)
+
+    def _step(self) -> None:
+        out = self.model(input_ids=self.tokens[:, None], past_key_values=self.cache, use_cache=True,
+                         output_router_logits=False, output_moe_stats=False, logits_to_keep=1)
+        self._choose(out.logits[:, -1].float())
+        self.cache.lengths.add_(1)
+
+    def _capture(self) -> None:
+        """Warm up (Triton compiles, cuBLAS handles) on a side stream, then capture one step. The warm-up writes
+        the cache, which is fine: every prefill rewrites what a step reads."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    # --- one call ---------------------------------------------------------------------------------------------
+    def prefill(self, prompts: list[torch.Tensor]) -> None:
+        """Pack the prompts (1-D token tensors, each >= 1 token) along one row, fill the cache, choose token 0."""
+        copies, lengths = self.spec.copies, [int(p.numel()) for p in prompts]
+        self.cache.begin_prefill(lengths, copies)
+        ends = torch.tensor(lengths).cumsum(0)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)  # host bounds: no device read
+        ids = torch.cat(prompts).to(self.device)[None]
+        out = self.model(input_ids=ids, cu_seqlens=cu, past_key_values=self.cache, use_cache=True,
+                         output_router_logits=False, output_moe_stats=False,
+                         logits_to_keep=(ends - 1).to(self.device))
+        rows = len(prompts) * copies
+        logits = out.logits[0].float().repeat_interleave(copies, 0)
+        if rows < self.batch:  # rows past the prompts: start finished, stay pad
+            logits = torch.cat([logits, logits.new_zeros(self.batch - rows, logits.shape[1])])
+        self.finished.copy_(torch.arange(self.batch, device=self.device) >= rows)
+        self.finish_step.fill_(self.spec.max_new_tokens - 1)
+        self.step_idx.zero_()
+        self._choose(logits)
+
+    def decode(self, steps: int) -> int:
+        """Up to ``steps`` more tokens per row; stops early once every row finished. Returns steps taken."""
+        taken = 0
+        while taken < steps:
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+            taken += 1
+            if taken % CHECK_EVERY == 0 and self.eos is not None and bool(self.all_done):
+                break
+        return taken
+
+
+def _fingerprint(model: Any) -> tuple:
+    """The parameters' storage (a graph reads them by address: a moved or recast model needs new graphs)."""
+    return tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())
+
+
+def _engine(model: Any, rows: int, capacity: int, spec: GenerationSpec, cuda_graph: bool) -> DecodeEngine:
+    engines: OrderedDict = model.__dict__.setdefault("_decode_engines", OrderedDict())
+    bucket = batch_bucket(rows)
+    capacity = -(-capacity // CAPACITY_ROUND) * CAPACITY_ROUND
+    key = (bucket, capacity, spec, cuda_graph, _fingerprint(model))
+    if key in engines:
+        engines.move_to_end(key, last=False)
+        return engines[key]
+    while len(engines) >= ENGINES_KEPT:
+        engines.popitem()
+    engine = DecodeEngine(model, bucket, capacity, spec, cuda_graph)
+    engines[key] = engine
+    engines.move_to_end(key, last=False)
+    return engine
+
+
+def use_cuda_graphs(device: torch.device) -> bool:
+    """CUDA graphs on CUDA devices unless HYLIGHT_CUDA_GRAPHS=0 (then the same step runs eagerly)."""
+    return device.type == "cuda" and os.environ.get("HYLIGHT_CUDA_GRAPHS", "1") != "0"
+
+
+def prompt_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor] | str:
+    """Each row's real tokens (the mask's 1s), or the reason the mask cannot be read as padding of a prompt."""
+    if attention_mask is None:
+        return list(input_ids)
+    mask = attention_mask.to("cpu", torch.bool)  # one host read per call
+    ids = input_ids.to("cpu")
+    rows = []
+    for i in range(ids.shape[0]):
+        real = torch.nonzero(mask[i]).squeeze(1)
+        if real.numel() == 0:
+            return f"row {i} of attention_mask has no real token"
+        if int(real[-1] - real[0]) + 1 != real.numel():
+            return f"row {i} of attention_mask is not one contiguous block (only left/right padding is packed)"
+        rows.append(ids[i, real])
+    return rows
+
+
+@torch.no_grad()
+def generate(model: Any, input_ids: torch.Tensor, prompts: list[torch.Tensor], spec: GenerationSpec) -> torch.Tensor:
+    """Generate per ``spec``; returns what ``GenerationMixin.generate`` returns: the input ids (each repeated
+    ``copies`` times) followed by the new tokens, pad after a row's eos, as many columns as the longest row took.
+    ``prompts``: each row's real tokens (``prompt_tokens``). Statistics of the call are left in
+    ``model.last_generation_stats``."""
+    rows = len(prompts) * spec.copies
+    capacity = max(int(p.numel()) for p in prompts) + spec.max_new_tokens
+    device = next(model.parameters()).device
+    stats = GenerationStats(rows=rows, prompt_tokens=sum(int(p.numel()) for p in prompts))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            engine = _engine(model, rows, capacity, spec, use_cuda_graphs(device))
+            stats.cuda_graph = engine.graph is not None
+            _sync(device)
+            t0 = time.perf_counter()
+            engine.prefill(prompts)
+            _sync(device)
+            t1 = time.perf_counter()
+            steps = 1 + engine.decode(spec.max_new_tokens - 1)
+            finish = engine.finish_step[:rows].clamp(max=steps - 1)
+            width = int(finish.max()) + 1 if engine.eos is not None else steps  # a host read: the call's end
+            new = engine.out[:rows, :width]
+            stats.decode_seconds = time.perf_counter() - t1
+            stats.prefill_seconds = t1 - t0
+            stats.steps = width
+            stats.new_tokens = int((finish + 1).clamp(max=width).sum())
+    finally:
+        model.train(was_training)
+    model.last_generation_stats = stats
+    prompt_ids = input_ids.repeat_interleave(spec.copies, 0) if spec.copies > 1 else input_ids
+    return torch.cat([prompt_ids, new.to(prompt_ids.device)], dim=1)  # a normal tensor (callers may train on it)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
