@@ -1,10 +1,11 @@
 """Long-context inference (issue 11 item 6, the report's headline): prefill seconds, decode tokens/s and peak memory
 of the hybrid (7 lightning : 1 softmax) against the same model with all-softmax layers, at context lengths up to 1M.
 
-One sequence per length: a single-shot prefill of N random tokens (softmax layers by SDPA's causal kernel, flash on
-CUDA; lightning layers by our kernels), keeping only the last position's logits (the [N, vocab] logits of a 1M-token
-prefill would be 64 GiB), then ``--decode-tokens`` greedy steps from the cache (lightning layers: an O(1) d x d
-state per head; softmax layers: the KV cache, O(N)). Random weights: speed and memory do not depend on them. A length
+One sequence per length through ``model.generate`` (model/generation.py): a single-shot prefill of N random tokens
+(softmax layers by SDPA's causal kernel, flash on CUDA; lightning layers by our kernels) into a preallocated cache,
+keeping only the last position's logits (the [N, vocab] logits of a 1M-token prefill would be 64 GiB), then
+``--decode-tokens`` greedy steps, each one replay of the captured decode step on CUDA (lightning layers: an O(1)
+d x d state per head; softmax layers: split-K attention over the KV cache, O(N)). Random weights: speed and memory do not depend on them. A length
 that runs out of memory is recorded as ``oom`` and the next one is still tried.
 
     CPU check:  OMP_NUM_THREADS=1 python bench/bench_longctx_inference.py --device cpu --size tiny --lengths 512,2048
@@ -40,33 +41,53 @@ def _peak_bytes(device: torch.device) -> int:
 
 
 def measure(model, length: int, decode_tokens: int, device: torch.device, vocab: int, seed: int) -> dict:
+    """One prompt of ``length`` random tokens through ``model.generate`` (model/generation.py: packed prefill into a
+    preallocated cache, then the decode step, a CUDA graph on GPUs): its prefill seconds and decode tokens/s."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(8, vocab, (1, length), generator=g).to(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        _sync(device)
-        prefill = time.perf_counter() - t0
-        cache = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        prefill_peak = _peak_bytes(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(decode_tokens):
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(device)
-        decode = time.perf_counter() - t0
-    sizes = cache.nbytes()
-    return {"prefill_seconds": round(prefill, 4), "prefill_tokens_per_second": round(length / prefill, 1),
-            "decode_tokens_per_second": round(decode_tokens / decode, 2) if decode_tokens else None,
-            "peak_memory_gib": round(max(prefill_peak, _peak_bytes(device)) / 2**30, 3),
+        model.generate(input_ids=ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+    st = model.last_generation_stats
+    engine = next(iter(model._decode_engines.values()))
+    sizes = engine.cache.nbytes()
+    return {"prefill_seconds": round(st.prefill_seconds, 4), "prefill_tokens_per_second": round(length / st.prefill_seconds, 1),
+            "decode_tokens_per_second": round((decode_tokens - 1) / st.decode_seconds, 2) if decode_tokens > 1 else None,
+            "decode_ms_per_token": round(st.decode_seconds / max(1, decode_tokens - 1) * 1e3, 3),
+            "cuda_graph": st.cuda_graph,
+            "peak_memory_gib": round(_peak_bytes(device) / 2**30, 3),
             "cache_lightning_mib": round(sizes["lightning"] / 2**20, 3),
             "cache_softmax_kv_mib": round(sizes["softmax_kv"] / 2**20, 3)}
+
+
+def run_lengths(size: str, device: torch.device, dtype: torch.dtype, lengths: list[int], patterns: list[str],
+                decode_tokens: int, seed: int = 0):
+    """Yield one row per (pattern, length); a warm-up generate per pattern first (kernel compilation, autotuning)."""
+    from model import HybridForCausalLM, config_for
+
+    for pattern in patterns:
+        torch.manual_seed(seed)
+        cfg = config_for(size, attention_pattern=pattern, max_position_embeddings=max(lengths) + decode_tokens,
+                         moe_token_drop=False)
+        model = HybridForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+        measure(model, min(lengths), 4, device, cfg.vocab_size, seed)  # warm-up, not reported
+        model.__dict__.pop("_decode_engines", None)
+        for length in lengths:
+            row = {"kind": "result", "pattern": pattern, "length": length}
+            try:
+                row |= measure(model, length, decode_tokens, device, cfg.vocab_size, seed)
+            except torch.OutOfMemoryError as e:
+                row |= {"oom": True, "error": str(e).splitlines()[0][:200]}
+            model.__dict__.pop("_decode_engines", None)  # free this length's cache before the next
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            yield row
+        del model
+        gc.collect()
 
 
 def main() -> None:
@@ -89,24 +110,9 @@ def main() -> None:
     env = {"kind": "env", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype), "size": a.size}
     print(json.dumps(env), flush=True)
-    for pattern in a.patterns.split(","):
-        torch.manual_seed(a.seed)
-        cfg = config_for(a.size, attention_pattern=pattern, max_position_embeddings=max(lengths) + a.decode_tokens,
-                         moe_token_drop=False)
-        model = HybridForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-        for length in lengths:
-            row = {"kind": "result", "pattern": pattern, "length": length}
-            try:
-                row |= measure(model, length, a.decode_tokens, device, cfg.vocab_size, a.seed)
-            except torch.OutOfMemoryError as e:
-                row |= {"oom": True, "error": str(e).splitlines()[0][:200]}
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        del model
-        gc.collect()
+    for row in run_lengths(a.size, device, dtype, lengths, a.patterns.split(","), a.decode_tokens, a.seed):
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "longctx_inference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [env, *rows]))
