@@ -78,8 +78,10 @@ def section_check(model, device: torch.device) -> None:
     prompts = [ids[i, : 40 + 7 * i] for i in range(8)]
     outs, logits = [], []
     with torch.inference_mode():
-        for graph in (False, True):
-            engine = DecodeEngine(model, 8, 256, spec, cuda_graph=graph)
+        variants = [(False, False), (True, False)] + ([(True, True)] if os.environ.get("HYLIGHT_DECODE_COMPILE") == "1"
+                                                      else [])
+        for graph, comp in variants:
+            engine = DecodeEngine(model, 8, 256, spec, cuda_graph=graph, compile=comp)
             engine.prefill(prompts)
             engine.decode(15)
             snapshot = engine.tokens.clone()
@@ -88,8 +90,10 @@ def section_check(model, device: torch.device) -> None:
                         output_router_logits=False, output_moe_stats=False, logits_to_keep=1)
             logits.append(out.logits[:, -1].float())
             outs.append(engine.out[:, :16].clone())
-    emit({"kind": "check", "what": "cuda-graph decode vs eager step (bf16)", "greedy_tokens_equal_share":
-          float((outs[0] == outs[1]).float().mean()), "logits_rel_err": rel(logits[1], logits[0])})
+    for i in range(1, len(variants)):
+        emit({"kind": "check", "what": f"decode {variants[i]} (cuda graph, compile) vs eager step (bf16)",
+              "greedy_tokens_equal_share": float((outs[0] == outs[i]).float().mean()),
+              "logits_rel_err": rel(logits[i], logits[0])})
 
 
 # --- table ------------------------------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def section_table(model, theirs, device: torch.device, workloads: list[tuple[int
         # the slow loops get fewer new tokens where they would take minutes; tok/s is per generated token
         slow_new = min(new, slow_new_cap)
         t_old, _ = timed(lambda: ours(slow_new, False), device, 1)
-        row = {"kind": "table", "batch": batch, "prompt": prompt, "new": new, "hylight_tok_s": batch * new / t_fast,
+        row = {"kind": "table", "compile": os.environ.get("HYLIGHT_DECODE_COMPILE") == "1", "batch": batch, "prompt": prompt, "new": new, "hylight_tok_s": batch * new / t_fast,
                "hylight_decode_tok_s": batch * (new - 1) / st.decode_seconds, "prefill_s": st.prefill_seconds,
                "cuda_graph": st.cuda_graph, "hylight_hf_loop_tok_s": batch * slow_new / t_old, "slow_new": slow_new}
         if theirs is not None:
@@ -189,7 +193,7 @@ def section_table(model, theirs, device: torch.device, workloads: list[tuple[int
 
 
 # --- profile ----------------------------------------------------------------------------------------------------
-def section_profile(model, device: torch.device, batch: int, prompt: int) -> None:
+def section_profile(model, device: torch.device, batch: int, prompt: int, compile: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from model.generation import DecodeEngine, GenerationSpec, use_cuda_graphs
@@ -198,17 +202,7 @@ def section_profile(model, device: torch.device, batch: int, prompt: int) -> Non
     ids = torch.randint(8, model.config.vocab_size, (batch, prompt))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
-        eager = DecodeEngine(model, batch, prompt + 256, spec, cuda_graph=False)
-        eager.prefill(list(ids))
-        eager.decode(4)
-        sync(device)
-        with profile(activities=acts) as prof:  # one eager step: count its kernels
-            eager._step()
-            sync(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        launches = len(kernels) if device.type == "cuda" else None
-        del eager
-        engine = DecodeEngine(model, batch, prompt + 256, spec, cuda_graph=use_cuda_graphs(device))
+        engine = DecodeEngine(model, batch, prompt + 256, spec, cuda_graph=use_cuda_graphs(device), compile=compile)
         engine.prefill(list(ids))
         engine.decode(4)
         sync(device)
@@ -223,8 +217,7 @@ def section_profile(model, device: torch.device, batch: int, prompt: int) -> Non
         engine.decode(steps)  # the same steps without the profiler
         sync(device)
         step_ms = (time.perf_counter() - t0) / steps * 1e3
-    busy = None
-    top = []
+    busy, top, evs = None, [], []
     if device.type == "cuda":
         evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         intervals = sorted((e.time_range.start, e.time_range.end) for e in evs)
@@ -241,7 +234,8 @@ def section_profile(model, device: torch.device, batch: int, prompt: int) -> Non
             by[e.name][0] += 1
             by[e.name][1] += e.time_range.end - e.time_range.start
         top = sorted(((n[:80], c // steps, t / steps) for n, (c, t) in by.items()), key=lambda r: -r[2])[:12]
-    emit({"kind": "profile", "batch": batch, "prompt": prompt, "launches_per_step_eager": launches,
+    launches = len(evs) / steps if device.type == "cuda" else None
+    emit({"kind": "profile", "batch": batch, "prompt": prompt, "compile": compile, "kernels_per_step": launches,
           "step_ms": step_ms, "profiled_wall_ms_per_step": wall / steps * 1e3, "gpu_busy_share": busy,
           "top_kernels_per_step_us": [[n, c, round(t, 1)] for n, c, t in top]})
 
@@ -316,7 +310,7 @@ def main() -> None:
         del theirs
         if "profile" in sections:
             for batch, prompt in ((1, 4096), (32, 256)) if device.type == "cuda" else ((2, 32),):
-                section_profile(model, device, batch, prompt)
+                section_profile(model, device, batch, prompt, compile=os.environ.get("HYLIGHT_DECODE_COMPILE") == "1")
         del model, base
         torch.cuda.empty_cache() if device.type == "cuda" else None
     if "longctx" in sections:

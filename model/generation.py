@@ -169,7 +169,8 @@ class DecodeEngine:
     """One preallocated cache (``batch`` rows x ``capacity`` tokens) and the decode step over it; on CUDA the step
     is captured once as a CUDA graph and each later token is one replay. Reused across calls of one spec."""
 
-    def __init__(self, model: Any, batch: int, capacity: int, spec: GenerationSpec, cuda_graph: bool):
+    def __init__(self, model: Any, batch: int, capacity: int, spec: GenerationSpec, cuda_graph: bool,
+                 compile: bool = False):
         param = next(model.parameters())
         self.model, self.spec, self.batch, self.capacity = model, spec, batch, capacity
         self.device = param.device
@@ -182,6 +183,10 @@ class DecodeEngine:
         self.all_done = torch.zeros((), dtype=torch.bool, device=self.device)
         self.eos = torch.tensor(spec.eos, dtype=torch.long, device=self.device) if spec.eos else None
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._forward = self._logits
+        if compile:  # fuse the step's small elementwise kernels (norms, gates, residuals, routing) into few
+            self._logits()  # once eagerly first: the kernels' lazy dispatch (imports) stays out of the trace
+            self._forward = torch.compile(self._logits, dynamic=False)
         if cuda_graph:
             self._capture()
 
@@ -199,10 +204,14 @@ class DecodeEngine:
         self.tokens.copy_(tok)
         self.step_idx.add_(1)
 
-    def _step(self) -> None:
+    def _logits(self) -> torch.Tensor:
+        """The model on each row's last token at its own position: next-token logits [batch, V] in fp32."""
         out = self.model(input_ids=self.tokens[:, None], past_key_values=self.cache, use_cache=True,
                          output_router_logits=False, output_moe_stats=False, logits_to_keep=1)
-        self._choose(out.logits[:, -1].float())
+        return out.logits[:, -1].float()
+
+    def _step(self) -> None:
+        self._choose(self._forward())
         self.cache.lengths.add_(1)
 
     def _capture(self) -> None:
@@ -257,17 +266,18 @@ def _fingerprint(model: Any) -> tuple:
     return tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())
 
 
-def _engine(model: Any, rows: int, capacity: int, spec: GenerationSpec, cuda_graph: bool) -> DecodeEngine:
+def _engine(model: Any, rows: int, capacity: int, spec: GenerationSpec, cuda_graph: bool,
+            compile: bool = False) -> DecodeEngine:
     engines: OrderedDict = model.__dict__.setdefault("_decode_engines", OrderedDict())
     bucket = batch_bucket(rows)
     capacity = -(-capacity // CAPACITY_ROUND) * CAPACITY_ROUND
-    key = (bucket, capacity, spec, cuda_graph, _fingerprint(model))
+    key = (bucket, capacity, spec, cuda_graph, compile, _fingerprint(model))
     if key in engines:
         engines.move_to_end(key, last=False)
         return engines[key]
     while len(engines) >= ENGINES_KEPT:
         engines.popitem()
-    engine = DecodeEngine(model, bucket, capacity, spec, cuda_graph)
+    engine = DecodeEngine(model, bucket, capacity, spec, cuda_graph, compile)
     engines[key] = engine
     engines.move_to_end(key, last=False)
     return engine
@@ -276,6 +286,12 @@ def _engine(model: Any, rows: int, capacity: int, spec: GenerationSpec, cuda_gra
 def use_cuda_graphs(device: torch.device) -> bool:
     """CUDA graphs on CUDA devices unless HYLIGHT_CUDA_GRAPHS=0 (then the same step runs eagerly)."""
     return device.type == "cuda" and os.environ.get("HYLIGHT_CUDA_GRAPHS", "1") != "0"
+
+
+def use_compile(device: torch.device) -> bool:
+    """torch.compile of the decode step when HYLIGHT_DECODE_COMPILE=1 (CUDA only: on CPU it costs more than it
+    saves); the first call of each batch bucket and capacity then compiles for about a minute."""
+    return device.type == "cuda" and os.environ.get("HYLIGHT_DECODE_COMPILE", "0") == "1"
 
 
 def prompt_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor] | str:
@@ -309,7 +325,7 @@ def generate(model: Any, input_ids: torch.Tensor, prompts: list[torch.Tensor], s
     model.eval()
     try:
         with torch.inference_mode():
-            engine = _engine(model, rows, capacity, spec, use_cuda_graphs(device))
+            engine = _engine(model, rows, capacity, spec, use_cuda_graphs(device), use_compile(device))
             stats.cuda_graph = engine.graph is not None
             _sync(device)
             t0 = time.perf_counter()
@@ -320,6 +336,7 @@ def generate(model: Any, input_ids: torch.Tensor, prompts: list[torch.Tensor], s
             finish = engine.finish_step[:rows].clamp(max=steps - 1)
             width = int(finish.max()) + 1 if engine.eos is not None else steps  # a host read: the call's end
             new = engine.out[:rows, :width]
+            _sync(device)
             stats.decode_seconds = time.perf_counter() - t1
             stats.prefill_seconds = t1 - t0
             stats.steps = width

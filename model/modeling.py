@@ -276,7 +276,8 @@ def _cache_nbytes(cache: HybridCache | StaticHybridCache) -> dict[str, int]:
 
 class StaticHybridCache:
     """Preallocated decoding state for ``model/generation.py``: per lightning layer one [B, H, D, D] fp32 state,
-    per softmax layer keys/values [B, H_kv, capacity, D], and ``lengths`` [B] (tokens cached per row, on the
+    per softmax layer keys/values stored [B, capacity, H_kv, D] (so one ``index_copy_`` over the flattened
+    (row, position) axis writes a step's keys; ``keys``/``values`` hold [B, H_kv, capacity, D] views), and ``lengths`` [B] (tokens cached per row, on the
     device). Nothing is reallocated while decoding, so a decode step keeps every address and can be replayed as
     a CUDA graph; the lightning state is the same exact O(1) recurrence as ``HybridCache``'s.
 
@@ -301,8 +302,8 @@ class StaticHybridCache:
             if kind == LIGHTNING:  # fp32 whatever the activations, as HybridCache's states under bf16
                 self.lightning_states[i] = torch.zeros(batch, H, D, D, device=device, dtype=torch.float32)
             else:
-                self.keys[i] = torch.zeros(batch, kv, capacity, D, device=device, dtype=dtype)
-                self.values[i] = torch.zeros(batch, kv, capacity, D, device=device, dtype=dtype)
+                for store in (self.keys, self.values):
+                    store[i] = torch.zeros(batch, capacity, kv, D, device=device, dtype=dtype).transpose(1, 2)
         self.lengths = torch.zeros(batch, device=device, dtype=torch.long)
         self.prefill_rows: torch.Tensor | None = None  # [N] first cache row of each packed prompt
         self.prefill_token_rows: torch.Tensor | None = None  # [T_total] that row, per packed token
@@ -337,18 +338,23 @@ class StaticHybridCache:
         for c in range(self.copies):
             state.index_copy_(0, self.prefill_rows + c, final.to(state.dtype))
 
+    def _slots(self, layer_idx: int, store: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[B * capacity, H_kv, D]: the layer's buffer with (row, position) flattened (a view)."""
+        return store[layer_idx].transpose(1, 2).flatten(0, 1)
+
     def store_prefill_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [1, H_kv, T_total, D] of the packed prompts, into their rows at positions 0..len - 1."""
         for store, x in ((self.keys, k), (self.values, v)):
             rows = x[0].transpose(0, 1).to(store[layer_idx].dtype)  # [T_total, H_kv, D]
             for c in range(self.copies):
-                store[layer_idx][self.prefill_token_rows + c, :, self.prefill_token_pos] = rows
+                slot = (self.prefill_token_rows + c) * self.capacity + self.prefill_token_pos
+                self._slots(layer_idx, store).index_copy_(0, slot, rows)
 
     def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H_kv, 1, D] of a decode step, at each row's position ``lengths[b]`` (no host read)."""
-        rows = torch.arange(self.batch, device=k.device)
-        self.keys[layer_idx][rows, :, self.lengths] = k[:, :, 0].to(self.keys[layer_idx].dtype)
-        self.values[layer_idx][rows, :, self.lengths] = v[:, :, 0].to(self.values[layer_idx].dtype)
+        slot = torch.arange(self.batch, device=k.device) * self.capacity + self.lengths
+        for store, x in ((self.keys, k), (self.values, v)):
+            self._slots(layer_idx, store).index_copy_(0, slot, x[:, :, 0].to(store[layer_idx].dtype))
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held by the lightning states and by the softmax KV buffers (their whole capacity)."""
