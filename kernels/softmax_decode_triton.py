@@ -51,7 +51,7 @@ def _partial_kernel(
                       mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         b_v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :],
                       mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(b_q, tl.trans(b_k)) * scale  # [BG, BN]
+        s = (tl.dot(b_q, tl.trans(b_k)) * scale).to(tl.float32)  # [BG, BN]; scale may come in as fp64
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -92,10 +92,12 @@ def _merge_kernel(
     tl.store(o + b * s_ob + h * s_oh + offs_d, out.to(o.dtype.element_ty), mask=mask_d)
 
 
+@torch.library.custom_op("hylight::softmax_decode_split_k", mutates_args=())
 def split_k_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
-    """q [B, H, 1, D], caches [B, H_kv, S, D] (last dim contiguous), lengths [B] -> o [B, H, 1, D]."""
+    """q [B, H, 1, D], caches [B, H_kv, S, D] (last dim contiguous), lengths [B] -> o [B, H, 1, D].
+    A custom op: torch.compile calls it as it is instead of tracing into the launches."""
     batch, heads, _, d = q.shape
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -124,3 +126,8 @@ def split_k_decode_attention(
         num_warps=4,
     )  # fmt: skip
     return o
+
+
+@split_k_decode_attention.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -185,7 +185,11 @@ class DecodeEngine:
         self.graph: torch.cuda.CUDAGraph | None = None
         self._forward = self._logits
         if compile:  # fuse the step's small elementwise kernels (norms, gates, residuals, routing) into few
-            self._logits()  # once eagerly first: the kernels' lazy dispatch (imports) stays out of the trace
+            self._logits()  # once eagerly first: lazy imports and one-time probes stay out of the trace
+            for store in (self.cache.keys, self.cache.values):
+                for buffer in store.values():  # one compiled step serves every capacity (prompt + new tokens)
+                    torch._dynamo.mark_dynamic(buffer, 2)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             self._forward = torch.compile(self._logits, dynamic=False)
         if cuda_graph:
             self._capture()
@@ -289,9 +293,9 @@ def use_cuda_graphs(device: torch.device) -> bool:
 
 
 def use_compile(device: torch.device) -> bool:
-    """torch.compile of the decode step when HYLIGHT_DECODE_COMPILE=1 (CUDA only: on CPU it costs more than it
-    saves); the first call of each batch bucket and capacity then compiles for about a minute."""
-    return device.type == "cuda" and os.environ.get("HYLIGHT_DECODE_COMPILE", "0") == "1"
+    """torch.compile of the decode step on CUDA unless HYLIGHT_DECODE_COMPILE=0 (not on CPU: there it costs more than
+    it saves). The first call of each batch bucket compiles (tens of seconds); later capacities reuse it."""
+    return device.type == "cuda" and os.environ.get("HYLIGHT_DECODE_COMPILE", "1") != "0"
 
 
 def prompt_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor] | str:

@@ -338,7 +338,8 @@ class StaticHybridCache:
         for c in range(self.copies):
             state.index_copy_(0, self.prefill_rows + c, final.to(state.dtype))
 
-    def _slots(self, layer_idx: int, store: dict[int, torch.Tensor]) -> torch.Tensor:
+    @staticmethod
+    def _slots(layer_idx: int, store: dict[int, torch.Tensor]) -> torch.Tensor:
         """[B * capacity, H_kv, D]: the layer's buffer with (row, position) flattened (a view)."""
         return store[layer_idx].transpose(1, 2).flatten(0, 1)
 
@@ -352,7 +353,8 @@ class StaticHybridCache:
 
     def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H_kv, 1, D] of a decode step, at each row's position ``lengths[b]`` (no host read)."""
-        slot = torch.arange(self.batch, device=k.device) * self.capacity + self.lengths
+        buffer = self.keys[layer_idx]  # sizes from the tensor: a compiled step may treat the capacity as dynamic
+        slot = torch.arange(buffer.shape[0], device=k.device) * buffer.shape[2] + self.lengths
         for store, x in ((self.keys, k), (self.values, v)):
             self._slots(layer_idx, store).index_copy_(0, slot, x[:, :, 0].to(store[layer_idx].dtype))
 

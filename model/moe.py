@@ -75,6 +75,11 @@ DENSE_MAX_MACS_CPU = 2**24
 GROUPED_MM_DEVICES = frozenset({"cuda"})
 
 
+# answers of grouped_mm_supported, read by path_for: under torch.compile (a decode step) a dict lookup is traced as a
+# constant, where the probe itself (autograd on inside) would break the graph
+_GROUPED_MM_KNOWN: dict[tuple, bool] = {}
+
+
 @functools.cache
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward here (decided once per device, dtype, shapes).
@@ -93,9 +98,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, 
             offs = torch.tensor([16], device=device, dtype=torch.int32)
             y = torch._grouped_mm(x, w, offs=offs)
             y.backward(torch.ones_like(y))
-        return True
+        ok = True
     except (RuntimeError, NotImplementedError):
-        return False
+        ok = False
+    _GROUPED_MM_KNOWN[(device, dtype, hidden, intermediate)] = ok
+    return ok
 
 
 class SwiGLUExperts(nn.Module):
@@ -119,27 +126,35 @@ class SwiGLUExperts(nn.Module):
         self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
     ) -> torch.Tensor:
         """x [N, d]; top_i/top_w/keep [N, k] -> sum over kept slots of w * FFN_e(x) [N, d]."""
-        path = self.path_for(x)
+        path = self.path_for(x, top_i.shape[1])
         if path == "dense":
             return self.forward_dense(x, top_i, top_w, keep)
         if path == "grouped":
             return self.forward_grouped(x, top_i, top_w, keep)
         return self.forward_loop(x, top_i, top_w, keep)
 
-    def path_for(self, x: torch.Tensor) -> str:
+    def path_for(self, x: torch.Tensor, top_k: int = 2) -> str:
         """The path for N = len(x) tokens: "dense" for small N (DENSE_MAX_TOKENS, DENSE_MAX_MACS_CPU) when no
         gradient is taken (decode), else "grouped" where the grouped GEMM runs (GROUPED_MM_DEVICES), else "loop".
         Not dense with gradients: an expert a token did not choose is computed and masked, and an inf in its
-        activations would turn the masked zero gradient into NaN (0 * inf) in the weights' gradients."""
+        activations would turn the masked zero gradient into NaN (0 * inf) in the weights' gradients. Not dense
+        either where the grouped GEMM runs and N * top_k < E: fewer slots than experts, so dense would read
+        experts no token chose (batch-1 decode is bound by reading weights: 2 of 8 experts, not 8)."""
         n = x.shape[0]
         d, f = self.down_proj.shape[1:]
         dense_macs = n * self.num_experts * 3 * d * f
         grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad)
-        if not grad and n <= DENSE_MAX_TOKENS and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU):
+        grouped = False
+        if x.device.type in GROUPED_MM_DEVICES:
+            key = (x.device, _compute_dtype(x), d, f)
+            grouped = _GROUPED_MM_KNOWN.get(key)
+            if grouped is None and not torch.compiler.is_compiling():
+                grouped = grouped_mm_supported(*key)
+        few_slots = grouped and n * top_k < self.num_experts
+        if (not grad and n <= DENSE_MAX_TOKENS and not few_slots
+                and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU)):
             return "dense"
-        if x.device.type in GROUPED_MM_DEVICES and grouped_mm_supported(x.device, _compute_dtype(x), d, f):
-            return "grouped"
-        return "loop"
+        return "grouped" if grouped else "loop"
 
     def forward_loop(
         self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor

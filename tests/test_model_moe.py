@@ -176,7 +176,7 @@ def _fp32_moe(hidden=64, inter=32, num_experts=8, top_k=2, seed=0) -> MoEFeedFor
 def _run(moe: MoEFeedForward, path: str, x: torch.Tensor, mask: torch.Tensor, probe: torch.Tensor):
     """Output and gradients (x, gate_up, down, router) with the experts forced onto ``path``."""
     moe.zero_grad()
-    moe.experts.path_for = lambda _x: path  # instance attribute: shadows the method for this module only
+    moe.experts.path_for = lambda _x, _k=2: path  # instance attribute: shadows the method for this module only
     try:
         xx = x.clone().requires_grad_(True)
         out = moe(xx, mask)
@@ -259,6 +259,8 @@ def test_small_calls_take_the_dense_path_and_larger_ones_the_grouped_gemm_where_
         assert experts.path_for(large) == "loop"  # CPU default: the loop has no sync to save
         monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
         assert experts.path_for(large) == "grouped"
+        # fewer routed slots than experts (batch-1 decode, top-2 of 4): dense would read experts nobody chose
+        assert experts.path_for(small[:1], 2) == "grouped" and experts.path_for(small[:2], 2) == "dense"
         assert experts.double().path_for(large.double()) == "loop"  # float64: no grouped GEMM
         assert SwiGLUExperts(4, 4, 6).path_for(torch.randn(100, 4)) == "loop"  # 16-byte strides unmet
         # on CPU the dense path stops where its compute outgrows the loop's per-expert overhead

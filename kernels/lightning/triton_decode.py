@@ -95,17 +95,37 @@ def lightning_attn_triton_decode(
     d_k, d_v = q.shape[-1], v.shape[-1]
     if torch.float64 in (q.dtype, state.dtype) or max(d_k, d_v) > MAX_HEAD_DIM:
         return lightning_attn_decode(q, k, v, decay_rates, state, out_state)
-    batch, heads = q.shape[:2]
+    rates = decay_rates.detach().to(device=q.device, dtype=torch.float32).contiguous()
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if out_state is not None:
         if out_state.shape != state.shape or not (out_state.is_contiguous() and state.is_contiguous()):
             raise ValueError("lightning_attn_triton_decode: out_state must be contiguous and shaped like state")
-        new_state = out_state
-    else:
-        state = state.contiguous()
-        new_state = torch.empty_like(state)
+        if out_state is state:  # in place: one opaque op, so torch.compile sees what it mutates
+            return lightning_decode_inplace(q, k, v, rates, state), state
+        return _launch(q, k, v, rates, state, out_state), out_state
+    state = state.contiguous()
+    new_state = torch.empty_like(state)
+    return _launch(q, k, v, rates, state, new_state), new_state
+
+
+@torch.library.custom_op("hylight::lightning_decode_inplace", mutates_args=("state",))
+def lightning_decode_inplace(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rates: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The decode step with the state updated in place (rates: fp32 [H]); returns o [B, H, 1, d_v]."""
+    return _launch(q, k, v, rates, state, state)
+
+
+@lightning_decode_inplace.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rates: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rates: torch.Tensor, state: torch.Tensor,
+            new_state: torch.Tensor) -> torch.Tensor:
+    batch, heads = q.shape[:2]
+    d_k, d_v = q.shape[-1], v.shape[-1]
     o = torch.empty(batch, heads, 1, d_v, device=q.device, dtype=q.dtype)
-    rates = decay_rates.detach().to(device=q.device, dtype=torch.float32).contiguous()
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     bk = max(16, triton.next_power_of_2(d_k))
     bv = min(DECODE_BLOCK_V, max(16, triton.next_power_of_2(d_v)))
     _decode_kernel[(batch * heads, triton.cdiv(d_v, bv))](
@@ -131,4 +151,4 @@ def lightning_attn_triton_decode(
         BV=bv,
         num_warps=4,
     )
-    return o, new_state
+    return o
