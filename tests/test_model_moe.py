@@ -312,15 +312,15 @@ def test_decode_steps_take_the_dense_path_and_generate_the_loops_tokens(monkeypa
     paths: list[tuple[int, str]] = []
     choose = SwiGLUExperts.path_for
 
-    def record(self, x):
-        paths.append((x.shape[0], choose(self, x)))
+    def record(self, x, top_k=2):
+        paths.append((x.shape[0], choose(self, x, top_k)))
         return paths[-1][1]
 
     monkeypatch.setattr(SwiGLUExperts, "path_for", record)
     fast = model.generate(ids, **args)
     assert paths[0] == (80, "loop")  # the prompt: 4 x 20 tokens (CPU, above DENSE_MAX_TOKENS)
     assert set(paths[2:]) == {(4, "dense")}  # every decode step, every layer
-    monkeypatch.setattr(SwiGLUExperts, "path_for", lambda self, x: "loop")
+    monkeypatch.setattr(SwiGLUExperts, "path_for", lambda self, x, top_k=2: "loop")
     assert torch.equal(model.generate(ids, **args), fast)
 
 
