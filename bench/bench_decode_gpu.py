@@ -312,6 +312,7 @@ def main() -> None:
     p.add_argument("--slow-new-cap", type=int, default=64,
                    help="new tokens for the two slow loops (per-token rates are compared)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' MiniMax")
+    p.add_argument("--profile-shapes", default="1x4096,32x256", help="comma-separated BATCHxPROMPT")
     p.add_argument("--longctx-lengths", default="4096,32768,131072,524288,1048576")
     p.add_argument("--longctx-patterns", default="hybrid,all-softmax")
     p.add_argument("--longctx-decode", type=int, default=128)
@@ -351,7 +352,8 @@ def main() -> None:
             section_table(model, theirs, device, workloads, bw, a.slow_new_cap)
         del theirs
         if "profile" in sections:
-            for batch, prompt in ((1, 4096), (32, 256)) if device.type == "cuda" else ((2, 32),):
+            shapes = [tuple(int(v) for v in sh.split("x")) for sh in a.profile_shapes.split(",")]
+            for batch, prompt in shapes:
                 section_profile(model, device, batch, prompt,
                                 compile=os.environ.get("HYLIGHT_DECODE_COMPILE", "1") != "0")
         del model, base
