@@ -260,6 +260,10 @@ def section_profile(model, device: torch.device, batch: int, prompt: int, compil
         sync(device)
         step_ms = (time.perf_counter() - t0) / steps * 1e3
     busy, top, evs = None, [], []
+    if OUT:
+        (OUT / f"profile_b{batch}.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total"
+                                                                            if device.type == "cuda" else
+                                                                            "self_cpu_time_total", row_limit=60))
     if device.type == "cuda":
         evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         intervals = sorted((e.time_range.start, e.time_range.end) for e in evs)

@@ -351,6 +351,10 @@ class StaticHybridCache:
                 slot = (self.prefill_token_rows + c) * self.capacity + self.prefill_token_pos
                 self._slots(layer_idx, store).index_copy_(0, slot, rows)
 
+    # outside torch.compile's graph (a compiled decode step): traced, a write into a view of a graph input became
+    # a copy of the whole buffer every step (1 GB per layer at 512K context); eager, it is one in-place kernel, and
+    # the CUDA graph around the step captures it all the same
+    @torch.compiler.disable
     def append_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, H_kv, 1, D] of a decode step, at each row's position ``lengths[b]`` (no host read)."""
         buffer = self.keys[layer_idx]  # sizes from the tensor: a compiled step may treat the capacity as dynamic
@@ -452,9 +456,14 @@ class LightningAttention(nn.Module):
             )  # fmt: skip
             cache.store_prefill_state(self.layer_idx, final)
             return o.reshape(H, B, T, D).transpose(0, 1)
-        state = cache.lightning_states[self.layer_idx]
-        o, _ = lightning_attention_decode(q, k, v, self.decay_rates, state, impl=self.impl, out_state=state)
-        return o
+        return _decode_in_place(q, k, v, self.decay_rates, cache.lightning_states[self.layer_idx], self.impl)
+
+
+@torch.compiler.disable  # the state is updated in place, never copied (see StaticHybridCache.append_kv)
+def _decode_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, state: torch.Tensor,
+                     impl: str) -> torch.Tensor:
+    o, _ = lightning_attention_decode(q, k, v, decay, state, impl=impl, out_state=state)
+    return o
 
 
 class SoftmaxAttention(nn.Module):
