@@ -73,6 +73,9 @@ DENSE_MAX_MACS_CPU = 2**24
 # above the dense sizes. Not CPU: there the loop has no sync to save, and measured it is as fast or faster
 # (fp32, N = 512..4096, tiny and cpu-small).
 GROUPED_MM_DEVICES = frozenset({"cuda"})
+# Devices where a decode step with fewer routed slots than experts (N * top_k < E, e.g. batch 1) runs the Triton
+# matrix-vector kernels of kernels/moe_decode.py, which read only the chosen experts' weights, once.
+GEMV_DEVICES = frozenset({"cuda"})
 
 
 # answers of grouped_mm_supported, read by path_for: under torch.compile (a decode step) a dict lookup is traced as a
@@ -108,9 +111,10 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, 
 class SwiGLUExperts(nn.Module):
     """E SwiGLU FFNs stored as stacked weights (the released layout): gate_up [E, 2F, d], down [E, d, F].
 
-    ``forward`` has three interchangeable paths, equal up to float rounding (tests/test_model_moe.py):
-    ``dense`` (small N, every expert on every token), ``grouped`` (slots sorted by expert, two grouped GEMMs)
-    and ``loop`` (one expert at a time, the reference); :meth:`path_for` picks one."""
+    ``forward`` has four interchangeable paths, equal up to float rounding (tests/test_model_moe.py):
+    ``gemv`` (a few tokens: Triton matrix-vector kernels over the chosen experts only), ``dense`` (small N, every
+    expert on every token), ``grouped`` (slots sorted by expert, two grouped GEMMs) and ``loop`` (one expert at a
+    time, the reference); :meth:`path_for` picks one."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -127,6 +131,10 @@ class SwiGLUExperts(nn.Module):
     ) -> torch.Tensor:
         """x [N, d]; top_i/top_w/keep [N, k] -> sum over kept slots of w * FFN_e(x) [N, d]."""
         path = self.path_for(x, top_i.shape[1])
+        if path == "gemv":
+            from kernels.moe_decode import moe_decode_ffn
+
+            return moe_decode_ffn(x, self.gate_up_proj, self.down_proj, top_i, top_w.masked_fill(~keep, 0))
         if path == "dense":
             return self.forward_dense(x, top_i, top_w, keep)
         if path == "grouped":
@@ -134,27 +142,28 @@ class SwiGLUExperts(nn.Module):
         return self.forward_loop(x, top_i, top_w, keep)
 
     def path_for(self, x: torch.Tensor, top_k: int = 2) -> str:
-        """The path for N = len(x) tokens: "dense" for small N (DENSE_MAX_TOKENS, DENSE_MAX_MACS_CPU) when no
-        gradient is taken (decode), else "grouped" where the grouped GEMM runs (GROUPED_MM_DEVICES), else "loop".
-        Not dense with gradients: an expert a token did not choose is computed and masked, and an inf in its
-        activations would turn the masked zero gradient into NaN (0 * inf) in the weights' gradients. Not dense
-        either where the grouped GEMM runs and N * top_k < E: fewer slots than experts, so dense would read
-        experts no token chose (batch-1 decode is bound by reading weights: 2 of 8 experts, not 8)."""
+        """The path for N = len(x) tokens when no gradient is taken (decode): "gemv" where fewer slots than experts
+        are routed (N * top_k < E, batch-1 decode; GEMV_DEVICES), else "dense" for small N (DENSE_MAX_TOKENS,
+        DENSE_MAX_MACS_CPU); with gradients, or above those sizes, "grouped" where the grouped GEMM runs
+        (GROUPED_MM_DEVICES), else "loop". Not dense with gradients: an expert a token did not choose is computed
+        and masked, and an inf in its activations would turn the masked zero gradient into NaN (0 * inf) in the
+        weights' gradients."""
         n = x.shape[0]
         d, f = self.down_proj.shape[1:]
         dense_macs = n * self.num_experts * 3 * d * f
         grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad)
-        grouped = False
+        if not grad and n * top_k < self.num_experts and x.device.type in GEMV_DEVICES:
+            return "gemv"
+        if not grad and n <= DENSE_MAX_TOKENS and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU):
+            return "dense"
         if x.device.type in GROUPED_MM_DEVICES:
             key = (x.device, _compute_dtype(x), d, f)
-            grouped = _GROUPED_MM_KNOWN.get(key)
-            if grouped is None and not torch.compiler.is_compiling():
-                grouped = grouped_mm_supported(*key)
-        few_slots = grouped and n * top_k < self.num_experts
-        if (not grad and n <= DENSE_MAX_TOKENS and not few_slots
-                and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU)):
-            return "dense"
-        return "grouped" if grouped else "loop"
+            known = _GROUPED_MM_KNOWN.get(key)
+            if known is None and not torch.compiler.is_compiling():
+                known = grouped_mm_supported(*key)
+            if known:
+                return "grouped"
+        return "loop"
 
     def forward_loop(
         self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
