@@ -25,7 +25,7 @@ import torch.nn.functional as F
 __all__ = ["moe_decode_ffn", "moe_decode_ffn_reference"]
 
 BLOCK_F = 8  # intermediate rows per program: 2 x 1536 / 8 = 384 programs at batch 1 for gpu-300m
-BLOCK_O = 8  # output features per program in the down projection
+BLOCK_O = 4  # output features per program in the down projection: 256 programs per token for d = 1024
 BLOCK_K = 512  # reduction chunk
 
 

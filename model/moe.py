@@ -44,6 +44,18 @@ class MoEOutput:
     dropped: torch.Tensor | None  # int64 [E]: of those, slots over capacity (0 in eval / dropless)
 
 
+def top_k_by_argmax(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(probs, k)`` for small k as k argmax passes: the same values and indices, largest first (a tie
+    goes to the lower index, where topk leaves the order unspecified)."""
+    rest, picks = probs, []
+    for _ in range(k):
+        i = rest.argmax(-1, keepdim=True)
+        picks.append(i)
+        rest = rest.scatter(-1, i, float("-inf"))
+    top_i = torch.cat(picks, dim=-1)
+    return probs.gather(-1, top_i), top_i
+
+
 class TopKRouter(nn.Module):
     """Linear gate W_g and the top-k selection of eq. 1."""
 
@@ -56,7 +68,10 @@ class TopKRouter(nn.Module):
         """x [N, d] -> logits [N, E], probs [N, E] (fp32 or wider), top-k weights [N, k] (sum 1), indices."""
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if torch.is_grad_enabled() or self.top_k > 4:
+            top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        else:  # decode: k argmax passes, which torch.compile fuses into the softmax (torch.topk is two kernels)
+            top_w, top_i = top_k_by_argmax(probs, self.top_k)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # == softmax over the selected logits (eq. 1)
         return logits, probs, top_w, top_i
 
