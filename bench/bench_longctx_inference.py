@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import resource
-import time
 from pathlib import Path
 
 import torch
@@ -91,7 +90,6 @@ def run_lengths(size: str, device: torch.device, dtype: torch.dtype, lengths: li
 
 
 def main() -> None:
-    from model import HybridForCausalLM, config_for
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="tiny")

@@ -18,10 +18,11 @@ emits pad from then on, as transformers does), and the token's write into a devi
 only every ``CHECK_EVERY`` steps (have all rows finished?), so the GPU runs ahead of it.
 
 Equal to transformers' loop: greedy tokens are the same as ``GenerationMixin.generate`` on the same model up to
-float rounding (packing changes the order of some sums; tests/test_generation.py checks token identity in fp32).
-Sampling draws from the same distribution with a different random stream (the Gumbel/exponential trick instead of
-``torch.multinomial``), so sampled tokens differ from transformers' under one seed. The MoE runs dropless (no
-token dropping) whatever the model's train/eval mode: a row's tokens must not depend on the rest of the batch.
+float rounding (packing changes the order of some sums; tests/test_fast_generation.py checks token identity in fp32).
+Sampling applies transformers' warpers' semantics and draws argmax(p / E), E ~ Exp(1), which is how
+``torch.multinomial(p, 1)`` draws on CPU: under one seed the tokens match transformers' there when the batch fills
+its bucket (rows of padding draw noise too); on CUDA the draws come in another order. The MoE runs dropless (no token
+dropping) whatever the model's train/eval mode: a row's tokens must not depend on the rest of the batch.
 """
 
 from __future__ import annotations

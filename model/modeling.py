@@ -299,8 +299,9 @@ class StaticHybridCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         for i, kind in enumerate(config.attention_pattern):
-            if kind == LIGHTNING:  # fp32 whatever the activations, as HybridCache's states under bf16
-                self.lightning_states[i] = torch.zeros(batch, H, D, D, device=device, dtype=torch.float32)
+            if kind == LIGHTNING:  # fp32 at least whatever the activations, as HybridCache's states under bf16
+                state_dtype = torch.promote_types(dtype, torch.float32)
+                self.lightning_states[i] = torch.zeros(batch, H, D, D, device=device, dtype=state_dtype)
             else:
                 for store in (self.keys, self.values):
                     store[i] = torch.zeros(batch, capacity, kv, D, device=device, dtype=dtype).transpose(1, 2)

@@ -1,0 +1,270 @@
+"""Fast generation (model/generation.py): ``HybridForCausalLM.generate`` over a preallocated cache with a packed
+prefill and a host-free decode step gives transformers' loop's tokens (greedy: identical in fp32; sampling: the same
+warped distribution), stops per row at any eos, falls back to transformers' loop for what it does not implement, and
+reuses its cache across calls without leaking state. CPU only (no CUDA graphs here; bench/bench_decode_gpu.py checks
+the graph and compiled steps on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from model.generation import DecodeEngine, GenerationSpec, batch_bucket, next_tokens
+from model.modeling import HybridForCausalLM, StaticHybridCache
+from model.sizes import config_for
+from tests.test_model_moe import _SYNCING_OPS, _RecordOps
+
+PATTERNS = {
+    "hybrid": ["lightning", "softmax", "lightning", "lightning"],
+    "all-lightning": "all-lightning",
+    "all-softmax": "all-softmax",
+}
+PAD, EOS = 2, 1
+
+
+def _model(pattern="hybrid", seed=0, dtype=torch.float32) -> HybridForCausalLM:
+    torch.manual_seed(seed)
+    cfg = config_for("tiny", num_hidden_layers=4, attention_pattern=PATTERNS[pattern], lightning_block_size=16,
+                     pad_token_id=PAD, eos_token_id=EOS, bos_token_id=0)  # fmt: skip
+    return HybridForCausalLM(cfg).to(dtype).eval()
+
+
+def _left_padded(lengths, seed=0, side="left"):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[i, cols] = torch.randint(3, 512, (n,), generator=g)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def _both(model, ids, mask, **kw):
+    fast = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert model.last_generation_refusal is None
+    slow = model.generate(input_ids=ids, attention_mask=mask, fast_decode=False, **kw)
+    return fast, slow
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_greedy_tokens_equal_transformers_loop_on_a_left_padded_batch(pattern):
+    model = _model(pattern)
+    ids, mask = _left_padded([13, 5, 9, 1])
+    fast, slow = _both(model, ids, mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    assert fast.shape == slow.shape == (4, 13 + 24)
+    assert torch.equal(fast, slow)
+
+
+def test_greedy_tokens_of_a_trained_model_equal_transformers_loop():
+    """A model trained to continue a pattern (confident logits, unlike a random model's near-ties)."""
+    model = _model("hybrid").train()
+    period = torch.tensor([5, 9, 17, 33, 65, 129, 257])
+    data = period.repeat(20)[None].expand(8, -1).clone()
+    for row in range(8):
+        data[row] = data[row].roll(row)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        loss = model(input_ids=data, labels=data).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    prompts = [data[0, :10], data[3, :4], data[5, :15]]
+    ids = torch.full((3, 15), PAD)
+    mask = torch.zeros(3, 15, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 15 - len(p):], mask[i, 15 - len(p):] = p, 1
+    fast, slow = _both(model, ids, mask, max_new_tokens=30, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    assert torch.equal(fast, slow)
+    # it learned the pattern: the continuation follows the period
+    nxt = {int(a): int(b) for a, b in zip(period, period.roll(-1), strict=True)}
+    assert all(nxt[int(a)] == int(b) for a, b in zip(fast[0, 14:-1], fast[0, 15:], strict=True))
+
+
+@pytest.mark.parametrize("min_new", [0, 12])
+def test_eos_mid_batch_pads_finished_rows_and_stops_like_transformers(min_new):
+    model = _model("hybrid")
+    ids, mask = _left_padded([7, 12, 3, 9], seed=1)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                          pad_token_id=PAD, eos_token_id=None)
+    eos = [int(free[0, 12 + 4]), int(free[2, 12 + 8])]  # tokens rows 0 and 2 emit early on
+    fast, slow = _both(model, ids, mask, max_new_tokens=30, min_new_tokens=min_new, do_sample=False,
+                       pad_token_id=PAD, eos_token_id=eos)
+    assert fast.shape == slow.shape and torch.equal(fast, slow)
+    new = fast[:, 12:]
+    for row in new:  # after a row's first eos (at or past min_new_tokens) only pad follows
+        hits = [j for j, t in enumerate(row.tolist()) if t in eos and j >= min_new]
+        if hits:
+            assert (row[hits[0] + 1:] == PAD).all()
+    stats = model.last_generation_stats
+    ends = []
+    for row in new.tolist():
+        hit = next((j for j, t in enumerate(row) if t in eos and j >= min_new), None)
+        ends.append(len(row) if hit is None else hit + 1)
+    assert stats.steps == new.shape[1] and stats.new_tokens == sum(ends)
+    assert stats.padding_waste == pytest.approx(1 - sum(ends) / (4 * new.shape[1]))
+
+
+def test_right_padding_is_packed_like_left_padding():
+    model = _model("hybrid")
+    lengths = [6, 11, 2]
+    left, lmask = _left_padded(lengths, seed=3, side="left")
+    right, rmask = _left_padded(lengths, seed=3, side="right")
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    a = model.generate(input_ids=left, attention_mask=lmask, **kw)
+    b = model.generate(input_ids=right, attention_mask=rmask, **kw)
+    assert torch.equal(a[:, 11:], b[:, 11:])
+
+
+def test_sampling_draws_the_same_tokens_as_transformers_loop_on_cpu():
+    """torch.multinomial(p, 1) draws argmax(p / Exp(1)) on CPU, the trick next_tokens uses: one seed, one draw, when
+    the batch fills its bucket (padding rows draw noise too and would shift the stream). In float64, so that
+    packing's rounding (~1e-7 in fp32) cannot flip a near-tie of p_i / E_i."""
+    model = _model("hybrid", dtype=torch.float64)
+    ids, mask = _left_padded([8, 8, 3, 6], seed=4)
+    runs = []
+    for fast in (True, False):
+        torch.manual_seed(7)
+        runs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=40,
+                                   top_p=0.9, temperature=1.3, pad_token_id=PAD, eos_token_id=None,
+                                   fast_decode=fast))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_next_tokens_sample_the_distribution_of_transformers_warpers():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.2, -0.5, -3.0]])
+    spec = GenerationSpec(max_new_tokens=1, do_sample=True, temperature=0.7, top_k=4, top_p=0.8)
+    warped = logits.clone()
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(4), TopPLogitsWarper(0.8)):
+        warped = warper(None, warped)
+    expected = warped.softmax(-1)[0]
+    n = 40_000
+    draws = next_tokens(logits.expand(n, -1), spec, torch.zeros(1, dtype=torch.long), None)
+    freq = torch.bincount(draws, minlength=6).double() / n
+    assert (freq[expected == 0] == 0).all()  # tokens the warpers remove are never drawn
+    torch.testing.assert_close(freq, expected.double(), atol=0.01, rtol=0)
+
+
+def test_min_new_tokens_masks_every_eos_until_reached():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])  # token 1 (an eos) is the argmax
+    spec = GenerationSpec(max_new_tokens=5, min_new_tokens=2, eos=(1, 2))
+    eos = torch.tensor([1, 2])
+    early = next_tokens(logits, spec, torch.tensor([1]), eos)
+    late = next_tokens(logits, spec, torch.tensor([2]), eos)
+    assert early.tolist() == [3] and late.tolist() == [1]
+
+
+def test_calls_only_transformers_loop_implements_fall_back_and_say_why():
+    model = _model("hybrid")
+    ids, mask = _left_padded([6, 4], seed=5)
+    beams = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, do_sample=False,
+                           pad_token_id=PAD)
+    assert "num_beams" in model.last_generation_refusal and beams.shape == (2, 10)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, repetition_penalty=1.3,
+                         pad_token_id=PAD)
+    assert "repetition_penalty" in model.last_generation_refusal and out.shape == (2, 10)
+    scored = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, output_scores=True,
+                            return_dict_in_generate=True, pad_token_id=PAD)
+    assert model.last_generation_refusal and len(scored.scores) == 4
+    holes = mask.clone()
+    holes[0, -3] = 0
+    model.generate(input_ids=ids, attention_mask=holes, max_new_tokens=2, pad_token_id=PAD)
+    assert "contiguous" in model.last_generation_refusal
+
+
+def test_trl_grpo_generation_config_is_served():
+    """TRL's GRPOTrainer (no vLLM) calls generate(input_ids, attention_mask, generation_config=...) with this."""
+    model = _model("hybrid")
+    cfg = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=PAD, bos_token_id=0, eos_token_id=[EOS],
+                           temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+                           cache_implementation=None, disable_compile=True)
+    ids, mask = _left_padded([5, 3])
+    spec, why = GenerationSpec.resolve(model, ids, cfg, {"attention_mask": mask})
+    assert why is None and spec.do_sample and spec.eos == (EOS,) and spec.max_new_tokens == 8
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+    assert model.last_generation_refusal is None and out.shape[0] == 2
+
+
+def test_num_return_sequences_repeats_each_prompt_in_consecutive_rows():
+    model = _model("hybrid")
+    ids, mask = _left_padded([5, 8], seed=6)
+    torch.manual_seed(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=True,
+                         num_return_sequences=3, pad_token_id=PAD, eos_token_id=None)
+    assert out.shape == (6, 8 + 12)
+    assert torch.equal(out[:3, :8], ids[0].expand(3, -1)) and torch.equal(out[3:, :8], ids[1].expand(3, -1))
+    assert len({tuple(r) for r in out[:3, 8:].tolist()}) > 1  # the copies sample independently
+
+
+def test_the_decode_step_runs_no_op_that_waits_for_the_host():
+    model = _model("hybrid")
+    spec = GenerationSpec(max_new_tokens=16, pad=PAD, eos=(EOS,), min_new_tokens=3, do_sample=True, top_k=5,
+                          top_p=0.9, temperature=0.8)
+    with torch.inference_mode():
+        engine = DecodeEngine(model, 4, 64, spec, cuda_graph=False)
+        engine.prefill([torch.randint(3, 512, (n,)) for n in (3, 9, 5)])
+        with _RecordOps() as step:
+            engine._step()
+    assert step.ops and not step.ops & _SYNCING_OPS, step.ops & _SYNCING_OPS
+
+
+def test_the_cache_is_reused_across_calls_and_leaks_nothing_between_them():
+    model = _model("hybrid")
+    kw = dict(max_new_tokens=9, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    a_ids, a_mask = _left_padded([7, 3, 5], seed=8)
+    b_ids, b_mask = _left_padded([2, 6, 4], seed=9)
+    first = model.generate(input_ids=a_ids, attention_mask=a_mask, **kw)
+    engine = next(iter(model._decode_engines.values()))
+    model.generate(input_ids=b_ids, attention_mask=b_mask, **kw)  # 3 rows again: the same bucket of 4, reused
+    assert len(model._decode_engines) == 1 and next(iter(model._decode_engines.values())) is engine
+    again = model.generate(input_ids=a_ids, attention_mask=a_mask, **kw)
+    assert torch.equal(first, again)
+    model.double()  # parameters moved: a new engine over the new storage
+    model.generate(input_ids=a_ids, attention_mask=a_mask, **kw)
+    assert next(iter(model._decode_engines.values())) is not engine
+
+
+def test_packed_prefill_fills_the_static_cache_like_a_plain_forward():
+    model = _model("hybrid", dtype=torch.float64)
+    prompts = [torch.randint(3, 512, (n,)) for n in (9, 4, 13)]
+    cache = StaticHybridCache(model.config, 4, 32, "cpu", torch.float64)
+    cache.begin_prefill([len(p) for p in prompts])
+    cu = torch.tensor([0, 9, 13, 26], dtype=torch.int32)
+    with torch.no_grad():
+        out = model(input_ids=torch.cat(prompts)[None], cu_seqlens=cu, past_key_values=cache, use_cache=True,
+                    logits_to_keep=torch.tensor([8, 12, 25]))
+        for i, p in enumerate(prompts):
+            ref = model(input_ids=p[None], use_cache=True)
+            torch.testing.assert_close(out.logits[0, i], ref.logits[0, -1], rtol=1e-9, atol=1e-9)
+            for layer, state in ref.past_key_values.lightning_states.items():
+                torch.testing.assert_close(cache.lightning_states[layer][i], state[0], rtol=1e-9, atol=1e-12)
+            keys = ref.past_key_values.keys[1][0]  # [H_kv, n, D]
+            torch.testing.assert_close(cache.keys[1][i, :, : len(p)], keys, rtol=1e-12, atol=1e-13)
+    assert cache.lengths.tolist() == [9, 4, 13, 0]
+    assert (cache.lightning_states[0][3] == 0).all()  # a row past the prompts starts empty
+
+
+def test_generated_ids_can_feed_a_training_forward():
+    """Rollouts feed the policy's loss (GRPO): the returned tensor must not be an inference tensor."""
+    model = _model("hybrid")
+    ids, mask = _left_padded([4, 6], seed=10)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=PAD)
+    assert not out.is_inference()
+    model.train()
+    loss = model(input_ids=out, labels=out).loss
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_batches_are_bucketed_to_powers_of_two():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 32, 33, 256)] == [1, 2, 4, 8, 32, 64, 256]
