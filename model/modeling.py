@@ -799,6 +799,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 spec, why = None, prompts
         self.last_generation_refusal = why
         if spec is None:
+            self.last_generation_stats = None
             return super().generate(input_ids, generation_config=generation_config, **kwargs)
         return generation.generate(self, input_ids, prompts, spec)
 

@@ -22,7 +22,8 @@ Metrics: ``loss`` (every step), ``train_preference_accuracy`` / ``reward_margin`
 ``eval_every`` steps and at the last step: the share of pairs whose implicit reward β·(log π − log π_ref) is higher
 for chosen, **ties counting 1/2** — at step 0 π = π_ref, every implicit reward is exactly 0 (the same function on
 the same weights) and the accuracy is exactly 0.5. ``eval_pass_rate`` (the ``eval`` pool, greedy) before (step 0)
-and after (last step), ``dpo_pairs``, ``generation_tokens_per_second``, ``skipped.<reason>``.
+and after (last step), ``dpo_pairs``, ``generation_tokens_per_second``, ``generation_padding_waste``,
+``skipped.<reason>``.
 
 Output: the checkpoint (``model/``, ``minimax/``, tokenizer, the base ``packing.json``: :func:`save_policy`),
 ``pairs/{train,heldout}.jsonl`` (prompt, both responses, their temperatures and reward components),
@@ -288,6 +289,8 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     ctx.log_metrics({"dpo_pairs": len(pairs), "dpo_pairs_train": len(split["train"]),
                      "dpo_pairs_heldout": len(split["heldout"]),
                      "generation_tokens_per_second": stats.tokens_per_second,
+                     **({} if math.isnan(stats.padding_waste) else
+                        {"generation_padding_waste": stats.padding_waste}),
                      **{f"skipped.{k}": skip_counts.get(k, 0) for k in SKIP_REASONS}})
     ctx.progress(f"pairs: {len(split['train'])} train, {len(split['heldout'])} held out; skipped {dict(skip_counts)}; "
                  f"{stats.tokens} tokens sampled at {stats.tokens_per_second:.0f} tokens/s")

@@ -45,10 +45,24 @@ class SamplingStats:
     sequences: int = 0
     finished: int = 0
     by_temperature: dict[float, int] = field(default_factory=dict)
+    decoded_slots: int = 0  # rows x decode steps of the calls served by model/generation.py
+    decoded_tokens: int = 0  # of those, tokens up to and including each row's eos
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def padding_waste(self) -> float:
+        """Share of decoded row-steps spent on rows that had already finished (nan: no call was measured)."""
+        return 1.0 - self.decoded_tokens / self.decoded_slots if self.decoded_slots else float("nan")
+
+    def add_generation(self, model: Any) -> None:
+        """Count the last generate call's decode slots (``model.last_generation_stats``; None: not served)."""
+        g = getattr(model, "last_generation_stats", None)
+        if g is not None:
+            self.decoded_slots += g.rows * g.steps
+            self.decoded_tokens += g.new_tokens
 
 
 def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -> tuple[Any, Any]:
@@ -137,6 +151,7 @@ def sample_responses(model: Any, tokenizer: Any, prompts: Sequence[str], *, temp
                                      num_return_sequences=n, eos_token_id=stops,
                                      pad_token_id=tokenizer.pad_token_id, **kwargs)
             stats.seconds += time.perf_counter() - t0
+            stats.add_generation(model)
             new = gen[:, width:].cpu()
             for k in range(new.shape[0]):
                 row = new[k].tolist()

@@ -32,7 +32,8 @@ Every ``sft`` pool prompt is accounted for: kept, or dropped with a reason in :d
 Metrics: ``eval_pass_rate`` (held-out eval pool, greedy) at step 0 for the input policy and at the last step for the
 trained one; ``loss`` (and ``learning_rate``, ``grad_norm``) every step; ``sft_examples``, ``rejection_acceptance``
 (share of sampled prompts whose target is a sampled response), ``response_length`` (mean target tokens, end marker
-included), ``generation_tokens_per_second``, ``dropped.<reason>``. ``plots/loss.png``: the loss curve.
+included), ``generation_tokens_per_second``, ``generation_padding_waste`` (share of decoded row-steps spent on rows
+already finished, model/generation.py), ``dropped.<reason>``. ``plots/loss.png``: the loss curve.
 
 Output: ``model/`` + ``minimax/`` + ``packing.json`` (``save_policy``: the checkpoint layout every training stage
 writes), ``sft_data.jsonl`` (prompt, response, source, reward components), ``dropped.jsonl``, ``sft_report.json``.
@@ -487,6 +488,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                "response_length": sum(target_tokens) / len(target_tokens),
                "example_length": sum(token_counts) / len(token_counts),
                "generation_tokens_per_second": stats.tokens_per_second,
+               "generation_padding_waste": stats.padding_waste,
                "samples_finished_share": stats.finished / stats.sequences if stats.sequences else 0.0,
                "steps": steps, "sampling_seconds": sampling_seconds, "train_seconds": train_seconds,
                "eval_seconds": eval_seconds, "stage_seconds": seconds}
