@@ -7,6 +7,7 @@ so a saved directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` (
     moe.py            MoEFeedForward: top-k router, SwiGLU experts, capacity drop, aux loss
     modeling.py       LightningAttention, SoftmaxAttention, HybridDecoderLayer, HybridCache, HybridForCausalLM,
                       HybridForSequenceClassification (a score per sequence: reward models, §5.2)
+    generation.py     fast generate: StaticHybridCache, packed prefill, host-free decode step, CUDA graphs
     hf_minimax.py     export to / import from transformers' MiniMaxForCausalLM
     accounting.py     total/activated parameters, Table 1 FLOPs per token, MFU
     sizes.py          named sizes: tiny .. gpu-1b

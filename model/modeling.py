@@ -3,7 +3,8 @@
 Read top to bottom: RMSNorm and partial RoPE; ``LightningAttention`` (the layer around the kernel in
 ``kernels/lightning``); ``SoftmaxAttention`` (GQA + RoPE via torch SDPA); ``HybridDecoderLayer`` (DeepNorm
 residuals around an attention and a ``MoEFeedForward``); ``HybridCache`` (one d x d state per lightning head,
-a KV cache for softmax layers only); ``SequenceLayout`` (padding, packing, positions, masks, built once per
+a KV cache for softmax layers only) and ``StaticHybridCache`` (the same, preallocated, for ``model/generation.py``);
+``SequenceLayout`` (padding, packing, positions, masks, built once per
 call); ``HybridModel`` / ``HybridForCausalLM``.
 
 Where the report and the released architecture (transformers' ``MiniMaxForCausalLM``) differ, this follows
