@@ -50,8 +50,10 @@ def measure(model, length: int, decode_tokens: int, device: torch.device, vocab:
     with torch.inference_mode():
         model.generate(input_ids=ids, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False,
                        eos_token_id=None, pad_token_id=0)
+    from model.generation import engines_of
+
     st = model.last_generation_stats
-    engine = next(iter(model._decode_engines.values()))
+    engine = next(iter(engines_of(model).values()))
     sizes = engine.cache.nbytes()
     return {"prefill_seconds": round(st.prefill_seconds, 4), "prefill_tokens_per_second": round(length / st.prefill_seconds, 1),
             "decode_tokens_per_second": round((decode_tokens - 1) / st.decode_seconds, 2) if decode_tokens > 1 else None,
@@ -66,6 +68,7 @@ def run_lengths(size: str, device: torch.device, dtype: torch.dtype, lengths: li
                 decode_tokens: int, seed: int = 0):
     """Yield one row per (pattern, length); a warm-up generate per pattern first (kernel compilation, autotuning)."""
     from model import HybridForCausalLM, config_for
+    from model.generation import release_engines
 
     for pattern in patterns:
         torch.manual_seed(seed)
@@ -73,14 +76,14 @@ def run_lengths(size: str, device: torch.device, dtype: torch.dtype, lengths: li
                          moe_token_drop=False)
         model = HybridForCausalLM(cfg).to(device=device, dtype=dtype).eval()
         measure(model, min(lengths), 4, device, cfg.vocab_size, seed)  # warm-up, not reported
-        model.__dict__.pop("_decode_engines", None)
+        release_engines(model)
         for length in lengths:
             row = {"kind": "result", "pattern": pattern, "length": length}
             try:
                 row |= measure(model, length, decode_tokens, device, cfg.vocab_size, seed)
             except torch.OutOfMemoryError as e:
                 row |= {"oom": True, "error": str(e).splitlines()[0][:200]}
-            model.__dict__.pop("_decode_engines", None)  # free this length's cache before the next
+            release_engines(model)  # free this length's cache before the next
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

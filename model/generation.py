@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,7 +174,8 @@ class DecodeEngine:
     def __init__(self, model: Any, batch: int, capacity: int, spec: GenerationSpec, cuda_graph: bool,
                  compile: bool = False):
         param = next(model.parameters())
-        self.model, self.spec, self.batch, self.capacity = model, spec, batch, capacity
+        self._model = weakref.ref(model)  # the model owns its engines (engines_of), not the other way round
+        self.spec, self.batch, self.capacity = spec, batch, capacity
         self.device = param.device
         self.cache = StaticHybridCache(model.config, batch, capacity, self.device, param.dtype)
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -194,6 +196,10 @@ class DecodeEngine:
             self._forward = torch.compile(self._logits, dynamic=False)
         if cuda_graph:
             self._capture()
+
+    @property
+    def model(self) -> Any:
+        return self._model()
 
     # --- the step ---------------------------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor) -> None:
@@ -271,9 +277,24 @@ def _fingerprint(model: Any) -> tuple:
     return tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())
 
 
+# model -> its engines, most recently used first. Kept beside the model, not in it: a deepcopy or pickle of the model
+# (TRL copies policies) must not try to copy CUDA graphs, and an engine must not keep a deleted model alive.
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engines_of(model: Any) -> OrderedDict:
+    """The decode engines (cache + graph) kept for ``model``, most recently used first."""
+    return _ENGINES.setdefault(model, OrderedDict())
+
+
+def release_engines(model: Any) -> None:
+    """Drop ``model``'s engines and their caches (memory back to the allocator)."""
+    _ENGINES.pop(model, None)
+
+
 def _engine(model: Any, rows: int, capacity: int, spec: GenerationSpec, cuda_graph: bool,
             compile: bool = False) -> DecodeEngine:
-    engines: OrderedDict = model.__dict__.setdefault("_decode_engines", OrderedDict())
+    engines = engines_of(model)
     bucket = batch_bucket(rows)
     capacity = -(-capacity // CAPACITY_ROUND) * CAPACITY_ROUND
     key = (bucket, capacity, spec, cuda_graph, compile, _fingerprint(model))

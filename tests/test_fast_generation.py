@@ -6,6 +6,8 @@ the graph and compiled steps on a GPU)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -15,7 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from model.generation import DecodeEngine, GenerationSpec, batch_bucket, next_tokens
+from model.generation import DecodeEngine, GenerationSpec, batch_bucket, engines_of, next_tokens
 from model.modeling import HybridForCausalLM, StaticHybridCache
 from model.sizes import config_for
 from tests.test_model_moe import _SYNCING_OPS, _RecordOps
@@ -48,9 +50,12 @@ def _left_padded(lengths, seed=0, side="left"):
 
 
 def _both(model, ids, mask, **kw):
+    """(fast path's ids, transformers' loop's ids); the fast call's statistics stay in ``model.fast_stats``."""
     fast = model.generate(input_ids=ids, attention_mask=mask, **kw)
     assert model.last_generation_refusal is None
+    model.fast_stats = model.last_generation_stats
     slow = model.generate(input_ids=ids, attention_mask=mask, fast_decode=False, **kw)
+    assert model.last_generation_stats is None  # transformers' loop leaves no statistics
     return fast, slow
 
 
@@ -104,7 +109,7 @@ def test_eos_mid_batch_pads_finished_rows_and_stops_like_transformers(min_new):
         hits = [j for j, t in enumerate(row.tolist()) if t in eos and j >= min_new]
         if hits:
             assert (row[hits[0] + 1:] == PAD).all()
-    stats = model.last_generation_stats
+    stats = model.fast_stats
     ends = []
     for row in new.tolist():
         hit = next((j for j, t in enumerate(row) if t in eos and j >= min_new), None)
@@ -223,14 +228,15 @@ def test_the_cache_is_reused_across_calls_and_leaks_nothing_between_them():
     a_ids, a_mask = _left_padded([7, 3, 5], seed=8)
     b_ids, b_mask = _left_padded([2, 6, 4], seed=9)
     first = model.generate(input_ids=a_ids, attention_mask=a_mask, **kw)
-    engine = next(iter(model._decode_engines.values()))
+    engine = next(iter(engines_of(model).values()))
     model.generate(input_ids=b_ids, attention_mask=b_mask, **kw)  # 3 rows again: the same bucket of 4, reused
-    assert len(model._decode_engines) == 1 and next(iter(model._decode_engines.values())) is engine
+    assert len(engines_of(model)) == 1 and next(iter(engines_of(model).values())) is engine
     again = model.generate(input_ids=a_ids, attention_mask=a_mask, **kw)
     assert torch.equal(first, again)
     model.double()  # parameters moved: a new engine over the new storage
     model.generate(input_ids=a_ids, attention_mask=a_mask, **kw)
-    assert next(iter(model._decode_engines.values())) is not engine
+    assert next(iter(engines_of(model).values())) is not engine
+    copy.deepcopy(model)  # the engines live beside the model: copying it copies no cache or graph
 
 
 def test_packed_prefill_fills_the_static_cache_like_a_plain_forward():
