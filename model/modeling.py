@@ -43,31 +43,12 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 
-from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kernels.gemv import small_batch_linear
 from kernels.host_values import host_ints, remember_host_ints
 from kernels.lightning import lightning_attention, lightning_attention_decode, lightning_decay_rates
 from kernels.softmax_decode import softmax_decode_attention
 from kernels.softmax_varlen import document_causal_attention
 from model.configuration import LIGHTNING, SOFTMAX, HybridConfig
 from model.moe import MoEFeedForward, SwiGLUExperts, TopKRouter
-
-# Devices where a projection of at most GEMV_MAX_ROWS rows without gradients (a decode step at batch 1-4) runs
-# kernels/gemv.py's matrix-vector kernel instead of the library GEMM (see ``project``).
-GEMV_DEVICES = frozenset({"cuda"})
-
-
-def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``. A decode step's few rows on a GEMV device (no gradient, no autocast, no bias, no module hooks)
-    go through ``kernels.gemv``, which reads the weight once: on an H100 cuBLAS took ~4.3 us for each of gpu-300m's
-    attention projections at batch 1, about 3x the time reading their 2-6 MB takes."""
-    if (x.device.type in GEMV_DEVICES and not torch.is_grad_enabled() and linear.bias is None
-            and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and x.dtype == linear.weight.dtype
-            and not torch.is_autocast_enabled(x.device.type)
-            and not (linear._forward_hooks or linear._forward_pre_hooks)):
-        return small_batch_linear(x, linear.weight)
-    return linear(x)
-
 
 LIGHTNING_NORM_EPS = (
     1e-6  # released MiniMaxLightningAttention.norm uses the RMSNorm default, not rms_norm_eps
@@ -426,14 +407,14 @@ class LightningAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        qkv = F.silu(project(self.qkv_proj, x))
+        qkv = F.silu(self.qkv_proj(x))
         if layout.token_mask is not None:  # padding must not enter the state
             qkv = qkv * layout.token_mask[..., None].to(qkv.dtype)
         q, k, v = qkv.view(B, T, H, 3 * D).transpose(1, 2).split(D, dim=-1)  # each [B, H, T, D]
         o = self.attend(q, k, v, layout, cache)
         o = o.transpose(1, 2).reshape(B, T, H * D)
-        o = torch.sigmoid(project(self.output_gate, x)) * self.norm(o)
-        return project(self.out_proj, o)
+        o = torch.sigmoid(self.output_gate(x)) * self.norm(o)
+        return self.out_proj(o)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cache: HybridCache | None
@@ -512,12 +493,12 @@ class SoftmaxAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.head_dim
-        q = project(self.q_proj, x).view(B, T, self.num_heads, D).transpose(1, 2)
-        k = project(self.k_proj, x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
-        v = project(self.v_proj, x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.num_heads, D).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_partial_rotary(q, *rope), apply_partial_rotary(k, *rope)
         o = self.attend(q, k, v, layout, cache)
-        return project(self.o_proj, o.transpose(1, 2).reshape(B, T, self.num_heads * D))
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * D))
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cache: HybridCache | None

@@ -15,11 +15,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the import of the kernel modules
 pytest.importorskip("triton", reason="triton is not installed: the decode kernels cannot be checked")
 
-import torch.nn.functional as F  # noqa: E402
-
-import model.modeling as modeling  # noqa: E402
 import model.moe as moe_module  # noqa: E402
-from kernels.gemv import small_batch_linear, small_batch_linear_reference  # noqa: E402
 from kernels.lightning import lightning_attention_decode, lightning_decay_rates  # noqa: E402
 from kernels.moe_decode import moe_decode_ffn, moe_decode_ffn_reference  # noqa: E402
 from kernels.softmax_decode import (  # noqa: E402
@@ -27,9 +23,7 @@ from kernels.softmax_decode import (  # noqa: E402
     softmax_decode_attention_reference,
     split_count,
 )
-from model.modeling import HybridForCausalLM  # noqa: E402
 from model.moe import SwiGLUExperts  # noqa: E402
-from model.sizes import config_for  # noqa: E402
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("no CUDA and TRITON_INTERPRET is off: nothing can run the kernels", allow_module_level=True)
@@ -128,48 +122,3 @@ def test_in_place_lightning_decode_equals_the_out_of_place_step():
     o, new_state = lightning_attention_decode(q, k, v, rates, inplace, impl="triton", out_state=inplace)
     assert new_state.data_ptr() == address  # the preallocated cache keeps its address (CUDA graphs)
     assert _rel(o, ref_o) < 1e-5 and _rel(inplace, ref_state) < 1e-6
-
-
-@pytest.mark.parametrize("shape, out_features", [((1, 1, 64), 96), ((3, 40), 50), ((2, 2, 128), 7)])
-def test_small_batch_linear_equals_f_linear(shape, out_features):
-    g = torch.Generator().manual_seed(out_features)
-    x = torch.randn(*shape, generator=g).to(DEV)
-    w = torch.randn(out_features, shape[-1], generator=g).to(DEV)
-    y = small_batch_linear(x, w)
-    assert y.shape == (*shape[:-1], out_features)
-    assert _rel(y, small_batch_linear_reference(x.double(), w.double())) < 1e-5
-    with pytest.raises(ValueError, match="at most 4 rows"):
-        small_batch_linear(torch.randn(5, shape[-1], device=DEV), w)
-
-
-def test_projections_of_a_few_rows_without_gradients_take_the_gemv(monkeypatch):
-    calls = []
-    monkeypatch.setattr(modeling, "GEMV_DEVICES", frozenset({DEV}))
-    monkeypatch.setattr(modeling, "small_batch_linear", lambda x, w: calls.append(x.shape) or F.linear(x, w))
-    linear = torch.nn.Linear(16, 8, bias=False).to(DEV)
-    with torch.no_grad():
-        modeling.project(linear, torch.randn(1, 1, 16, device=DEV))
-        modeling.project(linear, torch.randn(5, 16, device=DEV))  # too many rows
-    modeling.project(linear, torch.randn(1, 16, device=DEV))  # gradients taken
-    assert calls == [(1, 1, 16)]
-
-
-def test_fast_generate_through_every_decode_kernel_equals_transformers_loop(monkeypatch):
-    """The model's decode step with the Triton kernels in place of the CPU paths: the lightning chunk/decode
-    kernels (lightning_impl="triton"), split-K softmax decode, the matrix-vector MoE and projections."""
-    monkeypatch.setattr(modeling, "GEMV_DEVICES", frozenset({DEV}))
-    monkeypatch.setattr(moe_module, "GEMV_DEVICES", frozenset({DEV}))
-    monkeypatch.setattr(modeling, "softmax_decode_attention",
-                        lambda *a: softmax_decode_attention(*a, impl="triton"))
-    torch.manual_seed(0)
-    cfg = config_for("tiny", num_hidden_layers=2, attention_pattern=["lightning", "softmax"], lightning_block_size=16,
-                     lightning_impl="triton", pad_token_id=2, eos_token_id=1)
-    model = HybridForCausalLM(cfg).to(DEV).eval()
-    ids = torch.randint(3, 512, (1, 9), device=DEV)
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None)
-    fast = model.generate(input_ids=ids, **kw)
-    assert model.last_generation_refusal is None
-    monkeypatch.setattr(modeling, "GEMV_DEVICES", frozenset())
-    monkeypatch.setattr(moe_module, "GEMV_DEVICES", frozenset())
-    slow = model.generate(input_ids=ids, fast_decode=False, **kw)
-    assert torch.equal(fast, slow)
