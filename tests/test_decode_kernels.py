@@ -15,6 +15,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the import of the kernel modules
 pytest.importorskip("triton", reason="triton is not installed: the decode kernels cannot be checked")
 
+import model.modeling as modeling  # noqa: E402
 import model.moe as moe_module  # noqa: E402
 from kernels.lightning import lightning_attention_decode, lightning_decay_rates  # noqa: E402
 from kernels.moe_decode import moe_decode_ffn, moe_decode_ffn_reference  # noqa: E402
@@ -23,7 +24,9 @@ from kernels.softmax_decode import (  # noqa: E402
     softmax_decode_attention_reference,
     split_count,
 )
+from model.modeling import HybridForCausalLM  # noqa: E402
 from model.moe import SwiGLUExperts  # noqa: E402
+from model.sizes import config_for  # noqa: E402
 
 if not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("no CUDA and TRITON_INTERPRET is off: nothing can run the kernels", allow_module_level=True)
@@ -122,3 +125,22 @@ def test_in_place_lightning_decode_equals_the_out_of_place_step():
     o, new_state = lightning_attention_decode(q, k, v, rates, inplace, impl="triton", out_state=inplace)
     assert new_state.data_ptr() == address  # the preallocated cache keeps its address (CUDA graphs)
     assert _rel(o, ref_o) < 1e-5 and _rel(inplace, ref_state) < 1e-6
+
+
+def test_fast_generate_through_every_decode_kernel_equals_transformers_loop(monkeypatch):
+    """The model's decode step with the Triton kernels in place of the CPU paths: the lightning chunk/decode
+    kernels (lightning_impl="triton"), the split-K softmax decode and the matrix-vector MoE."""
+    monkeypatch.setattr(moe_module, "GEMV_DEVICES", frozenset({DEV}))
+    monkeypatch.setattr(modeling, "softmax_decode_attention",
+                        lambda *a: softmax_decode_attention(*a, impl="triton"))
+    torch.manual_seed(0)
+    cfg = config_for("tiny", num_hidden_layers=2, attention_pattern=["lightning", "softmax"], lightning_block_size=16,
+                     lightning_impl="triton", pad_token_id=2, eos_token_id=1)
+    model = HybridForCausalLM(cfg).to(DEV).eval()
+    ids = torch.randint(3, 512, (1, 9), device=DEV)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None)
+    fast = model.generate(input_ids=ids, **kw)
+    assert model.last_generation_refusal is None
+    monkeypatch.setattr(moe_module, "GEMV_DEVICES", frozenset())
+    slow = model.generate(input_ids=ids, fast_decode=False, **kw)
+    assert torch.equal(fast, slow)
