@@ -120,7 +120,8 @@ class EvalParams(StageParams):
         "(niah_choice_accuracy, niah_answer_margin)."))
     copy_trials: int = Field(8, ge=0, description="Copy probe sequences (0: no copy probe).")
     copy_tokens: int = Field(64, ge=4, description="Copy probe: random tokens per copy ([BOS] R R).")
-    generate_batch: int = Field(8, ge=1, description="NIAH prompts decoded together (same length, no padding).")
+    generate_batch: int = Field(8, ge=1, description="NIAH and multi-round NIAH prompts decoded together (one "
+                                "generate call; prompts of different lengths are packed, no compute on padding).")
     pass_rate_prompts: int = Field(0, ge=0, description=(
         "With a `prompts` input: how many of its held-out `eval` pool prompts eval_pass_rate uses (0: all)."))
     pass_rate_max_new_tokens: int = Field(24, ge=1, description=(
@@ -230,13 +231,20 @@ class Scorer:
         return self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[str]:
-        """Greedy answers of equal-length prompts, decoded through the recurrent cache (no padding)."""
+        """Greedy answers, one generate call for all prompts: prompts of different lengths are left-padded, and
+        model/generation.py packs their real tokens (no compute on padding)."""
         torch = self.torch
-        ids = torch.tensor(np.asarray(prompts, np.int64), device=self.device)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.as_tensor(np.asarray(p, np.int64))
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                       do_sample=False, use_cache=True, pad_token_id=self.pad, eos_token_id=self.eos)
-        return [self.decode(row[ids.shape[1]:].tolist()) for row in out]
+        return [self.decode(row[width:].tolist()) for row in out]
 
     def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024, hits: bool = False) -> Any:
         """log p(ids[:, t + 1] | ids[:, :t + 1]) as float32 [B, T - 1]; the vocabulary projection in position chunks
@@ -369,10 +377,12 @@ def _multi_round(scorer: Scorer, stream: TokenStream, lengths: list[int], params
     rng = np.random.default_rng([params.seed, 21])
     rows = []
     for length in lengths:
-        for _ in range(params.mr_niah_trials):
-            t = build_multi_round_trial(stream, scorer.encode, scorer.decode, scorer.render_chat, length,
-                                        mr_rounds(length, params), params.mr_niah_depths, rng)
-            answer = scorer.generate([t.ids], params.mr_niah_max_new_tokens)[0]
+        trials = [build_multi_round_trial(stream, scorer.encode, scorer.decode, scorer.render_chat, length,
+                                          mr_rounds(length, params), params.mr_niah_depths, rng)
+                  for _ in range(params.mr_niah_trials)]
+        answers = [a for batch in _batches(trials, params.generate_batch)  # dialogues differ in length: packed
+                   for a in scorer.generate([t.ids for t in batch], params.mr_niah_max_new_tokens)]
+        for t, answer in zip(trials, answers, strict=True):
             found = recall(answer, t.numbers)
             rows.append({"length": length, "prompt_tokens": len(t.ids), "rounds": t.rounds, "cities": t.cities, "numbers": t.numbers,
                          "depths": t.depths, "needle_rounds": t.needle_rounds, "answer": answer, "found": found,
