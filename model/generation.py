@@ -32,7 +32,7 @@ import os
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -148,7 +148,6 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     cuda_graph: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def padding_waste(self) -> float:
