@@ -516,8 +516,10 @@ class SoftmaxAttention(nn.Module):
             flat = [t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q, k, v)]
             # a generation prefill packs a different number of tokens each call: the SDPA loop (one flash call per
             # prompt) needs no compilation per shape, as the compiled Flex path would
-            o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa,
-                                          impl="sdpa_loop" if static else "auto")
+            if static:
+                o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa, impl="sdpa_loop")
+            else:
+                o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa)
             if static:  # packed prefill of a generation cache: each prompt's keys/values into its rows
                 cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])
             return o.reshape(self.num_heads, B, T, D).transpose(0, 1)
