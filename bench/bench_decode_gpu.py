@@ -42,21 +42,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_cuda(fn, reps: int = 20) -> float:
-    """Median milliseconds of fn() by CUDA events, after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
@@ -78,6 +63,8 @@ def section_check(model, device: torch.device) -> None:
         emit({"kind": "check", "what": "softmax_decode split-K vs fp64", "shape": [b, h, hkv, s, d],
               "rel_err": rel(o, ref)})
     # split-K occupancy: achieved KV read bandwidth at batch 1 for several target program counts
+    import triton.testing
+
     import kernels.softmax_decode as sd
 
     default_programs = sd.MIN_PROGRAMS
@@ -88,7 +75,8 @@ def section_check(model, device: torch.device) -> None:
         lengths = torch.tensor([s], device=device)
         for programs in (256, 512, 1024, 2048, 4096):
             sd.MIN_PROGRAMS = programs
-            ms = time_cuda(lambda: softmax_decode_attention(q, kc, vc, lengths, impl="triton"))
+            ms = triton.testing.do_bench(lambda: softmax_decode_attention(q, kc, vc, lengths, impl="triton"),
+                                         return_mode="median")
             emit({"kind": "check", "what": "split-K batch-1 KV read", "keys": s, "min_programs": programs,
                   "ms": ms, "GBps": 2 * kc.numel() * 2 / ms / 1e6})
     sd.MIN_PROGRAMS = default_programs

@@ -48,7 +48,6 @@ SERVED = frozenset({
     "max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k", "top_p",
     "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "num_return_sequences",
     "transformers_version", "_from_model_config", "cache_implementation", "disable_compile", "compile_config",
-    "return_dict_in_generate",
 })  # fmt: skip
 NEUTRAL = {"num_beams": 1, "num_beam_groups": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
            "no_repeat_ngram_size": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": 0.0,
@@ -87,8 +86,6 @@ class GenerationSpec:
                       and k not in BEAM_ONLY)
         if diff:
             return None, f"generation settings only transformers' loop implements: {diff}"
-        if base.return_dict_in_generate:
-            return None, "return_dict_in_generate"
         if kwargs.get("use_cache") is False or base.use_cache is False:
             return None, "use_cache=False"
         width = input_ids.shape[1]
@@ -144,7 +141,6 @@ class GenerationStats:
     rows: int = 0
     steps: int = 0
     new_tokens: int = 0
-    prompt_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     cuda_graph: bool = False
@@ -154,11 +150,6 @@ class GenerationStats:
         """Share of decoded row-steps spent on rows that had already finished (held by the batch's longest)."""
         slots = self.rows * self.steps
         return 0.0 if slots == 0 else 1.0 - self.new_tokens / slots
-
-    @property
-    def tokens_per_second(self) -> float:
-        total = self.prefill_seconds + self.decode_seconds
-        return self.new_tokens / total if total > 0 else 0.0
 
 
 def batch_bucket(rows: int) -> int:
@@ -345,7 +336,7 @@ def generate(model: Any, input_ids: torch.Tensor, prompts: list[torch.Tensor], s
     rows = len(prompts) * spec.copies
     capacity = max(int(p.numel()) for p in prompts) + spec.max_new_tokens
     device = next(model.parameters()).device
-    stats = GenerationStats(rows=rows, prompt_tokens=sum(int(p.numel()) for p in prompts))
+    stats = GenerationStats(rows=rows)
     was_training = model.training
     model.eval()
     try:

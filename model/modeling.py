@@ -289,9 +289,6 @@ class StaticHybridCache:
     positions. Rows differ in length; a softmax layer reads only each row's own keys
     (``kernels.softmax_decode``)."""
 
-    is_compileable = False
-    is_croppable = False
-
     def __init__(self, config: HybridConfig, batch: int, capacity: int, device: torch.device | str,
                  dtype: torch.dtype):
         self.batch, self.capacity = batch, capacity
@@ -516,12 +513,11 @@ class SoftmaxAttention(nn.Module):
             flat = [t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q, k, v)]
             # a generation prefill packs a different number of tokens each call: the SDPA loop (one flash call per
             # prompt) needs no compilation per shape, as the compiled Flex path would
-            if static:
+            if static:  # packed prefill of a generation cache: each prompt's keys/values into its rows
                 o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa, impl="sdpa_loop")
+                cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])
             else:
                 o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa)
-            if static:  # packed prefill of a generation cache: each prompt's keys/values into its rows
-                cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])
             return o.reshape(self.num_heads, B, T, D).transpose(0, 1)
         if static:  # one decode token per row against the row's own cached keys
             cache.append_kv(self.layer_idx, k, v)

@@ -351,3 +351,12 @@ def test_dropless_moe_runs_no_op_that_waits_for_the_host(monkeypatch, tokens, gr
     with _RecordOps() as loop:
         moe(x, mask)
     assert "nonzero" in loop.ops  # the recorder sees the loop's syncs
+
+
+def test_decode_routing_by_argmax_passes_equals_topk():
+    """Without gradients the router picks top-k as k argmax passes (fused by torch.compile); same values/order."""
+    probs = torch.randn(64, 8).softmax(-1)
+    for k in (1, 2, 3):
+        w, i = moe_module.top_k_by_argmax(probs, k)
+        ref_w, ref_i = torch.topk(probs, k, dim=-1)
+        assert torch.equal(i, ref_i) and torch.equal(w, ref_w)
