@@ -46,6 +46,7 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
+from data.retrieval import KINDS as RETRIEVAL_KINDS
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from pretrain.stage import (
@@ -146,6 +147,13 @@ class LongContextParams(StageParams):
         "torch.compile the RMSNorms and MoE feed-forwards. Refused with GPUs for now: on an H100 the first compiled "
         "backward of a phase failed under CUDA graphs (BENCHMARKS.md); the eager path is the one measured."))
     processes: int | None = _SHARED["processes"]
+    retrieval_share: float = Field(0.0, ge=0, lt=1, description=(
+        "Share of each phase's training rows made of retrieval-bearing samples of up to the phase length "
+        "(pretrain/retrieval_rows.py), spread evenly through the phase; the phase's token budget stays the same."))
+    retrieval_kinds: list[str] = _SHARED["retrieval_kinds"]
+    retrieval_min_tokens: int = _SHARED["retrieval_min_tokens"]
+    probe_every: int = _SHARED["probe_every"]
+    probe_trials: int = _SHARED["probe_trials"]
 
     @model_validator(mode="after")
     def _consistent(self) -> LongContextParams:
@@ -159,6 +167,13 @@ class LongContextParams(StageParams):
         if self.checkpoint_every % self.log_every:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be a multiple of "
                              f"log_every={self.log_every}")
+        if self.probe_every % self.log_every or (self.probe_every and self.sequence_parallel > 1):
+            raise ValueError(f"probe_every={self.probe_every} must be a multiple of log_every={self.log_every} "
+                             "(and needs sequence_parallel 1)")
+        if set(self.retrieval_kinds) - set(RETRIEVAL_KINDS) or not self.retrieval_kinds:
+            raise ValueError(f"retrieval_kinds={self.retrieval_kinds}: a non-empty list of {', '.join(RETRIEVAL_KINDS)}")
+        if self.retrieval_share and self.retrieval_min_tokens > min(p.seq_len for p in self.phases):
+            raise ValueError(f"retrieval_min_tokens={self.retrieval_min_tokens} is longer than a phase's rows")
         if self.short_bound >= self.medium_bound:
             raise ValueError(f"short_max_tokens={self.short_bound} must be below medium_max_tokens={self.medium_bound}")
         if min(self.document_lengths) < 3:
@@ -192,11 +207,17 @@ class LongContextParams(StageParams):
     def previous_weights(self, i: int, corpus: np.ndarray) -> np.ndarray:
         return corpus if i == 0 else self.phases[i - 1].weights
 
+    def retrieval_rows(self, i: int) -> int:
+        """Of phase ``i``'s rows, those made of retrieval samples (the rest are the mixture's)."""
+        return int(round(self.phase_rows(i) * self.retrieval_share))
+
     def weights_of_row(self, i: int, corpus: np.ndarray) -> Any:
-        """Row ``j`` -> token shares [short, medium, long, qa] of phase ``i`` at the row's middle."""
+        """Row ``j`` of the mixture's rows -> token shares [short, medium, long, qa] of phase ``i`` at the row's
+        middle."""
         from pretrain.long_mix import phase_weights
 
-        rows, prev, goal = self.phase_rows(i), self.previous_weights(i, corpus), self.phases[i].weights
+        rows = self.phase_rows(i) - self.retrieval_rows(i)
+        prev, goal = self.previous_weights(i, corpus), self.phases[i].weights
         return lambda j: phase_weights((j + 0.5) / rows, prev, goal, transition_frac=self.transition_frac,
                                        qa_share=self.qa_share, qa_last_frac=self.qa_last_frac)
 
@@ -271,6 +292,7 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
 
     from pretrain.long_data import LongData, TokenSampleWriter, build_long_data
     from pretrain.long_mix import SOURCES, corpus_shares, phase_sources, write_phase_rows
+    from pretrain.retrieval_rows import add_retrieval_rows, read_retrieval, retrieval_metrics
     from pretrain.train import special_token_ids
 
     problems = long_context_resource_problems(params, ctx.resources)  # also without spec validation
@@ -329,10 +351,15 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
                         medium_max=params.medium_bound, previous=params.previous_weights(i, corpus),
                         target=phase.weights, qa_share=params.qa_share, eval_rows=params.eval_rows, seed=params.seed,
                         tokenizer=tok, qa_writer=qa, special_ids=special)
-                    write_phase_rows(tmp, sources, seq_len=phase.seq_len, rows=params.phase_rows(i), seed=params.seed,
+                    write_phase_rows(tmp, sources, seq_len=phase.seq_len,
+                                     rows=params.phase_rows(i) - params.retrieval_rows(i), seed=params.seed,
                                      weights_of_row=params.weights_of_row(i, corpus), vocab_size=vocab,
                                      special_ids=special, inherited=inherited,
                                      describe={"phase": i, "rope_theta": phase.rope_theta})
+                if params.retrieval_rows(i):
+                    add_retrieval_rows(tmp, tok, added_rows=params.retrieval_rows(i), seed=params.seed + i,
+                                       kinds=params.retrieval_kinds, min_tokens=params.retrieval_min_tokens,
+                                       progress=ctx.progress)
                 os.replace(tmp, data_dir)
             cfg = _train_config(params, i, data_dir=data_dir, tokenizer_dir=tokenizer.path, resume_dir=pdir,
                                 export_dir=export, init_from=init)
@@ -348,7 +375,8 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
                          "seq_len": phase.seq_len, "rope_theta": phase.rope_theta}, step=step0)
         total = sum(phase_data["tokens_by_source"].values())
         ctx.log_metrics({f"phase{i}.share.{s}": phase_data["tokens_by_source"][s] / total for s in SOURCES}
-                        | {f"phase{i}.qa_samples": phase_data["qa_samples"]})
+                        | {f"phase{i}.qa_samples": phase_data["qa_samples"]}
+                        | retrieval_metrics(read_retrieval(data_dir), prefix=f"phase{i}.retrieval"))
         phases.append({"phase": i, "seq_len": phase.seq_len, "rope_theta": phase.rope_theta, "end_step": step0,
                        "end_tokens": tokens0, **summary})
         init = export / "model"

@@ -40,6 +40,7 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
+from data.retrieval import KINDS as RETRIEVAL_KINDS
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.artifacts import write_json_atomic
 from pipeline.stage import InputSpec, Resources, StageContext, StageKind, StageParams
@@ -110,6 +111,18 @@ class PretrainParams(StageParams):
     processes: int | None = Field(None, ge=1, description=(
         "Training ranks to launch on each node; default one per GPU of the stage's resources (1 on CPU). Several "
         "CPU ranks train with gloo (tests of expert parallelism)."))
+    retrieval_share: float = Field(0.0, ge=0, lt=1, description=(
+        "Share of the training rows made of retrieval-bearing samples (data/retrieval.py: a far-back span copied "
+        "as the answer to a late query), from the run's own held-in text; 0: none. Our departure from the report "
+        "(its data is not public): natural text alone teaches a small model no copying in a one-GPU budget."))
+    retrieval_kinds: list[str] = Field(default_factory=lambda: list(RETRIEVAL_KINDS), description=(
+        "Kinds of retrieval samples, drawn uniformly: repeat, continue, lookup, multi_lookup."))
+    retrieval_min_tokens: int = Field(256, ge=96, description=(
+        "Shortest retrieval sample; lengths are drawn uniformly up to seq_len."))
+    probe_every: int = Field(0, ge=0, description=(
+        "Steps between in-training retrieval probes on held-out text (copy accuracy, NIAH forced choice at seq_len; "
+        "pretrain/probe.py), logged as probe_* metrics; 0: none. Not with sequence_parallel > 1."))
+    probe_trials: int = Field(8, ge=1, description="NIAH forced-choice prompts and copy probes per in-training probe.")
 
     @model_validator(mode="after")
     def _attention_pattern(self) -> PretrainParams:
@@ -140,6 +153,13 @@ class PretrainParams(StageParams):
         if self.checkpoint_every % self.log_every:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be a multiple of log_every={self.log_every} "
                              "(a resumed run then logs the same loss windows as an uninterrupted one)")
+        if self.probe_every and self.sequence_parallel > 1:
+            raise ValueError("probe_every needs sequence_parallel 1 (the probe runs whole rows on every rank)")
+        if sorted(set(self.retrieval_kinds) - set(RETRIEVAL_KINDS)) or not self.retrieval_kinds:
+            raise ValueError(f"retrieval_kinds={self.retrieval_kinds}: a non-empty list of "
+                             f"{', '.join(RETRIEVAL_KINDS)}")
+        if self.retrieval_share and self.retrieval_min_tokens > self.seq_len:
+            raise ValueError(f"retrieval_min_tokens={self.retrieval_min_tokens} > seq_len={self.seq_len}")
         if self.batch_rows % self.micro_batch_rows:
             raise ValueError(f"batch_rows={self.batch_rows} must be a multiple of micro_batch_rows={self.micro_batch_rows}")
         return self
@@ -382,10 +402,22 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
         ctx.progress(f"packing the mixture into rows of {params.seq_len} tokens")
         tmp = ctx.resume_dir / "data.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        build_packed_dataset(mixture.path, documents.path, tokenizer.path, tmp, seq_len=params.seq_len,
-                             seed=params.seed, eval_documents=params.eval_documents, progress=ctx.progress,
-                             scratch_dir=ctx.work_dir)
+        info = build_packed_dataset(mixture.path, documents.path, tokenizer.path, tmp, seq_len=params.seq_len,
+                                    seed=params.seed, eval_documents=params.eval_documents, progress=ctx.progress,
+                                    scratch_dir=ctx.work_dir)
+        if params.retrieval_share:
+            from tokenizers import Tokenizer
+
+            from pretrain.retrieval_rows import add_retrieval_rows, retrieval_rows_for
+
+            add_retrieval_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")),
+                               added_rows=retrieval_rows_for(info.train.rows, params.retrieval_share),
+                               seed=params.seed, kinds=params.retrieval_kinds,
+                               min_tokens=params.retrieval_min_tokens, progress=ctx.progress)
         os.replace(tmp, data_dir)
+    from pretrain.retrieval_rows import read_retrieval, retrieval_metrics
+
+    ctx.log_metrics(retrieval_metrics(read_retrieval(data_dir)))
     shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")
     packing = json.loads((data_dir / "packing.json").read_text())
 
@@ -393,7 +425,8 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     layout = RankLayout.of(params.processes, r, "pretrain")
     world = layout.world
     fields = {k: v for k, v in params.model_dump().items()
-              if k not in ("double_batch_at_tokens", "double_batch_below_loss", "eval_documents", "processes")}
+              if k not in ("double_batch_at_tokens", "double_batch_below_loss", "eval_documents", "processes",
+                           "retrieval_share", "retrieval_kinds", "retrieval_min_tokens")}
     cfg = TrainConfig(data_dir=str(data_dir), tokenizer_dir=str(tokenizer.path), resume_dir=str(ctx.resume_dir),
                       export_dir=str(ctx.out_dir), double_at_tokens=params.double_batch_at_tokens,
                       double_below_loss=params.double_batch_below_loss, **fields)

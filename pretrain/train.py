@@ -105,6 +105,9 @@ class TrainConfig:
     # and weights; model_overrides still apply, e.g. rope_theta), and read the rows in their stored order
     init_from: str | None = None
     ordered_rows: bool = False
+    # the in-training retrieval probe (pretrain/probe.py): every probe_every steps (a multiple of log_every), 0: off
+    probe_every: int = 0
+    probe_trials: int = 8
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
@@ -544,6 +547,15 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     rows = PackedRows(cfg.data_dir, "train")
     eval_rows = PackedRows(cfg.data_dir, "eval")
     tokens_per_row = cfg.seq_len
+    probe = None
+    if cfg.probe_every:
+        from pretrain.probe import RetrievalProbe
+
+        if cfg.probe_every % cfg.log_every or grid.sequence_parallel > 1:
+            raise ValueError(f"probe_every={cfg.probe_every} must be a multiple of log_every={cfg.log_every}, "
+                             "without sequence parallelism")
+        probe = RetrievalProbe(cfg.tokenizer_dir, eval_rows, seq_len=cfg.seq_len, trials=cfg.probe_trials,
+                               seed=cfg.seed)
 
     model = build_model(cfg)
     model_config = model.config
@@ -702,6 +714,15 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                 "memory_gb": memory_gb(device), "tokens": tokens_seen, "skipped_steps": guard.skipped,
                 "accepted_spikes": guard.accepted_spikes,
             }
+            if probe is not None and (step % cfg.probe_every == 0 or tokens_seen >= cfg.train_tokens):
+                probe_t = time.perf_counter()
+                with eager_layers(engine.module):
+                    metrics |= probe.run(engine.module, device)
+                metrics["probe_seconds"] = time.perf_counter() - probe_t
+                emit("progress", {"message": (
+                    f"probe at step {step}: copy accuracy {metrics['probe_copy_accuracy']:.3f}, NIAH forced choice "
+                    f"{metrics['probe_niah_choice_accuracy']:.2f} (chance {probe.chance:.2f}), margin "
+                    f"{metrics['probe_niah_margin']:+.2f} nats")}, rank)
             history.append({"step": step, **metrics})
             if rank == 0:
                 with open(log_path, "a") as f:

@@ -1,0 +1,237 @@
+"""Retrieval-bearing training samples made from corpus text: the answer to a late query is a span to copy from far back.
+
+Why (issue 22; our departure from §4, whose data is not public): trained on natural text alone, a small model forms
+no copying mechanism in the few million tokens a one-GPU run sees (BENCHMARKS.md: NIAH 0 and copy accuracy 0.000 for
+every ablation variant after 6M tokens), while the same architecture learns to copy within a few hundred steps once
+the data asks for it. These samples ask for it: each one is natural text (the ``context``: held-in corpus tokens)
+with something planted or chosen in it, and a query at the end whose answer is a verbatim copy of a far-back span.
+Training targets (``no_loss`` False) are the context (natural text, modelled like any document) and the answer;
+the planted records, the query and its cue are not (random keys and values cannot be predicted where they first
+appear, and which record a query names cannot be known before it does). ``answer`` marks the answer alone.
+
+Kinds (:data:`KINDS`), all built in token space so a sample is exactly the asked number of tokens:
+
+* ``repeat``: a passage of the context is marked ``«…»`` where it stands; at the end it is asked for again
+  ("The marked passage again: «") and the whole passage is the answer.
+* ``continue``: a span that occurs once in the context; at the end its first few tokens are quoted and the tokens
+  that followed them are the answer (a question about a passage whose answer is a verbatim span).
+* ``lookup``: many ``(ref KEY = VALUE)`` records planted at word boundaries through the context; one is queried
+  at the end (``ref KEY =``), its VALUE is the answer (key-to-value lookup over many pairs).
+* ``multi_lookup``: the same with several records queried in turn (several needles at once).
+
+Keys are made of syllables (``tovu-remi``), values are digit strings or lower-case codes of varying length.
+**Nothing here uses the eval stage's templates** (``pretrain/eval_tasks.py``: the "special magic {city} number"
+needle and question, the multi-round NIAH dialogue): the eval measures transfer of the copying mechanism, not a
+memorised format. ``tests/test_retrieval_data.py`` checks the formats are disjoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+KINDS = ("repeat", "continue", "lookup", "multi_lookup")
+TOKEN_DTYPE = np.dtype("<i4")
+
+# The text of every template (tests check none shares a format with the eval stage's)
+REPEAT_OPEN = " «"
+REPEAT_CLOSE = "»"
+REPEAT_QUERY = "\n\nThe marked passage again: «"
+CONTINUE_QUERY = "\n\nIn the text above, what follows \""
+CONTINUE_ANSWER = "\"? It reads: \""
+CONTINUE_CLOSE = "\""
+RECORD = " (ref {key} = {value})"
+RECORD_QUERY = "\nref {key} ="
+RECORD_ANSWER = " {value})"
+QUERIES_OPEN = "\n\nLook-ups:"
+TEMPLATES = (REPEAT_OPEN, REPEAT_CLOSE, REPEAT_QUERY, CONTINUE_QUERY, CONTINUE_ANSWER, CONTINUE_CLOSE, RECORD,
+             RECORD_QUERY, RECORD_ANSWER, QUERIES_OPEN)
+
+_SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
+_CODE_CHARS = "abcdefghjkmnpqrstuvwxyz23456789"
+MIN_SAMPLE_TOKENS = 96  # below this a sample has no room for its context and query
+
+
+@dataclass(frozen=True)
+class RetrievalSample:
+    """``tokens`` int32 ``[BOS] ... [EOS]``; ``no_loss`` bool (True where the label does not count: BOS, the
+    planted records, the query and its cue); ``answer`` bool (the answer's tokens and the EOS after them)."""
+
+    tokens: np.ndarray
+    no_loss: np.ndarray
+    answer: np.ndarray
+    kind: str
+    meta: dict[str, Any]
+
+    @property
+    def answer_tokens(self) -> int:
+        return int(self.answer.sum())
+
+
+def make_key(rng: np.random.Generator) -> str:
+    """Two or three syllables, two groups: ``tovu-remi``."""
+    def word() -> str:
+        return "".join(_SYLLABLES[int(i)] for i in rng.integers(len(_SYLLABLES), size=int(rng.integers(2, 4))))
+    return f"{word()}-{word()}"
+
+
+def make_value(rng: np.random.Generator) -> str:
+    """Half digit strings of 3 to 9 digits, half lower-case codes of 4 to 8 characters."""
+    if rng.random() < 0.5:
+        n = int(rng.integers(3, 10))
+        return str(int(rng.integers(1, 10))) + "".join(str(int(d)) for d in rng.integers(10, size=n - 1))
+    return "".join(_CODE_CHARS[int(i)] for i in rng.integers(len(_CODE_CHARS), size=int(rng.integers(4, 9))))
+
+
+def word_starts(tokenizer: Any) -> np.ndarray:
+    """bool [vocab]: tokens that begin with whitespace (byte-level BPE's Ġ, Ċ, ĉ); planting before one never
+    splits a word."""
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    starts = np.zeros(vocab, bool)
+    for token, i in tokenizer.get_vocab(with_added_tokens=False).items():
+        starts[i] = token[:1] in ("Ġ", "Ċ", "ĉ")
+    return starts
+
+
+class RetrievalMaker:
+    """Makes :class:`RetrievalSample` s of an exact length from context tokens (corpus text without special tokens).
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` (the pipeline's byte-level BPE); ``bos``/``eos`` its special ids.
+    """
+
+    def __init__(self, tokenizer: Any, *, bos: int, eos: int) -> None:
+        self.tokenizer, self.bos, self.eos = tokenizer, int(bos), int(eos)
+        self.word_start = word_starts(tokenizer)
+        self._cache: dict[str, np.ndarray] = {}
+        self.makers: dict[str, Callable[[np.ndarray, int, np.random.Generator], RetrievalSample]] = {
+            "repeat": self._repeat, "continue": self._continue, "lookup": self._lookup,
+            "multi_lookup": self._multi_lookup}
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, TOKEN_DTYPE)
+            if len(self._cache) < 4096:
+                self._cache[text] = ids
+        return ids
+
+    def make(self, kind: str, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
+        """A ``kind`` sample of exactly ``length`` tokens; ``context`` must hold at least ``length`` tokens."""
+        if kind not in self.makers:
+            raise ValueError(f"unknown retrieval kind {kind!r}: expected one of {', '.join(KINDS)}")
+        if length < MIN_SAMPLE_TOKENS:
+            raise ValueError(f"a retrieval sample needs at least {MIN_SAMPLE_TOKENS} tokens, asked {length}")
+        context = np.asarray(context, TOKEN_DTYPE)
+        if context.size < length:
+            raise ValueError(f"a {length}-token retrieval sample needs {length} context tokens, got {context.size}")
+        sample = self.makers[kind](context, length, rng)
+        if sample.tokens.size != length or sample.no_loss.shape != sample.tokens.shape:
+            raise RuntimeError(f"{kind}: made {sample.tokens.size} tokens, not {length} (a bug in data/retrieval.py)")
+        return sample
+
+    # --- helpers -------------------------------------------------------------------------------------------------
+    def _boundary(self, ctx: np.ndarray, at: int) -> int:
+        """The word boundary of ``ctx`` nearest ``at`` (the start and the end count as boundaries)."""
+        b = np.flatnonzero(self.word_start[ctx])
+        b = np.concatenate([[0], b, [ctx.size]])
+        return int(b[np.argmin(np.abs(b - at))])
+
+    def _assemble(self, parts: Sequence[tuple[np.ndarray, str]], kind: str, meta: dict[str, Any]) -> RetrievalSample:
+        """``[BOS] parts... [EOS]``; each part is ``"text"`` (context: a target), ``"answer"`` (a target, counted
+        as answer) or ``"prompt"`` (not a target: planted records, query, cue, markers). The EOS ends the answer."""
+        toks = [np.asarray([self.bos], TOKEN_DTYPE)]
+        role = ["prompt"]
+        for ids, r in parts:
+            toks.append(np.asarray(ids, TOKEN_DTYPE))
+            role += [r] * len(ids)
+        toks.append(np.asarray([self.eos], TOKEN_DTYPE))
+        role.append("answer")
+        roles = np.asarray(role)
+        return RetrievalSample(np.concatenate(toks), roles == "prompt", roles == "answer", kind, meta)
+
+    # --- the kinds -----------------------------------------------------------------------------------------------
+    def _repeat(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
+        opener, closer, query = self.encode(REPEAT_OPEN), self.encode(REPEAT_CLOSE), self.encode(REPEAT_QUERY)
+        fixed = 2 + opener.size + 2 * closer.size + query.size
+        top = max(9, min(128, (length - fixed) // 4))
+        n = int(np.exp(rng.uniform(np.log(8), np.log(top))))  # passage tokens, log-uniform in [8, top)
+        room = length - fixed - 2 * n  # context tokens around the marked passage
+        if room < 1:
+            raise ValueError(f"repeat: {length} tokens leave no room for the context")
+        ctx = context[:room + n]
+        start = self._boundary(ctx[:room], int(rng.integers(0, room)))
+        passage = ctx[start:start + n]
+        parts = [(ctx[:start], "text"), (opener, "prompt"), (passage, "text"), (closer, "prompt"),
+                 (ctx[start + n:], "text"), (query, "prompt"), (passage, "answer"), (closer, "answer")]
+        return self._assemble(parts, "repeat", {"passage_tokens": n, "depth": round(start / max(room, 1), 4)})
+
+    def _continue(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
+        q, a, close = self.encode(CONTINUE_QUERY), self.encode(CONTINUE_ANSWER), self.encode(CONTINUE_CLOSE)
+        cue_n, ans_n = int(rng.integers(4, 9)), int(rng.integers(6, 25))
+        room = length - 2 - q.size - a.size - close.size - cue_n - ans_n
+        if room < cue_n + ans_n:
+            raise ValueError(f"continue: {length} tokens leave no room for the context")
+        ctx = context[:room]
+        windows = np.lib.stride_tricks.sliding_window_view(ctx, cue_n)
+        for _ in range(16):  # a span whose cue occurs once in the context, so the answer is unambiguous
+            start = int(rng.integers(0, room - cue_n - ans_n + 1))
+            cue = ctx[start:start + cue_n]
+            if int((windows == cue).all(axis=1).sum()) == 1:
+                break
+        else:  # repetitive text: fall back to the last try (the answer is still a verbatim span)
+            pass
+        answer = ctx[start + cue_n:start + cue_n + ans_n]
+        parts = [(ctx, "text"), (q, "prompt"), (cue, "prompt"), (a, "prompt"), (answer, "answer"), (close, "answer")]
+        return self._assemble(parts, "continue", {"cue_tokens": cue_n, "answer_tokens": ans_n,
+                                                  "depth": round(start / max(room, 1), 4)})
+
+    def _records(self, context: np.ndarray, length: int, rng: np.random.Generator, queries: int,
+                 kind: str) -> RetrievalSample:
+        records = int(rng.integers(max(queries, 4), 33))
+        pairs: list[tuple[str, str]] = []
+        keys: set[str] = set()
+        while len(pairs) < records:
+            key = make_key(rng)
+            if key not in keys:
+                keys.add(key)
+                pairs.append((key, make_value(rng)))
+        planted = [self.encode(RECORD.format(key=k, value=v)) for k, v in pairs]
+        asked = [int(i) for i in rng.choice(records, size=queries, replace=False)]
+        head = self.encode(QUERIES_OPEN)
+        q_parts = []
+        for i in asked:
+            k, v = pairs[i]
+            q_parts += [(self.encode(RECORD_QUERY.format(key=k)), "prompt"),
+                        (self.encode(RECORD_ANSWER.format(value=v)), "answer")]
+        fixed = 2 + head.size + sum(len(p) for p, _ in q_parts)
+        # as many records as the length allows (at least the queried ones), leaving half the sample to context
+        while records > queries and sum(p.size for p in planted) > (length - fixed) // 2:
+            drop = next(j for j in range(records - 1, -1, -1) if j not in asked)
+            del planted[drop], pairs[drop]
+            asked = [i - (i > drop) for i in asked]
+            records -= 1
+        room = length - fixed - sum(p.size for p in planted)
+        if room < 1:
+            raise ValueError(f"{kind}: {length} tokens leave no room for the context")
+        ctx = context[:room]
+        at = sorted(self._boundary(ctx, int(x)) for x in rng.integers(0, room + 1, size=records))
+        order = rng.permutation(records)  # which record goes to which position
+        parts: list[tuple[np.ndarray, str]] = []
+        prev = 0
+        for pos, j in zip(at, order, strict=True):
+            parts += [(ctx[prev:pos], "text"), (planted[j], "prompt")]
+            prev = pos
+        parts += [(ctx[prev:], "text"), (head, "prompt"), *q_parts]
+        depth = {pairs[int(j)][0]: round(pos / max(room, 1), 4) for pos, j in zip(at, order, strict=True)}
+        return self._assemble(parts, kind, {"records": records, "queries": queries,
+                                            "depths": [depth[pairs[i][0]] for i in asked]})
+
+    def _lookup(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
+        return self._records(context, length, rng, 1, "lookup")
+
+    def _multi_lookup(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
+        queries = min(int(rng.integers(2, 6)), max(2, length // 160))  # short samples: fewer queries
+        return self._records(context, length, rng, queries, "multi_lookup")

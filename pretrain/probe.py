@@ -1,0 +1,108 @@
+"""The in-training retrieval probe: copy accuracy and NIAH forced choice every ``probe_every`` steps (issue 22).
+
+The ``eval`` stage measures retrieval once, at the end; learning to copy is a phase change (Olsson et al.), so
+``pretrain`` and ``long_context`` also measure it while they train, on held-out text, and log it as a curve:
+
+* ``probe_copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` random ordinary tokens; the
+  eval stage's copy probe, ``pretrain/eval_tasks.build_copy_trials``), and ``probe_copy_loss_gain``, the first
+  copy's mean loss minus the second's (nats);
+* ``probe_niah_choice_accuracy``: vanilla NIAH prompts of the training length (``pretrain/eval_tasks``: the needle in
+  a haystack of held-out rows, one prompt per depth from 0 to 1) scored as a forced choice between the needle's
+  number and ``distractors`` numbers the prompt never held (teacher-forced log-likelihood of each as the answer;
+  chance is 1 / (1 + distractors)), and ``probe_niah_margin`` (nats: the needle's number minus the distractors'
+  mean).
+
+The eval's own prompt builders are used, so the probe and the stage measure the same thing; the probe never trains
+on them. It runs whole packed sequences (no cache), in eval mode without gradients; every rank runs it (expert
+parallelism needs all ranks in each forward), rank 0 reports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pretrain.eval_tasks import TokenStream, build_copy_trials, build_niah_trials, niah_distractors
+
+PROBE_METRICS = ("probe_copy_accuracy", "probe_copy_loss_gain", "probe_niah_choice_accuracy", "probe_niah_margin")
+
+
+class RetrievalProbe:
+    """Built once per run from the tokenizer and the held-out rows; :meth:`run` measures a model."""
+
+    def __init__(self, tokenizer_dir: str | Path, eval_rows: Any, *, seq_len: int, trials: int, seed: int,
+                 distractors: int = 3, copy_tokens: int = 64) -> None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        special = set(tok.get_added_tokens_decoder())
+        self.bos = int(eval_rows.info.special_ids["bos"])
+
+        def encode(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False).ids
+
+        text: list[np.ndarray] = []
+        need = seq_len * 2
+        for i in range(len(eval_rows)):  # held-out text, special tokens out, enough for a few haystacks
+            tokens, _, pad = eval_rows.row(i)
+            text.append(tokens[~pad & ~np.isin(tokens, list(special))])
+            need -= text[-1].size
+            if need <= 0:
+                break
+        stream = TokenStream(np.concatenate(text))
+        depths = np.linspace(0.0, 1.0, trials).round(4).tolist() if trials > 1 else [0.5]
+        self.niah = build_niah_trials(stream, encode, self.bos, [seq_len], depths, 1, seed)
+        wrong = niah_distractors(self.niah, distractors, seed)
+        self.candidates = [[encode(f" {x}") for x in [t.number, *w]] for t, w in zip(self.niah, wrong, strict=True)]
+        self.chance = 1.0 / (1 + distractors)
+        ordinary = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in special]
+        n = max(4, min(copy_tokens, (seq_len - 1) // 2))
+        self.copy = build_copy_trials(ordinary, self.bos, trials, n, seed)
+
+    @staticmethod
+    def _packed_logprobs(model: Any, seqs: list[list[int]], device: torch.device,
+                         targets: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence, (log-prob of the token at each of ``targets`` positions, whether it was the argmax): one
+        packed forward (``cu_seqlens``: each sequence is its own document), the LM head only where needed."""
+        ids = torch.tensor([t for s in seqs for t in s], device=device)[None]
+        lens = torch.tensor([len(s) for s in seqs])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lens, 0)
+        pos = torch.cat([torch.arange(n) for n in lens.tolist()]).to(device)[None]
+        h = model.model(input_ids=ids, cu_seqlens=cu.to(device), position_ids=pos,
+                        output_router_logits=False).last_hidden_state[0]
+        out = []
+        for k, tgt in enumerate(targets):
+            at = torch.as_tensor(np.asarray(tgt, np.int64) + int(cu[k]), device=device)
+            logp = torch.log_softmax(model.lm_head(h[at - 1]).float(), dim=-1)  # position p is predicted at p - 1
+            want = ids[0, at]
+            out.append((logp.gather(1, want[:, None])[:, 0], logp.argmax(-1) == want))
+        return out
+
+    @torch.no_grad()
+    def run(self, model: Any, device: torch.device) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            copy = self._packed_logprobs(
+                model, [t.ids for t in self.copy], device,
+                [np.r_[np.asarray(t.first_copy_targets()), np.asarray(t.second_copy_targets())] for t in self.copy])
+            acc, gain = [], []
+            for t, (lp, hit) in zip(self.copy, copy, strict=True):
+                m = len(t.first_copy_targets())
+                acc.append(float(hit[m:].float().mean()))
+                gain.append(float(-lp[:m].mean() + lp[m:].mean()))
+            choice, margin = [], []
+            for t, cands in zip(self.niah, self.candidates, strict=True):
+                seqs = [t.ids + c for c in cands]
+                lls = [float(lp.sum()) for lp, _ in self._packed_logprobs(
+                    model, seqs, device, [np.arange(len(t.ids), len(s)) for s in seqs])]
+                choice.append(lls[0] > max(lls[1:]))
+                margin.append(lls[0] - float(np.mean(lls[1:])))
+        finally:
+            model.train(was_training)
+        return {"probe_copy_accuracy": float(np.mean(acc)), "probe_copy_loss_gain": float(np.mean(gain)),
+                "probe_niah_choice_accuracy": float(np.mean(choice)), "probe_niah_margin": float(np.mean(margin))}

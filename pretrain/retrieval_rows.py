@@ -1,0 +1,212 @@
+"""Retrieval-bearing rows mixed into a packed training split (``pretrain`` and each ``long_context`` phase).
+
+``retrieval_share`` of a training run's rows are made of ``data/retrieval.py`` samples (a far-back span copied as
+the answer to a late query: repeated passages, quoted continuations, key-to-value look-ups, several look-ups at
+once) instead of plain documents. Our departure from the report (issue 22): its data is not public, and the
+pipeline's sample corpus teaches a small model no copying in a one-GPU budget (BENCHMARKS.md).
+
+The samples are made here, from the split's own training rows (their text with the special tokens taken out), so
+they hold only held-in text: the held-out documents that the eval stage builds its haystacks from never appear.
+A retrieval row is filled with samples of lengths drawn uniformly from ``[min_tokens, seq_len]`` (cut to the
+row's space); a rest shorter than ``min_tokens`` is one more plain-text segment. The rows are spread evenly
+among the split's rows (``long_context`` reads its rows in order, so the share is the same in every part of a
+phase), and the split's files and ``packing.json`` are rewritten: ``train_no_loss.npy`` marks what does not count
+(the samples' prompts; padding; a long-QA context), the segment files and unigram counts include the new rows,
+``retrieval.json`` says what was made (rows, samples, tokens and answer tokens per kind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data.retrieval import KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker
+from pretrain.data import (
+    INFO_FILE,
+    TOKEN_DTYPE,
+    UNIGRAM_FILE,
+    PackedRows,
+    SplitInfo,
+    _atomic_write,
+    _save_npy,
+    loss_mask,
+    read_info,
+    split_file,
+)
+
+RETRIEVAL_FILE = "retrieval.json"
+_ROWS_TAG = 21  # numpy SeedSequence tag (distinct, nonzero) of the retrieval rows' draws
+
+
+def retrieval_rows_for(rows: int, share: float) -> int:
+    """Rows to add to ``rows`` plain rows so that ``share`` of all rows are retrieval rows."""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"retrieval_share={share}: use a share in [0, 1)")
+    return int(round(rows * share / (1.0 - share)))
+
+
+def positions(plain: int, added: int) -> np.ndarray:
+    """bool [plain + added]: where the added rows go, spread evenly (the plain rows keep their order)."""
+    total = plain + added
+    at = np.zeros(total, bool)
+    if added:
+        at[((np.arange(added) + 0.5) * total / added).astype(np.int64)] = True
+    return at
+
+
+class _Contexts:
+    """Held-in text for the samples: a random training row's tokens onward, special tokens removed."""
+
+    def __init__(self, rows: PackedRows, special: Sequence[int], rng: np.random.Generator) -> None:
+        self.rows, self.rng = rows, rng
+        self.special = np.asarray(sorted(set(int(s) for s in special)), np.int64)
+
+    def take(self, n: int) -> np.ndarray:
+        out: list[np.ndarray] = []
+        have, r = 0, int(self.rng.integers(len(self.rows)))
+        for _ in range(len(self.rows)):
+            tokens, _, pad = self.rows.row(r % len(self.rows))
+            keep = tokens[~pad & ~np.isin(tokens, self.special)]
+            out.append(keep)
+            have += keep.size
+            if have >= n:
+                return np.concatenate(out)[:n].astype(TOKEN_DTYPE)
+            r += 1
+        raise ValueError(f"retrieval rows: the training rows hold only {have} text tokens, fewer than the {n} a "
+                         "sample needs; lower min_tokens or add data")
+
+
+def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int, seed: int,
+                       kinds: Sequence[str] = KINDS, min_tokens: int = 256,
+                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Add ``added_rows`` retrieval rows to the training split in ``data_dir`` (module docstring); return what
+    ``retrieval.json`` records. ``tokenizer`` is the run's ``tokenizers.Tokenizer``."""
+    data_dir = Path(data_dir)
+    if (data_dir / RETRIEVAL_FILE).exists():
+        raise ValueError(f"{data_dir} already holds retrieval rows ({RETRIEVAL_FILE}); pack it again to change them")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"retrieval kinds {list(kinds)}: use a non-empty list of {', '.join(KINDS)}")
+    info = read_info(data_dir)
+    seq_len = info.seq_len
+    if min_tokens < MIN_SAMPLE_TOKENS or min_tokens > seq_len:
+        raise ValueError(f"retrieval min_tokens={min_tokens}: use {MIN_SAMPLE_TOKENS}..{seq_len} (the row length)")
+    special = info.special_ids
+    plain = PackedRows(data_dir, "train")
+    rng = np.random.default_rng([seed, _ROWS_TAG])
+    maker = RetrievalMaker(tokenizer, bos=special["bos"], eos=special["eos"])
+    contexts = _Contexts(plain, special.values(), rng)
+    total = len(plain) + added_rows
+    at = positions(len(plain), added_rows)
+    vocab = info.vocab_size
+
+    pid = os.getpid()
+    tmp = {w: data_dir / f".{split_file('train', w)}.retrieval-{pid}" for w in ("tokens", "no_loss")}
+    tokens = np.lib.format.open_memmap(tmp["tokens"], "w+", TOKEN_DTYPE, (total, seq_len))
+    no_loss = np.lib.format.open_memmap(tmp["no_loss"], "w+", np.bool_, (total, seq_len))
+    starts: list[np.ndarray] = []
+    index = np.zeros(total + 1, np.int64)
+    unigram = np.load(data_dir / UNIGRAM_FILE)
+    by_kind = {k: {"samples": 0, "tokens": 0, "answer_tokens": 0, "loss_tokens": 0} for k in kinds}
+    filler = {"segments": 0, "tokens": 0}
+    added = {"tokens": 0, "loss_tokens": 0, "segments": 0}
+    p, made = 0, 0
+    for j in range(total):
+        if not at[j]:
+            row, row_starts, pad = plain.row(p)
+            p += 1
+        else:
+            pieces, masks, row_starts_l, space = [], [], [0], seq_len
+            while space > 0:
+                if space < min_tokens:  # the rest: plain text, one segment
+                    text = contexts.take(space)
+                    pieces.append(text)
+                    masks.append(np.zeros(space, bool))
+                    filler["segments"] += 1
+                    filler["tokens"] += space
+                    break
+                n = min(int(rng.integers(min_tokens, seq_len + 1)), space)
+                if space - n and space - n < MIN_SAMPLE_TOKENS:
+                    n = space  # no rest too short for anything but filler
+                kind = kinds[int(rng.integers(len(kinds)))]
+                s = maker.make(kind, contexts.take(n), n, rng)
+                pieces.append(s.tokens)
+                masks.append(s.no_loss)
+                counts = by_kind[kind]
+                counts["samples"] += 1
+                counts["tokens"] += n
+                counts["answer_tokens"] += s.answer_tokens
+                counts["loss_tokens"] += int((~s.no_loss[1:]).sum())  # a segment's first label never counts
+                space -= n
+                if space:
+                    row_starts_l.append(seq_len - space)
+            row, pad = np.concatenate(pieces), np.concatenate(masks)
+            row_starts = np.asarray([*row_starts_l, seq_len], np.int32)
+            unigram += np.bincount(row, minlength=vocab)
+            added["tokens"] += seq_len
+            added["segments"] += len(row_starts) - 1
+            added["loss_tokens"] += int(loss_mask(row_starts, pad).sum())
+            made += 1
+            if progress and made % 256 == 0:
+                progress(f"retrieval rows: {made:,}/{added_rows:,}")
+        tokens[j] = row
+        no_loss[j] = pad
+        starts.append(np.asarray(row_starts, np.int32))
+        index[j + 1] = index[j] + len(row_starts)
+    if int(tokens.max(initial=0)) >= vocab:
+        raise ValueError(f"retrieval rows hold a token id >= the vocabulary size {vocab}: wrong tokenizer")
+    tokens.flush()
+    no_loss.flush()
+    del tokens, no_loss
+    os.replace(tmp["tokens"], data_dir / split_file("train", "tokens"))
+    os.replace(tmp["no_loss"], data_dir / split_file("train", "no_loss"))
+    _save_npy(data_dir / split_file("train", "segment_starts"), np.concatenate(starts).astype(np.int32))
+    _save_npy(data_dir / split_file("train", "segment_index"), index)
+    _save_npy(data_dir / UNIGRAM_FILE, unigram)
+
+    t = info.train
+    samples = sum(c["samples"] for c in by_kind.values())
+    train = SplitInfo(rows=total, tokens=t.tokens + added["tokens"], pad_tokens=t.pad_tokens,
+                      loss_tokens=t.loss_tokens + added["loss_tokens"], segments=t.segments + added["segments"],
+                      continuation_segments=t.continuation_segments,
+                      documents=t.documents + samples + filler["segments"],
+                      document_instances=t.document_instances + samples + filler["segments"])
+    record = {"rows": added_rows, "plain_rows": len(plain), "seq_len": seq_len, "samples": samples,
+              "tokens": added["tokens"], "loss_tokens": added["loss_tokens"],
+              "answer_tokens": sum(c["answer_tokens"] for c in by_kind.values()),
+              "share_of_rows": added_rows / max(total, 1), "filler": filler, "by_kind": by_kind,
+              "kinds": list(kinds), "min_tokens": min_tokens, "seed": seed}
+    with _atomic_write(data_dir / RETRIEVAL_FILE) as f:
+        f.write((json.dumps(record, indent=1) + "\n").encode())
+    with _atomic_write(data_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
+        f.write(replace(info, train=train).to_json().encode())
+    if progress:
+        progress(f"retrieval rows: {added_rows:,} of {total:,} training rows, {samples:,} samples ("
+                 + ", ".join(f"{k} {c['samples']:,}" for k, c in by_kind.items()) + ")")
+    return record
+
+
+def read_retrieval(data_dir: str | Path) -> dict[str, Any] | None:
+    """What :func:`add_retrieval_rows` recorded, or None where the split has no retrieval rows."""
+    path = Path(data_dir) / RETRIEVAL_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def retrieval_metrics(record: dict[str, Any] | None, prefix: str = "retrieval") -> dict[str, float]:
+    """Flat MLflow metrics of a :func:`add_retrieval_rows` record (empty without one)."""
+    if not record:
+        return {}
+    out = {f"{prefix}.rows": record["rows"], f"{prefix}.samples": record["samples"],
+           f"{prefix}.tokens": record["tokens"], f"{prefix}.answer_tokens": record["answer_tokens"],
+           f"{prefix}.share_of_rows": record["share_of_rows"]}
+    for kind, c in record["by_kind"].items():
+        out |= {f"{prefix}.{kind}.samples": c["samples"], f"{prefix}.{kind}.answer_tokens": c["answer_tokens"]}
+    return out
+
+
