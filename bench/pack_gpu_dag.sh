@@ -81,7 +81,7 @@ fi
 # .whl/ holds the deepspeed wheel built here (and other wheels it may reuse); pip takes a file from there
 # when it matches, else downloads (cp311 builds of pydantic-core/orjson for a PY_VERSION=3.11 test pack).
 # shellcheck disable=SC2086
-python3 -m pip download -q --no-deps "${TARGET[@]}" --find-links .whl -d "$WHEELS" $pins
+python3 -m pip download -q --no-deps "${TARGET[@]}" --find-links .whl --find-links "$WHEELS" -d "$WHEELS" $pins
 stage=$(mktemp -d /tmp/pack-gpu-dag.XXXXXX)
 [ -n "${KEEP_STAGE:-}" ] || trap 'rm -rf "$stage"' EXIT
 site="$stage/site"

@@ -2,7 +2,7 @@
 # Run a DAG spec end to end on the lent GPU machine in one call, from the repo root there, and leave a compact
 # record in $OUT. Its packages travel as one archive (bench/pack_gpu_dag.sh; carry .whl-dag/pack):
 #
-#   bash bench/run_gpu_dag.sh                       # dags/gpu-small.yaml
+#   bash bench/run_gpu_dag.sh                       # dags/gpu-recipe.yaml
 #   KEEP_WORK=1 bash bench/run_gpu_dag.sh           # the next call, on the still-warm machine: resume the run
 #
 # Steps: unpack the archive into $SITE (no network, no pip), rebuild the quality encoder's fp32 weights from
@@ -16,7 +16,7 @@
 #                       if the run was stopped, what the unfinished stage had written)
 #   diagnostics.txt     only if something failed: Ray's error logs and the stage error files
 #
-# Env: DAG (dags/gpu-small.yaml), HYLIGHT_SET (more `--set` overrides, space separated, e.g.
+# Env: DAG (dags/gpu-recipe.yaml), HYLIGHT_SET (more `--set` overrides, space separated, e.g.
 # "pretrain.train_tokens=4000000"), RUN_ARGS (more `hylight run` arguments, space separated, e.g. "--stage eval" to run
 # one stage and what it needs first), RUN_LIMIT_S (540: seconds after this script starts at which the run gets
 # SIGINT (SIGKILL 20 s later) and the record is still written; keep it ~50 s under the call's timeout), SITE (/tmp/site), ARCHIVE (.whl-dag/pack/site.tar.xz), WORK
@@ -27,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s.%N)
-DAG=${DAG:-dags/gpu-small.yaml}
+DAG=${DAG:-dags/gpu-recipe.yaml}
 SITE=${SITE:-/tmp/site}
 ARCHIVE=${ARCHIVE:-.whl-dag/pack/site.tar.xz}
 WORK=${WORK:-/tmp/hylight-gpu-dag}

@@ -72,18 +72,20 @@ class RetrievalSample:
 
 
 def make_key(rng: np.random.Generator) -> str:
-    """Two or three syllables, two groups: ``tovu-remi``."""
-    def word() -> str:
-        return "".join(_SYLLABLES[int(i)] for i in rng.integers(len(_SYLLABLES), size=int(rng.integers(2, 4))))
-    return f"{word()}-{word()}"
+    """Two groups of two or three syllables: ``tovu-remi``."""
+    n1, n2 = (int(x) for x in rng.integers(2, 4, size=2))
+    syl = [_SYLLABLES[int(i)] for i in rng.integers(len(_SYLLABLES), size=n1 + n2)]
+    return "".join(syl[:n1]) + "-" + "".join(syl[n1:])
 
 
 def make_value(rng: np.random.Generator) -> str:
-    """Half digit strings of 3 to 9 digits, half lower-case codes of 4 to 8 characters."""
-    if rng.random() < 0.5:
-        n = int(rng.integers(3, 10))
-        return str(int(rng.integers(1, 10))) + "".join(str(int(d)) for d in rng.integers(10, size=n - 1))
-    return "".join(_CODE_CHARS[int(i)] for i in rng.integers(len(_CODE_CHARS), size=int(rng.integers(4, 9))))
+    """Half digit strings of 3 to 9 digits (no leading zero), half lower-case codes of 4 to 8 characters."""
+    digits, n = rng.random() < 0.5, int(rng.integers(3, 10))
+    if digits:
+        d = rng.integers(10, size=n)
+        d[0] = 1 + d[0] % 9
+        return "".join(map(str, d.tolist()))
+    return "".join(_CODE_CHARS[int(i)] for i in rng.integers(len(_CODE_CHARS), size=max(4, n - 1)))
 
 
 def word_starts(tokenizer: Any) -> np.ndarray:
@@ -190,7 +192,8 @@ class RetrievalMaker:
 
     def _records(self, context: np.ndarray, length: int, rng: np.random.Generator, queries: int,
                  kind: str) -> RetrievalSample:
-        records = int(rng.integers(max(queries, 4), 33))
+        # up to 32 records, about as many as fit in a quarter of the sample (a record is ~12 tokens)
+        records = min(int(rng.integers(max(queries, 4), 33)), max(queries, length // 48))
         pairs: list[tuple[str, str]] = []
         keys: set[str] = set()
         while len(pairs) < records:
@@ -198,7 +201,8 @@ class RetrievalMaker:
             if key not in keys:
                 keys.add(key)
                 pairs.append((key, make_value(rng)))
-        planted = [self.encode(RECORD.format(key=k, value=v)) for k, v in pairs]
+        planted = [np.asarray(e.ids, TOKEN_DTYPE) for e in self.tokenizer.encode_batch(
+            [RECORD.format(key=k, value=v) for k, v in pairs], add_special_tokens=False)]
         asked = [int(i) for i in rng.choice(records, size=queries, replace=False)]
         head = self.encode(QUERIES_OPEN)
         q_parts = []

@@ -411,6 +411,8 @@ def _log_long_data(ctx: StageContext, stats: dict[str, Any]) -> None:
 
 
 def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[dict[str, Any]]) -> None:
+    from pretrain.retrieval_rows import RETRIEVAL_FILE
+
     out, last = ctx.out_dir, len(phases) - 1
     history: list[dict[str, Any]] = []
     routed = dropped = None
@@ -420,8 +422,9 @@ def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[d
         for name in ("model", "minimax", "summary.json", "train_log.jsonl", "expert_routed.npy", "expert_dropped.npy"):
             _link_tree(pdir / "export" / name, dst / name)
         for name in ("packing.json", "phase_data.json", "row_sources.npy", f"{QA_SAMPLES}.bin",
-                     f"{QA_SAMPLES}.jsonl.gz"):
-            _link_tree(pdir / "data" / name, dst / name)
+                     f"{QA_SAMPLES}.jsonl.gz", RETRIEVAL_FILE):
+            if name != RETRIEVAL_FILE or (pdir / "data" / name).exists():
+                _link_tree(pdir / "data" / name, dst / name)
         step0, tokens0 = ph["end_step"] - ph["steps"], ph["end_tokens"] - ph["tokens"]
         for h in _history(pdir / "export"):
             history.append({**h, "phase": i, "seq_len": ph["seq_len"], "phase_step": h["step"],
@@ -449,9 +452,12 @@ def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[d
     ctx.log_artifact(out / "summary.json")
     # stepped metrics (eval_loss, ...) went out per phase; the summary only records them for `hylight status`
     ctx.summary.update({"eval_loss": f["eval_loss"], "unigram_loss": f["unigram_loss"]})
+    from pretrain.probe import PROBE_METRICS, probe_history
+
+    probes = probe_history(history)
     ctx.log_summary({"loss": history[-1]["loss"] if history else float("nan"), "tokens": f["end_tokens"],
                      "steps": f["end_step"], "skipped_steps": summary["skipped_steps"],
-                     "final_seq_len": f["seq_len"]})
+                     "final_seq_len": f["seq_len"], **{k: probes[-1][k] for k in PROBE_METRICS if probes}})
     ctx.set_rows("tokens", f["end_tokens"])
     ctx.set_rows("steps", f["end_step"])
     ctx.set_rows("phases", len(phases))
@@ -479,6 +485,11 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
         ax.set_title("long-context extension: loss by phase")
         ax.legend()
         ctx.log_figure(fig, "loss_curve.png")
+    from pretrain.probe import probe_figure
+
+    fig = probe_figure(history, chance=0.25, boundaries=[(p["end_step"], f"{p['seq_len']} tok") for p in phases])
+    if fig is not None:
+        ctx.log_figure(fig, "retrieval_probe.png")
     fig, axes = plt.subplots(1, len(phases), figsize=(5 * len(phases), 3.5), squeeze=False)
     for ax, p in zip(axes[0], phases, strict=True):
         realised = row_sources(ctx.resume_dir / f"phase{p['phase']}" / "data").astype(float)

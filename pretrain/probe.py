@@ -106,3 +106,37 @@ class RetrievalProbe:
             model.train(was_training)
         return {"probe_copy_accuracy": float(np.mean(acc)), "probe_copy_loss_gain": float(np.mean(gain)),
                 "probe_niah_choice_accuracy": float(np.mean(choice)), "probe_niah_margin": float(np.mean(margin))}
+
+
+def probe_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The logged steps that carry a probe."""
+    return [h for h in history if "probe_copy_accuracy" in h]
+
+
+def probe_figure(history: list[dict[str, Any]], chance: float | None = None,
+                 boundaries: list[tuple[int, str]] | None = None) -> Any:
+    """Copy accuracy and NIAH forced-choice accuracy against the step (``boundaries``: phase ends, labelled), or
+    None without probes."""
+    rows = probe_history(history)
+    if not rows:
+        return None
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
+    ax[0].plot(steps, [h["probe_copy_accuracy"] for h in rows], "o-", label="copy accuracy (second copy, top-1)")
+    ax[0].plot(steps, [h["probe_niah_choice_accuracy"] for h in rows], "s-", label="NIAH forced choice")
+    if chance is not None:
+        ax[0].axhline(chance, color="gray", ls=":", label=f"forced-choice chance {chance:.2f}")
+    ax[0].set(ylim=(-0.02, 1.02), xlabel="step", ylabel="accuracy", title="retrieval probe (held-out text)")
+    ax[0].legend(fontsize=8)
+    ax[1].plot(steps, [h["probe_copy_loss_gain"] for h in rows], "o-", label="copy loss gain (1st - 2nd copy)")
+    ax[1].plot(steps, [h["probe_niah_margin"] for h in rows], "s-", label="NIAH answer margin")
+    ax[1].axhline(0, color="gray", lw=0.8)
+    ax[1].set(xlabel="step", ylabel="nats", title="the same, graded")
+    ax[1].legend(fontsize=8)
+    for step, label in boundaries or []:
+        for a in ax:
+            a.axvline(step, color="gray", ls="--", lw=0.8)
+        ax[0].annotate(label, (step, 0.02), fontsize=7, rotation=90, ha="right")
+    return fig

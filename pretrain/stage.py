@@ -443,11 +443,15 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     write_loss_curve(ctx.out_dir, history)
     _plots(ctx, history)
     last = history[-1] if history else {}
+    from pretrain.probe import PROBE_METRICS, probe_history
+
+    probes = probe_history(history)
     ctx.log_summary({
         "eval_loss": summary["eval_loss"], "unigram_loss": summary["unigram_loss"],
         "loss": last.get("loss", float("nan")), "tokens": summary["tokens"], "steps": summary["steps"],
         "skipped_steps": summary["skipped_steps"], "drop_rate": summary["drop_rate"],
         "tokens_per_second": last.get("tokens_per_second", float("nan")), "mfu": last.get("mfu", float("nan")),
+        **{k: probes[-1][k] for k in PROBE_METRICS if probes},
     })
     ctx.set_rows("tokens", summary["tokens"])
     ctx.set_rows("steps", summary["steps"])
@@ -489,6 +493,11 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
         ax[1].set_ylabel("learning rate")
         ax[1].set_title("WSD schedule")
         ctx.log_figure(fig, "loss_curve.png")
+    from pretrain.probe import probe_figure
+
+    fig = probe_figure(history, chance=0.25)
+    if fig is not None:
+        ctx.log_figure(fig, "retrieval_probe.png")
     routed = np.load(ctx.out_dir / "expert_routed.npy")
     dropped = np.load(ctx.out_dir / "expert_dropped.npy")
     share = routed / np.maximum(routed.sum(1, keepdims=True), 1)

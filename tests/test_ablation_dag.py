@@ -66,7 +66,7 @@ def test_ablation_spec_variants_differ_only_in_attention_pattern_and_share_data_
     assert compare.inputs == {"reports": [f"eval-{v}" for v in VARIANTS], "checkpoints": list(VARIANTS)}
     # the data stages are those of the DAG of the same size, params included: the same cache keys, so they reuse its
     # artifacts under the same artifact_root
-    twin = load_spec(REPO / "dags" / ("tiny.yaml" if dag == DAG else "gpu-small.yaml"))
+    twin = load_spec(REPO / "dags" / ("tiny.yaml" if dag == DAG else "gpu-recipe.yaml"))
     for name in ("ingest", "clean", "dedup", "tokenizer", "quality", "mix"):
         assert spec.stages[name].params.model_dump() == twin.stages[name].params.model_dump(), name
         assert spec.stages[name].inputs == twin.stages[name].inputs, name
