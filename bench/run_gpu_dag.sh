@@ -12,8 +12,10 @@
 #                       phases' seconds, pretrain's final numbers, package versions
 #   report.json         `hylight run --json`: every stage's state, seconds, summary metrics, artifact
 #   run.log             the whole console (stage output included); written as the run goes
-#   pretrain_summary.json, train_log.jsonl, loss_curve.png, expert_load.png   from the pretrain artifact (or,
-#                       if the run was stopped, what the unfinished stage had written)
+#   pretrain_summary.json, train_log.jsonl   from the pretrain artifact (or, if the run was stopped, what the
+#                       unfinished stage had written)
+#   records.tar.gz      every finished stage's records (summaries, train logs, eval reports, plots, retrieval counts)
+#                       and unfinished stages' train logs
 #   diagnostics.txt     only if something failed: Ray's error logs and the stage error files
 #
 # Env: DAG (dags/gpu-recipe.yaml), HYLIGHT_SET (more `--set` overrides, space separated, e.g.
@@ -195,12 +197,30 @@ if report.exists():
 art = (stages.get("pretrain") or {}).get("artifact")
 roots = [Path(art)] if art else []
 roots += sorted((p.parent for p in (work / "root").rglob("train_log.jsonl")), key=lambda p: -p.stat().st_mtime)
-for src, dst in [("summary.json", "pretrain_summary.json"), ("train_log.jsonl", "train_log.jsonl"),
-                 ("plots/loss_curve.png", "loss_curve.png"), ("plots/expert_load.png", "expert_load.png")]:
+for src, dst in [("summary.json", "pretrain_summary.json"), ("train_log.jsonl", "train_log.jsonl")]:
     for r in roots:
         if (r / src).is_file():
             shutil.copy(r / src, out / dst)
             break
+# every stage's records in one archive (a call returns at most 8 files): summaries, train logs, eval reports,
+# plots, retrieval counts, packing; from each finished stage's artifact, else from its unfinished work in the root
+import tarfile
+
+RECORD_GLOBS = ("summary.json", "train_log.jsonl", "report.json", "timing.json", "packing.json", "retrieval.json",
+                "plots/*.png", "phases/*/summary.json", "phases/*/retrieval.json", "phases/*/phase_data.json",
+                "*_report.json", "pass_rate.jsonl")
+with tarfile.open(out / "records.tar.gz", "w:gz") as tar:
+    for name, r in stages.items():
+        art = r.get("artifact")
+        if not art or not Path(art).is_dir():
+            continue
+        for pattern in RECORD_GLOBS:
+            for f in sorted(Path(art).glob(pattern)):
+                if f.is_file() and f.stat().st_size < 8_000_000:
+                    tar.add(f, arcname=f"{name}/{f.relative_to(art)}")
+    for f in sorted((work / "root").rglob("train_log.jsonl")):  # unfinished training stages' logs
+        if f.stat().st_size < 8_000_000 and "artifacts" not in f.parts:
+            tar.add(f, arcname=f"unfinished/{f.relative_to(work / 'root')}")
 
 print(f"spec {os.environ['RG_DAG']} · exit code {os.environ['RG_RC']} · total {os.environ['RG_TOTAL']}s · "
       f"setup/run phases (s): {os.environ['RG_PHASES']}")

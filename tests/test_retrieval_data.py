@@ -1,0 +1,317 @@
+"""Retrieval-bearing training data (data/retrieval.py, pretrain/retrieval_rows.py) and the in-training probe
+(pretrain/probe.py): formats disjoint from the eval's, answers copied from far back, counts that add up, determinism,
+and a probe that measures what a plain forward pass measures."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from data.retrieval import KINDS, TEMPLATES, RetrievalMaker, make_key
+from pretrain import eval_tasks
+from pretrain.data import PackedRows, build_packed_dataset, loss_mask, make_batch
+from pretrain.long_data import NEEDLE_TEMPLATE, QUESTION_TEMPLATE
+from pretrain.retrieval_rows import (
+    RETRIEVAL_FILE,
+    add_retrieval_rows,
+    positions,
+    read_retrieval,
+    retrieval_metrics,
+    retrieval_rows_for,
+)
+from tests.pretrain_fixtures import build_inputs
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retrieval")
+    return build_inputs(root, documents=120, max_chars=3000, vocab_size=512, domains=("prose", "manual"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(inputs):
+    return Tokenizer.from_file(str(inputs.tokenizer.path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def packed(inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("packed") / "data"
+    build_packed_dataset(inputs.mixture.path, inputs.documents.path, inputs.tokenizer.path, out, seq_len=256,
+                         seed=0, eval_documents=8)
+    return out
+
+
+def _context(packed: Path) -> np.ndarray:
+    rows = PackedRows(packed, "train")
+    special = list(rows.info.special_ids.values())
+    toks = np.concatenate([rows.row(i)[0] for i in range(len(rows))])
+    return toks[~np.isin(toks, special)]
+
+
+def _maker(tokenizer: Tokenizer) -> RetrievalMaker:
+    return RetrievalMaker(tokenizer, bos=tokenizer.token_to_id("<|bos|>"), eos=tokenizer.token_to_id("<|eos|>"))
+
+
+def _samples(tokenizer, packed, n_per_kind=25, lengths=(96, 200, 700)):
+    maker, ctx, rng = _maker(tokenizer), _context(packed), np.random.default_rng(7)
+    out = []
+    for kind in KINDS:
+        for i in range(n_per_kind):
+            length = lengths[i % len(lengths)]
+            start = int(rng.integers(0, ctx.size - length))
+            out.append(maker.make(kind, ctx[start:start + length], length, rng))
+    return out
+
+
+def _has_subsequence(hay: np.ndarray, needle: np.ndarray) -> bool:
+    if needle.size == 0 or needle.size > hay.size:
+        return False
+    windows = np.lib.stride_tricks.sliding_window_view(hay, needle.size)
+    return bool((windows == needle).all(axis=1).any())
+
+
+# --- formats ------------------------------------------------------------------------------------------------------
+EVAL_FORMATS = [eval_tasks.NEEDLE, eval_tasks.QUESTION, eval_tasks.MR_NEEDLE_REQUEST, eval_tasks.MR_FINAL_REQUEST,
+                *eval_tasks.MR_FILLER_REQUESTS]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z]+", text.lower().replace("{city}", " ").replace("{number}", " ").replace("{cities}", " "))
+
+
+def test_retrieval_templates_share_no_three_word_phrase_with_the_eval_templates():
+    def trigrams(text):
+        w = _words(text)
+        return {tuple(w[i:i + 3]) for i in range(len(w) - 2)}
+
+    eval_grams = set().union(*(trigrams(t) for t in EVAL_FORMATS))
+    ours = set().union(*(trigrams(t) for t in TEMPLATES))
+    assert eval_grams and not (ours & eval_grams)
+    for word in ("magic", "special", "city"):
+        assert all(word not in _words(t) for t in TEMPLATES), word
+
+
+def test_retrieval_samples_never_spell_the_eval_needle_or_its_cities(tokenizer, packed):
+    cities = {c.lower() for c in eval_tasks.CITIES}
+    for s in _samples(tokenizer, packed):
+        text = tokenizer.decode(s.tokens.tolist(), skip_special_tokens=False)
+        assert "special magic" not in text.lower()
+        assert "magic number" not in text.lower()
+        for key in re.findall(r"\(ref ([a-z]+-[a-z]+) =", text):
+            assert not set(key.split("-")) & cities, key
+    rng = np.random.default_rng(0)
+    assert not {make_key(rng).replace("-", "") for _ in range(2000)} & cities
+
+
+# --- what a sample is ------------------------------------------------------------------------------------------------
+def test_every_kind_makes_exactly_the_asked_length_with_answers_copied_from_earlier_in_the_sample(tokenizer, packed):
+    maker = _maker(tokenizer)
+    eos = tokenizer.token_to_id("<|eos|>")
+    seen = set()
+    for s in _samples(tokenizer, packed):
+        seen.add(s.kind)
+        assert s.tokens.dtype == np.int32 and s.no_loss.shape == s.answer.shape == s.tokens.shape
+        assert s.tokens[-1] == eos and s.answer[-1] and s.no_loss[0]
+        assert not (s.answer & s.no_loss).any()  # every answer token is a target
+        assert s.answer_tokens >= 2
+        # the answer spans: each run of answer tokens, minus the closing mark, occurs before the query
+        runs = np.split(np.flatnonzero(s.answer), np.flatnonzero(np.diff(np.flatnonzero(s.answer)) > 1) + 1)
+        first = int(runs[0][0])
+        for run in runs:
+            span = s.tokens[run]
+            span = span[span != eos]
+            closers = [maker.encode(t) for t in (")", "»", "\"")]
+            for c in closers:
+                if span.size > c.size and (span[-c.size:] == c).all():
+                    span = span[:-c.size]
+            if s.kind in ("lookup", "multi_lookup"):  # the value, spelt as in its record
+                span = span[1:] if span.size > 1 else span
+            assert _has_subsequence(s.tokens[:first], span), (s.kind, s.meta)
+    assert seen == set(KINDS)
+
+
+def test_a_sample_is_determined_by_its_seed(tokenizer, packed):
+    a = _samples(tokenizer, packed, n_per_kind=3)
+    b = _samples(tokenizer, packed, n_per_kind=3)
+    assert all((x.tokens == y.tokens).all() and (x.no_loss == y.no_loss).all() for x, y in zip(a, b, strict=True))
+
+
+def test_records_and_queries_are_out_of_the_loss_and_context_text_is_in(tokenizer, packed):
+    maker, ctx = _maker(tokenizer), _context(packed)
+    s = maker.make("multi_lookup", ctx[:600], 600, np.random.default_rng(3))
+    text_positions = ~s.no_loss & ~s.answer
+    assert text_positions.sum() > 300  # the natural text around the records is modelled
+    record = maker.encode(" (ref")
+    starts = [i for i in range(s.tokens.size - record.size) if (s.tokens[i:i + record.size] == record).all()]
+    assert len(starts) == s.meta["records"]
+    assert all(s.no_loss[i:i + record.size].all() for i in starts)
+
+
+def test_a_sample_shorter_than_its_parts_is_refused_with_the_reason(tokenizer, packed):
+    maker, ctx = _maker(tokenizer), _context(packed)
+    with pytest.raises(ValueError, match="at least 96 tokens"):
+        maker.make("repeat", ctx[:64], 64, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="needs 300 context tokens"):
+        maker.make("lookup", ctx[:100], 300, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="unknown retrieval kind"):
+        maker.make("trivia", ctx[:300], 300, np.random.default_rng(0))
+
+
+# --- rows in a packed split ------------------------------------------------------------------------------------------
+def test_positions_spread_the_added_rows_evenly_and_keep_the_plain_rows_in_order():
+    at = positions(9, 3)
+    assert at.sum() == 3 and at.size == 12
+    assert np.flatnonzero(at).tolist() == [2, 6, 10]
+    assert positions(5, 0).sum() == 0
+    assert retrieval_rows_for(300, 0.25) == 100 and retrieval_rows_for(10, 0.0) == 0
+    with pytest.raises(ValueError, match="retrieval_share"):
+        retrieval_rows_for(10, 1.0)
+
+
+@pytest.fixture(scope="module")
+def mixed(packed, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixed") / "data"
+    shutil.copytree(packed, out)
+    plain = len(PackedRows(packed, "train"))
+    record = add_retrieval_rows(out, tokenizer, added_rows=retrieval_rows_for(plain, 0.25), seed=0, min_tokens=96)
+    return out, record
+
+
+def test_retrieval_rows_counts_add_up_and_the_plain_rows_are_unchanged(packed, mixed):
+    out, record = mixed
+    before, after = PackedRows(packed, "train"), PackedRows(out, "train")
+    added = record["rows"]
+    assert len(after) == len(before) + added and record["plain_rows"] == len(before)
+    assert record["share_of_rows"] == pytest.approx(0.25, abs=0.01)
+    assert sum(c["samples"] for c in record["by_kind"].values()) == record["samples"]
+    assert all(c["samples"] > 0 for c in record["by_kind"].values())
+    at = positions(len(before), added)
+    plain_rows = [i for i in range(len(after)) if not at[i]]
+    for j, i in enumerate(plain_rows):  # the plain rows, in their order, with the same labels
+        t0, s0, p0 = before.row(j)
+        t1, s1, p1 = after.row(i)
+        assert (t0 == t1).all() and (s0 == s1).all() and (loss_mask(s0, p0) == loss_mask(s1, p1)).all()
+    info = after.info.train
+    assert info.rows == len(after)
+    assert info.tokens == before.info.train.tokens + added * 256
+    real = sum(int((~after.row(i)[2]).sum()) for i in range(len(after)) if at[i])
+    loss = sum(int(loss_mask(after.row(i)[1], after.row(i)[2]).sum()) for i in range(len(after)))
+    assert info.loss_tokens == loss and record["loss_tokens"] == sum(
+        int(loss_mask(after.row(i)[1], after.row(i)[2]).sum()) for i in range(len(after)) if at[i])
+    assert real > record["answer_tokens"] > 0
+    unigram = np.load(out / "unigram_counts.npy")
+    pad = after.info.special_ids["pad"]
+    all_tokens = np.concatenate([after.row(i)[0] for i in range(len(after))])
+    assert unigram.sum() == info.tokens == int((all_tokens != pad).sum()) - 0  # no padding among real tokens
+    assert read_retrieval(out) == record == json.loads((out / RETRIEVAL_FILE).read_text())
+    m = retrieval_metrics(record)
+    assert m["retrieval.rows"] == added and m["retrieval.samples"] == record["samples"]
+    assert retrieval_metrics(None) == {}
+
+
+def test_retrieval_rows_batch_with_answers_as_labels_and_prompts_masked(mixed):
+    out, _ = mixed
+    rows = PackedRows(out, "train")
+    at = np.flatnonzero(positions(rows.info.train.rows - json.loads((out / RETRIEVAL_FILE).read_text())["rows"],
+                                  json.loads((out / RETRIEVAL_FILE).read_text())["rows"]))
+    b = make_batch(rows, at[:2].tolist())
+    labels = b.labels[0].numpy()
+    assert (labels == -100).any() and (labels != -100).sum() > 100
+    tokens, starts, no_loss = rows.row(int(at[0]))
+    assert (labels[:256][no_loss] == -100).all()
+
+
+def test_retrieval_rows_are_determined_by_the_seed_and_refused_twice(packed, tokenizer, tmp_path, mixed):
+    out, _ = mixed
+    again = tmp_path / "again"
+    shutil.copytree(packed, again)
+    plain = len(PackedRows(packed, "train"))
+    add_retrieval_rows(again, tokenizer, added_rows=retrieval_rows_for(plain, 0.25), seed=0, min_tokens=96)
+    for name in ("train_tokens.npy", "train_no_loss.npy", "train_segment_starts.npy", "unigram_counts.npy"):
+        assert (np.load(out / name) == np.load(again / name)).all(), name
+    with pytest.raises(ValueError, match="already holds retrieval rows"):
+        add_retrieval_rows(again, tokenizer, added_rows=3, seed=0)
+    other = tmp_path / "other"
+    shutil.copytree(packed, other)
+    add_retrieval_rows(other, tokenizer, added_rows=retrieval_rows_for(plain, 0.25), seed=1, min_tokens=96)
+    assert not (np.load(out / "train_tokens.npy") == np.load(other / "train_tokens.npy")).all()
+    with pytest.raises(ValueError, match="retrieval kinds"):
+        add_retrieval_rows(tmp_path / "x", tokenizer, added_rows=3, seed=0, kinds=["trivia"])
+
+
+def test_retrieval_rows_hold_no_held_out_text(packed, mixed):
+    """The samples' contexts come from the training rows: no 24-token window of a held-out document is in them."""
+    out, record = mixed
+    rows = PackedRows(out, "train")
+    at = np.flatnonzero(positions(record["plain_rows"], record["rows"]))
+    special = list(rows.info.special_ids.values())
+    train_text = set()
+    for i in range(record["plain_rows"]):
+        t = PackedRows(packed, "train").row(i)[0]
+        t = t[~np.isin(t, special)]
+        train_text.update(tuple(t[k:k + 24]) for k in range(0, t.size - 24))
+    ev = PackedRows(out, "eval")
+    held = set()
+    for i in range(len(ev)):
+        t = ev.row(i)[0]
+        t = t[~np.isin(t, special)]
+        held.update(tuple(t[k:k + 24]) for k in range(0, t.size - 24))
+    held -= train_text  # text the held-out documents share with training ones (boilerplate) is not theirs
+    assert held
+    for i in at:
+        t = rows.row(int(i))[0]
+        assert not any(tuple(t[k:k + 24]) in held for k in range(0, t.size - 24))
+
+
+# --- the in-training probe -------------------------------------------------------------------------------------------
+def _tiny_model(vocab: int):
+    from model.modeling import HybridForCausalLM
+    from model.sizes import config_for
+
+    torch.manual_seed(0)
+    return HybridForCausalLM(config_for("tiny", vocab_size=vocab)).eval()
+
+
+def test_the_probe_measures_what_a_plain_forward_pass_measures(packed, inputs):
+    from pretrain.probe import PROBE_METRICS, RetrievalProbe
+
+    rows = PackedRows(packed, "eval")
+    probe = RetrievalProbe(inputs.tokenizer.path, rows, seq_len=128, trials=3, seed=0, copy_tokens=20)
+    model = _tiny_model(rows.info.vocab_size)
+    got = probe.run(model, torch.device("cpu"))
+    assert set(got) == set(PROBE_METRICS) and not model.training
+
+    def logprobs(ids):  # one sequence alone, the plain way
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits, -1)
+
+    acc, gain = [], []
+    for t in probe.copy:
+        lp = logprobs(t.ids)
+        first, second = np.asarray(t.first_copy_targets()), np.asarray(t.second_copy_targets())
+        ids = torch.tensor(t.ids)
+        acc.append(float((lp[second - 1].argmax(-1) == ids[second]).float().mean()))
+        gain.append(float(-lp[first - 1, ids[first]].mean() + lp[second - 1, ids[second]].mean()))
+    assert got["probe_copy_accuracy"] == pytest.approx(np.mean(acc), abs=1e-6)
+    assert got["probe_copy_loss_gain"] == pytest.approx(np.mean(gain), abs=1e-4)
+    choice, margin = [], []
+    for t, cands in zip(probe.niah, probe.candidates, strict=True):
+        lls = []
+        for c in cands:
+            lp = logprobs(t.ids + c)
+            pos = np.arange(len(t.ids), len(t.ids) + len(c))
+            lls.append(float(lp[pos - 1, torch.tensor(c)].sum()))
+        choice.append(lls[0] > max(lls[1:]))
+        margin.append(lls[0] - np.mean(lls[1:]))
+    assert got["probe_niah_choice_accuracy"] == pytest.approx(np.mean(choice))
+    assert got["probe_niah_margin"] == pytest.approx(np.mean(margin), abs=1e-3)
+    assert len(probe.niah) == 3 and all(len(t.ids) == 128 for t in probe.niah)
+    assert [t.depth for t in probe.niah] == [0.0, 0.5, 1.0]
