@@ -6,18 +6,23 @@ every ablation variant after 6M tokens), while the same architecture learns to c
 the data asks for it. These samples ask for it: each one is natural text (the ``context``: held-in corpus tokens)
 with something planted or chosen in it, and a query at the end whose answer is a verbatim copy of a far-back span.
 Training targets (``no_loss`` False) are the context (natural text, modelled like any document) and the answer;
-the planted records, the query and its cue are not (random keys and values cannot be predicted where they first
-appear, and which record a query names cannot be known before it does). ``answer`` marks the answer alone.
+the planted passages and records, the query and its cue are not (they cannot be predicted where they first appear,
+and which one a query names cannot be known before it does). ``answer`` marks the answer alone.
 
 Kinds (:data:`KINDS`), all built in token space so a sample is exactly the asked number of tokens:
 
-* ``repeat``: a passage of the context is marked ``«…»`` where it stands; at the end it is asked for again
-  ("The marked passage again: «") and the whole passage is the answer.
-* ``continue``: a span that occurs once in the context; at the end its first few tokens are quoted and the tokens
-  that followed them are the answer (a question about a passage whose answer is a verbatim span).
+* ``repeat``: a passage (up to a third of the sample) is marked ``«…»`` where it stands in the context; at the end
+  it is asked for again ("The marked passage again: «") and the whole passage is the answer.
+* ``continue``: a span stands unmarked in the context; at the end its first few tokens are quoted and the 8 to 32
+  tokens that followed them are the answer (a question about a passage whose answer is a verbatim span).
 * ``lookup``: many ``(ref KEY = VALUE)`` records planted at word boundaries through the context; one is queried
   at the end (``ref KEY =``), its VALUE is the answer (key-to-value lookup over many pairs).
-* ``multi_lookup``: the same with several records queried in turn (several needles at once).
+* ``multi_lookup``: the same with two to eight records queried in turn (several needles at once).
+
+The passages and spans are corpus words in a random order (``_scrambled``), not runs of corpus text: the run's
+corpus is small and read several times, so a model memorises it, and a memorised passage's continuation can be
+recalled without looking back (the first GPU run with verbatim corpus passages learned no copying: BENCHMARKS.md).
+Only copying reproduces a random order of words.
 
 Keys are made of syllables (``tovu-remi``), values are digit strings or lower-case codes of varying length.
 **Nothing here uses the eval stage's templates** (``pretrain/eval_tasks.py``: the "special magic {city} number"
@@ -155,38 +160,54 @@ class RetrievalMaker:
         return RetrievalSample(np.concatenate(toks), roles == "prompt", roles == "answer", kind, meta)
 
     # --- the kinds -----------------------------------------------------------------------------------------------
+    def _scrambled(self, source: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` tokens of whole words drawn at random from ``source``, in random order: corpus words whose
+        sequence no amount of memorising the corpus predicts, so only copying reproduces it."""
+        starts = np.flatnonzero(self.word_start[source])
+        if starts.size < 2:
+            return source[:n].copy()
+        ends = np.append(starts[1:], source.size)
+        picked: list[np.ndarray] = []
+        have = 0
+        while have < n:
+            k = rng.integers(starts.size, size=max(8, (n - have) // 2))
+            for s, e in zip(starts[k].tolist(), ends[k].tolist(), strict=True):
+                picked.append(source[s:min(e, s + 8)])
+                have += picked[-1].size
+                if have >= n:
+                    break
+        return np.concatenate(picked)[:n]
+
     def _repeat(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
         opener, closer, query = self.encode(REPEAT_OPEN), self.encode(REPEAT_CLOSE), self.encode(REPEAT_QUERY)
         fixed = 2 + opener.size + 2 * closer.size + query.size
-        top = max(9, min(128, (length - fixed) // 4))
-        n = int(np.exp(rng.uniform(np.log(8), np.log(top))))  # passage tokens, log-uniform in [8, top)
+        top = max(9, (length - fixed) // 3)
+        n = int(rng.integers(8, top))  # passage tokens: up to a third of the sample
         room = length - fixed - 2 * n  # context tokens around the marked passage
         if room < 1:
             raise ValueError(f"repeat: {length} tokens leave no room for the context")
-        ctx = context[:room + n]
-        start = self._boundary(ctx[:room], int(rng.integers(0, room)))
-        passage = ctx[start:start + n]
-        parts = [(ctx[:start], "text"), (opener, "prompt"), (passage, "text"), (closer, "prompt"),
-                 (ctx[start + n:], "text"), (query, "prompt"), (passage, "answer"), (closer, "answer")]
+        ctx = context[:room]
+        start = self._boundary(ctx, int(rng.integers(0, room + 1)))
+        passage = self._scrambled(context, n, rng)
+        parts = [(ctx[:start], "text"), (opener, "prompt"), (passage, "prompt"), (closer, "prompt"),
+                 (ctx[start:], "text"), (query, "prompt"), (passage, "answer"), (closer, "answer")]
         return self._assemble(parts, "repeat", {"passage_tokens": n, "depth": round(start / max(room, 1), 4)})
 
     def _continue(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
         q, a, close = self.encode(CONTINUE_QUERY), self.encode(CONTINUE_ANSWER), self.encode(CONTINUE_CLOSE)
-        cue_n, ans_n = int(rng.integers(4, 9)), int(rng.integers(6, 25))
-        room = length - 2 - q.size - a.size - close.size - cue_n - ans_n
-        if room < cue_n + ans_n:
+        avail = length - 2 - q.size - a.size - close.size
+        cue_n = int(rng.integers(4, 9))
+        ans_n = int(rng.integers(min(8, avail // 5), max(min(8, avail // 5) + 1, min(33, avail // 3 - cue_n))))
+        span_n = cue_n + ans_n + int(rng.integers(0, 17))  # the planted span runs on past the answer
+        room = avail - cue_n - ans_n - span_n
+        if room < 1:
             raise ValueError(f"continue: {length} tokens leave no room for the context")
         ctx = context[:room]
-        windows = np.lib.stride_tricks.sliding_window_view(ctx, cue_n)
-        for _ in range(16):  # a span whose cue occurs once in the context, so the answer is unambiguous
-            start = int(rng.integers(0, room - cue_n - ans_n + 1))
-            cue = ctx[start:start + cue_n]
-            if int((windows == cue).all(axis=1).sum()) == 1:
-                break
-        else:  # repetitive text: fall back to the last try (the answer is still a verbatim span)
-            pass
-        answer = ctx[start + cue_n:start + cue_n + ans_n]
-        parts = [(ctx, "text"), (q, "prompt"), (cue, "prompt"), (a, "prompt"), (answer, "answer"), (close, "answer")]
+        start = self._boundary(ctx, int(rng.integers(0, room + 1)))
+        span = self._scrambled(context, span_n, rng)
+        cue, answer = span[:cue_n], span[cue_n:cue_n + ans_n]
+        parts = [(ctx[:start], "text"), (span, "prompt"), (ctx[start:], "text"), (q, "prompt"), (cue, "prompt"),
+                 (a, "prompt"), (answer, "answer"), (close, "answer")]
         return self._assemble(parts, "continue", {"cue_tokens": cue_n, "answer_tokens": ans_n,
                                                   "depth": round(start / max(room, 1), 4)})
 
@@ -239,5 +260,5 @@ class RetrievalMaker:
         return self._records(context, length, rng, 1, "lookup")
 
     def _multi_lookup(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
-        queries = min(int(rng.integers(2, 6)), max(2, length // 160))  # short samples: fewer queries
+        queries = min(int(rng.integers(2, 9)), max(2, length // 160))  # short samples: fewer queries
         return self._records(context, length, rng, queries, "multi_lookup")
