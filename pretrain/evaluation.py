@@ -514,7 +514,13 @@ def _pass_rate(checkpoint: Path, params: EvalParams, ctx: StageContext) -> dict[
         records = records[:params.pass_rate_prompts]
     if not records:
         raise ValueError("eval: the prompts input's eval pool holds no prompts, so eval_pass_rate cannot be measured")
-    model, tok = load_policy(checkpoint)
+    import torch
+
+    # on the GPU when there is one (the first H100 run of dags/gpu-recipe.yaml generated these on the CPU, at
+    # 99 tokens/s: BENCHMARKS.md), in bf16 there like the Scorer
+    cuda = torch.cuda.is_available()
+    model, tok = load_policy(checkpoint, dtype=torch.bfloat16 if cuda else None,
+                             device=torch.device("cuda") if cuda else None)
     stats = SamplingStats()
     ctx.progress(f"eval_pass_rate: greedy answers to {len(records)} held-out verifiable prompts")
     rate, rows = pass_rate(model, tok, records, max_new_tokens=params.pass_rate_max_new_tokens,
