@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 from data.retrieval import KINDS, TEMPLATES, RetrievalMaker, make_key
 from pretrain import eval_tasks
 from pretrain.data import PackedRows, build_packed_dataset, loss_mask, make_batch
-from pretrain.long_data import NEEDLE_TEMPLATE, QUESTION_TEMPLATE
 from pretrain.retrieval_rows import (
     RETRIEVAL_FILE,
     add_retrieval_rows,

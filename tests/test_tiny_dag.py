@@ -80,6 +80,30 @@ def test_tiny_dag_long_context_extends_the_pretrained_checkpoint_phase_by_phase(
     assert [m.step for m in c.get_metric_history(run_id, "loss")] == list(range(2, 17, 2))
 
 
+def test_tiny_dag_trains_on_retrieval_rows_and_probes_retrieval_while_training(tiny):
+    from data.retrieval import KINDS
+    from pretrain.probe import PROBE_METRICS
+
+    first = tiny["first"]
+    c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
+    pre, lc = first["stages"]["pretrain"], first["stages"]["long_context"]
+    m = c.get_run(pre["run_id"]).data.metrics
+    assert m["retrieval.rows"] > 0 and m["retrieval.share_of_rows"] == pytest.approx(0.1, abs=0.002)
+    assert sum(m[f"retrieval.{k}.samples"] for k in KINDS) == m["retrieval.samples"] >= m["retrieval.rows"]
+    assert 0 < m["retrieval.answer_tokens"] < m["retrieval.tokens"]
+    # a probe every 40 steps and one at the last (147) step, each metric in range; the last one in the summary
+    assert [x.step for x in c.get_metric_history(pre["run_id"], "probe_copy_accuracy")] == [40, 80, 120, 147]
+    for key in PROBE_METRICS:
+        assert key in pre["summary"], key
+    for key in ("probe_copy_accuracy", "probe_niah_choice_accuracy"):
+        assert all(0.0 <= x.value <= 1.0 for x in c.get_metric_history(pre["run_id"], key)), key
+    lm = c.get_run(lc["run_id"]).data.metrics
+    assert (lm["phase0.retrieval.rows"], lm["phase1.retrieval.rows"]) == (16, 8)  # a quarter of 64 and 32 rows
+    assert [x.step for x in c.get_metric_history(lc["run_id"], "probe_niah_choice_accuracy")] == [4, 8, 12, 16]
+    for stage in (pre, lc):
+        assert (Path(stage["artifact"]) / "plots" / "retrieval_probe.png").stat().st_size > 10_000
+
+
 def test_tiny_dag_eval_reports_every_metric_in_range_with_its_plots(tiny):
     """The tiny model finds no needles; what is checked is that every metric is a real number in its range."""
     ev, pretrain = tiny["first"]["stages"]["eval"]["summary"], tiny["first"]["stages"]["pretrain"]["summary"]
