@@ -1,0 +1,130 @@
+"""Does a hybrid learn to copy from the retrieval-bearing samples? A check of the data, not of the stages (CPU or GPU).
+
+Trains ``model/``'s hybrid (size ``--size``, plain PyTorch AdamW, no DeepSpeed; bf16 autocast on a GPU when there is
+one) on rows made only of
+``data/retrieval.py`` samples of one or more kinds (``--kinds``), with the samples' own loss masks, and every
+``--probe-every`` steps measures:
+
+* ``answer_accuracy``: top-1 accuracy on the answer tokens of held-out samples of the same kinds (the trained task);
+* the in-training probe of the stages (``pretrain/probe.py``): copy accuracy on repeated *random token ids* and the
+  NIAH forced choice at the row length (the transfer the eval stage asks for).
+
+``--kinds random_repeat`` is the control the issue's toy used: a span of uniformly random ordinary token ids
+repeated once, the loss on the repeat. It needs no corpus text.
+
+    python bench/retrieval_data_check.py --tokenizer DIR --data PACKED_DIR --kinds repeat --steps 300
+
+``--data`` is a packed dataset (``pretrain/data.py``; its train rows give the context text, its eval rows the
+probe's haystacks). Prints one line per probe and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+
+def random_repeat(vocab: list[int], bos: int, eos: int, length: int, rng: np.random.Generator) -> tuple:
+    n = (length - 2) // 2
+    r = np.asarray(vocab)[rng.integers(len(vocab), size=n)]
+    tokens = np.concatenate([[bos], r, r, [eos] * (length - 1 - 2 * n)]).astype(np.int64)
+    no_loss = np.ones(length, bool)
+    no_loss[2 + n:1 + 2 * n] = False  # the repeat after its first token
+    return tokens, no_loss, ~no_loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--kinds", default="repeat")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--probe-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from tokenizers import Tokenizer
+
+    from data.retrieval import RetrievalMaker
+    from model.modeling import HybridForCausalLM
+    from model.sizes import config_for
+    from pretrain.data import PackedRows
+    from pretrain.probe import RetrievalProbe
+    from pretrain.retrieval_rows import _Contexts
+
+    torch.manual_seed(args.seed)
+    tok = Tokenizer.from_file(f"{args.tokenizer}/tokenizer.json")
+    train, held = PackedRows(args.data, "train"), PackedRows(args.data, "eval")
+    special = train.info.special_ids
+    bos, eos = special["bos"], special["eos"]
+    maker = RetrievalMaker(tok, bos=bos, eos=eos)
+    rng = np.random.default_rng(args.seed)
+    contexts = _Contexts(train, special.values(), rng)
+    added = set(tok.get_added_tokens_decoder())
+    vocab = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in added]
+    kinds = args.kinds.split(",")
+    L = args.seq_len
+
+    def sample(r: np.random.Generator) -> tuple:
+        kind = kinds[int(r.integers(len(kinds)))]
+        if kind == "random_repeat":
+            return random_repeat(vocab, bos, eos, L, r)
+        s = maker.make(kind, contexts.take(L), L, r)
+        return s.tokens.astype(np.int64), s.no_loss, s.answer
+
+    def batch(r: np.random.Generator, n: int) -> tuple:
+        rows = [sample(r) for _ in range(n)]
+        ids = torch.tensor(np.stack([x[0] for x in rows]))
+        labels = ids.clone()
+        labels[torch.tensor(np.stack([x[1] for x in rows]))] = -100
+        return ids, labels, torch.tensor(np.stack([x[2] for x in rows]))
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    eval_ids, _, eval_answer = batch(np.random.default_rng(10_000 + args.seed), 32)
+    eval_ids, eval_answer = eval_ids.to(device), eval_answer.to(device)
+    model = HybridForCausalLM(config_for(args.size, vocab_size=train.info.vocab_size)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    probe = RetrievalProbe(args.tokenizer, held, seq_len=L, trials=8, seed=args.seed)
+    warm = max(1, args.steps // 20)
+    out = []
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        lr = args.lr * min(1.0, step / warm)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, labels, _ = batch(rng, args.rows)
+        with autocast:
+            loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % args.probe_every == 0 or step == args.steps:
+            model.eval()
+            with torch.no_grad(), autocast:
+                logits = model(input_ids=eval_ids).logits
+            pred = logits[:, :-1].argmax(-1)
+            target = eval_answer[:, 1:]
+            acc = float((pred == eval_ids[:, 1:])[target].float().mean())
+            with autocast:
+                p = probe.run(model, device)
+            model.train()
+            row = {"step": step, "loss": float(loss), "answer_accuracy": acc, **p,
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            out.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    print(json.dumps({"kinds": kinds, "size": args.size, "seq_len": L, "rows": args.rows, "lr": args.lr,
+                      "final": out[-1]}))
+
+
+if __name__ == "__main__":
+    main()
