@@ -126,6 +126,26 @@ def test_cli_validate_ok(tmp_path, capsys):
     assert "OK" in capsys.readouterr().out
 
 
+def test_cli_validate_skip_resources_checks_a_gpu_spec_on_a_machine_without_gpus(tmp_path, capsys, monkeypatch):
+    """The GPU spec fails on a machine without GPUs for its resources alone; --skip-resources passes it and lists
+    what it skipped, and still reports every other problem."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # this machine: no GPU, whatever it has
+    gpu = Path(__file__).parent.parent / "dags" / "gpu-recipe.yaml"
+    assert main(["validate", str(gpu)]) == EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "resources.gpus" in err and "--skip-resources" in err
+    assert main(["validate", "--skip-resources", str(gpu)]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "resources: not checked (--skip-resources)" in out
+    assert "stage 'pretrain', field resources.gpus: asks for 1" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(gpu.read_text().replace("retrieval_share: 0.5\n      retrieval_kinds", "retrieval_share: 2\n      "
+                                           "retrieval_kinds", 1))
+    assert main(["validate", "--skip-resources", str(bad)]) == EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "retrieval_share" in err and "resources.gpus" not in err
+
+
 def test_shipped_specs_validate_and_their_resolved_form_loads_back(tmp_path):
     specs = sorted(Path(__file__).parent.parent.glob("dags/*.yaml"))
     assert "tiny.yaml" in [s.name for s in specs], f"dags/tiny.yaml not found (glob found {specs})"
