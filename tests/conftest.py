@@ -56,7 +56,8 @@ def pytest_collection_modifyitems(config, items):
       joins its module's group ``<module>.shared``, so one worker builds each such fixture once instead of each
       worker building its own (the eval module's trained inputs took 47 s per build).
     - The tiny DAG's group is scheduled first (pyproject: --no-loadscope-reorder keeps this order): it is the
-      longest unit of work, so the other worker takes everything else beside it.
+      longest unit of work, so the other worker takes everything else beside it; the other units follow longest
+      first (_longest_first), so that neither worker ends the run alone on a long unit.
     tests/test_conftest_grouping.py runs two workers over a generated project to check the grouping.
     """
     if not getattr(config.option, "loadgroup", False):
@@ -77,7 +78,53 @@ def pytest_collection_modifyitems(config, items):
             item._id = coerce_node_id(grouped)
         else:  # pragma: no cover - older pytest, where xdist's own hook writes _nodeid
             item._nodeid = grouped
-    items.sort(key=lambda it: not it.nodeid.endswith("@" + TINY_GROUP))
+    _longest_first(items)
+
+
+# Seconds each of the longest units of work took (2-core box, both workers busy, 2026-11-26; group names or node
+# ids). Only their order matters: a stale or missing entry falls back to _estimate and costs balance, not tests.
+UNIT_SECONDS = {
+    "test_pretrain.shared": 264, "test_sequence_parallel_stage.shared": 238, "test_long_context.shared": 145,
+    "test_quality.shared": 117, "test_orchestrator.shared": 101, "test_reward_model.shared": 71,
+    "test_eval.shared": 59, "test_shards.shared": 46, "test_cluster.shared": 36, "test_sequence_parallel.shared": 31,
+    "test_dedup.shared": 21, "test_pretrain_data.shared": 17, "test_rl.shared": 14, "test_mix.shared": 14,
+    "test_dpo.shared": 13,
+    "tests/test_lightning_triton.py::test_segmented_fast_decays_match_reference_with_and_without_the_state_horizon": 43,
+    "tests/test_clean.py::test_sample_corpus_end_to_end_keeps_every_domain": 43,
+    "tests/test_mix.py::test_sample_corpus_mixture_end_to_end": 36,
+    "tests/test_faults.py::test_a_ray_worker_killed_mid_task_fails_its_stage_clearly_without_a_hang": 26,
+    "tests/test_shards.py::test_quality_writes_the_same_artifact_for_1_and_2_tasks": 26,
+    "tests/test_dedup.py::test_sample_corpus_dedup_and_decontamination": 18,
+    "tests/test_pretrain.py::test_divergence_guard_takes_the_same_decision_on_every_rank": 18,
+    "tests/test_pretrain.py::test_foreach_gradient_norm_equals_deepspeeds_per_gradient_norm": 15,
+}
+SLOW_TEST_S, TEST_S = 8.0, 0.3  # the estimate of a unit not listed: per test marked slow, per other test
+
+
+def _unit(item) -> str:
+    """The unit of work xdist's loadgroup scheduler sends to one worker: the group after '@', else the test."""
+    nodeid = item.nodeid  # as xdist's LoadGroupScheduling._split_scope (an '@' inside [...] is a parameter)
+    return nodeid.split("@")[-1] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
+def _estimate(unit: str, members: list) -> float:
+    if unit in UNIT_SECONDS:
+        return UNIT_SECONDS[unit]
+    return sum(SLOW_TEST_S if it.get_closest_marker("slow") else TEST_S for it in members)
+
+
+def _longest_first(items: list) -> None:
+    """Order the units: the tiny DAG's group, then the others by estimated seconds, longest first (stable).
+
+    With --no-loadscope-reorder xdist hands out units in this order, each worker taking the next one when it is
+    nearly out of work. In collection order the 4-minute sequence-parallel group came last and one worker ran it
+    alone for ~95 s while the other sat idle; longest first, the end of the run is short units on both workers.
+    """
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(_unit(item), []).append(item)
+    order = sorted(units, key=lambda u: (u != TINY_GROUP, -_estimate(u, units[u])))
+    items[:] = [item for unit in order for item in units[unit]]
 
 
 @pytest.fixture(scope="session")
