@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -456,19 +457,10 @@ def test_regex_word_tokenizer_is_linear_on_long_punctuation_runs():
 
 
 # --- the sample corpus end to end -----------------------------------------------------------------
-@pytest.mark.slow
-def test_sample_corpus_end_to_end_keeps_every_domain(tmp_path):
-    from data.ingest import IngestParams
-    from data.ingest import run as ingest
-
-    ictx = StageContext(tmp_path / "ingest", stage_name="ingest")
-    ingest(IngestParams(), ictx)
-    art = Artifact(path=ictx.out_dir, manifest={"type": "documents", "digest": "sample", "rows": ictx.rows})
-    ctx = _clean(art, tmp_path / "clean")
-    report = _report(ctx)
-    assert report["in"] == ictx.rows["documents"] == report["kept"] + report["dropped"]
+def _assert_sample_corpus_clean(report: dict, ingested: int, out_dir) -> None:
+    assert report["in"] == ingested == report["kept"] + report["dropped"]
     assert report["dropped"] == sum(report["dropped_by_reason"].values())
-    assert report["kept"] == sum(1 for _ in iter_documents(ctx.out_dir))
+    assert report["kept"] == sum(1 for _ in iter_documents(out_dir))
     for name, d in report["domains"].items():
         assert d["kept"] > 0, name
         assert d["in"] == d["kept"] + sum(d["dropped_by_step"].values())
@@ -477,6 +469,31 @@ def test_sample_corpus_end_to_end_keeps_every_domain(tmp_path):
     rates = {n: d["keep_rate"] for n, d in report["domains"].items()}
     assert rates["code"] > 0.75 and rates["manual"] > 0.75 and rates["legal"] > 0.65 and rates["prose"] > 0.5
     assert rates["misc"] > 0.08
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the same checks run by default on the tiny DAG's clean stage (next test)
+def test_sample_corpus_end_to_end_keeps_every_domain(tmp_path):
+    from data.ingest import IngestParams
+    from data.ingest import run as ingest
+
+    ictx = StageContext(tmp_path / "ingest", stage_name="ingest")
+    ingest(IngestParams(), ictx)
+    art = Artifact(path=ictx.out_dir, manifest={"type": "documents", "digest": "sample", "rows": ictx.rows})
+    ctx = _clean(art, tmp_path / "clean")
+    _assert_sample_corpus_clean(_report(ctx), ictx.rows["documents"], ctx.out_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("tiny_dag")  # the session fixture `tiny` (tests/conftest.py): one worker runs the DAG
+def test_sample_corpus_clean_in_the_tiny_dag_keeps_every_domain(tiny):
+    """The checks above on the tiny DAG's clean stage, which does the same work (ingest and clean with their default
+    params over the shipped sample corpus): the whole corpus is cleaned once in CI instead of twice (~45 s)."""
+    stages = tiny["first"]["stages"]
+    assert stages["clean"]["state"] == "done"
+    ingested = Artifact.load(Path(stages["ingest"]["artifact"]))
+    clean = Path(stages["clean"]["artifact"])
+    _assert_sample_corpus_clean(json.loads((clean / REPORT_NAME).read_text()), ingested.rows["documents"], clean)
 
 
 def test_validate_external_checks_the_language_model_file(tmp_path):
