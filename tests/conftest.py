@@ -89,7 +89,7 @@ UNIT_SECONDS = {
     "test_eval.shared": 59, "test_shards.shared": 46, "test_cluster.shared": 36, "test_sequence_parallel.shared": 31,
     "test_dedup.shared": 21, "test_pretrain_data.shared": 17, "test_rl.shared": 14, "test_mix.shared": 14,
     "test_dpo.shared": 13,
-    "tests/test_lightning_triton.py::test_segmented_fast_decays_match_reference_with_and_without_the_state_horizon": 43,
+    "tests/test_lightning_triton.py::test_segmented_fast_decays_match_reference_with_and_without_the_state_horizon": 21,
     "tests/test_mix.py::test_sample_corpus_mixture_end_to_end": 36,
     "tests/test_faults.py::test_a_ray_worker_killed_mid_task_fails_its_stage_clearly_without_a_hang": 26,
     "tests/test_shards.py::test_quality_writes_the_same_artifact_for_1_and_2_tasks": 26,
