@@ -153,6 +153,13 @@ class Run:
     summary: dict
     weights: dict[str, torch.Tensor]
     routed: np.ndarray
+    logged: list[int]  # the steps whose loss reached the sink (MLflow in a pipeline run)
+    resume: Path
+
+
+# the (2, 2) run checkpoints every 2 steps: the resume test rewinds a copy of its checkpoints instead of training the
+# same run again (writing a checkpoint leaves the training as it was: the comparisons with (1, 1) hold either way)
+CHECKPOINT_EVERY = {(2, 2): 2}
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +184,14 @@ def runs(stage_inputs, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN00
             root = tmp_path_factory.mktemp(f"sp_run_{processes}x{sp}")
             ctx = StageContext(root / "out", stage_inputs.as_inputs(), stage_name="pretrain",
                                resources=Resources(cpus=1), resume_dir=root / "resume")
-            run(PretrainParams(**RUN, processes=processes, sequence_parallel=sp), ctx)
+            params = dict(RUN, checkpoint_every=CHECKPOINT_EVERY.get((processes, sp), RUN["checkpoint_every"]))
+            run(PretrainParams(**params, processes=processes, sequence_parallel=sp), ctx)
             out = root / "out"
             made[processes, sp] = Run(
                 [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line],
                 json.loads((out / "summary.json").read_text()), load_file(out / "model" / "model.safetensors"),
-                np.load(out / "expert_routed.npy"))
+                np.load(out / "expert_routed.npy"),
+                [step for k, _, step in ctx.sink.metrics if k == "loss" and step is not None], root / "resume")
         return made[processes, sp]
 
     return get
@@ -285,9 +294,10 @@ def test_long_context_phase_split_over_two_ranks_trains_like_one_rank(pretrained
 
 @pytest.mark.slow
 def test_sequence_parallel_run_resumed_from_a_checkpoint_ends_like_the_uninterrupted_one(
-        stage_inputs, tmp_path: Path) -> None:  # noqa: ANN001
-    """processes 2, sequence_parallel 2, checkpoints every 2 steps; rewound to step 2 (as a kill after it would
-    leave it) and rerun: steps 3-4, the eval loss, the expert load and the weights are the uninterrupted run's."""
+        runs, stage_inputs, tmp_path: Path) -> None:  # noqa: ANN001
+    """processes 2, sequence_parallel 2, checkpoints every 2 steps (the shared run); a copy of its checkpoints rewound
+    to step 2 (as a kill after it would leave it) and rerun: steps 3-4, the eval loss, the expert load and the weights
+    are the uninterrupted run's."""
     import shutil
 
     from safetensors.torch import load_file
@@ -296,31 +306,27 @@ def test_sequence_parallel_run_resumed_from_a_checkpoint_ends_like_the_uninterru
     from pretrain.stage import PretrainParams, run
 
     params = PretrainParams(**dict(RUN, checkpoint_every=2), processes=2, sequence_parallel=2)
-
-    def attempt() -> tuple[list[dict], dict, np.ndarray, dict, list]:
-        ctx = StageContext(tmp_path / "out", stage_inputs.as_inputs(), stage_name="pretrain",
-                           resources=Resources(cpus=1), resume_dir=tmp_path / "resume")
-        run(params, ctx)
-        out = tmp_path / "out"
-        return ([json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line],
-                json.loads((out / "summary.json").read_text()), np.load(out / "expert_routed.npy"),
-                load_file(out / "model" / "model.safetensors"),
-                [step for k, _, step in ctx.sink.metrics if k == "loss" and step is not None])
-
-    history, summary, routed, weights, logged = attempt()
-    assert logged == [1, 2, 3, 4]
+    first = runs(2, 2)
+    assert first.logged == [1, 2, 3, 4]
+    shutil.copytree(first.resume, tmp_path / "resume")
     ckpt = tmp_path / "resume" / "deepspeed"
     assert (ckpt / "latest").read_text().strip() == "step00000004"
     shutil.rmtree(ckpt / "step00000004")
     (ckpt / "latest").write_text("step00000002")
-    shutil.rmtree(tmp_path / "out")
-    again, summary2, routed2, weights2, logged2 = attempt()
+    ctx = StageContext(tmp_path / "out", stage_inputs.as_inputs(), stage_name="pretrain", resources=Resources(cpus=1),
+                       resume_dir=tmp_path / "resume")
+    run(params, ctx)
+    out = tmp_path / "out"
+    again = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line]
+    summary2, routed2 = json.loads((out / "summary.json").read_text()), np.load(out / "expert_routed.npy")
+    weights2 = load_file(out / "model" / "model.safetensors")
+    logged2 = [step for k, _, step in ctx.sink.metrics if k == "loss" and step is not None]
     assert logged2 == [3, 4]  # it resumed after step 2: only steps 3 and 4 were trained (and sent to MLflow)
     assert summary2["steps"] == 4 and summary2["tokens"] == 4096
-    for a, b in zip(again, history, strict=True):
+    for a, b in zip(again, first.history, strict=True):
         assert (a["step"], a["tokens"]) == (b["step"], b["tokens"])
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                   rel=1e-5)
-    assert summary2["eval_loss"] == pytest.approx(summary["eval_loss"], abs=1e-6)
-    assert np.array_equal(routed2, routed)  # the checkpoint's whole-run sums over all ranks, plus steps 3-4
-    assert max(float((weights2[k] - weights[k]).abs().max()) for k in weights) < 1e-5
+    assert summary2["eval_loss"] == pytest.approx(first.summary["eval_loss"], abs=1e-6)
+    assert np.array_equal(routed2, first.routed)  # the checkpoint's whole-run sums over all ranks, plus steps 3-4
+    assert max(float((weights2[k] - first.weights[k]).abs().max()) for k in first.weights) < 1e-5
