@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from data.documents import JsonlGzWriter, read_jsonl_gz
+from data.retrieval import word_starts as word_start_tokens  # noqa: F401  (one definition, re-exported for long_mix)
 from pretrain.data import TOKEN_DTYPE
 
 SEPARATOR_TEXT = "\n\n"  # between the documents of a long document
@@ -211,16 +212,6 @@ def assemble_long_documents(documents: Iterable[tuple[str, str, np.ndarray]], ta
 
 
 # --- long QA --------------------------------------------------------------------------------------------------
-def word_start_tokens(tokenizer: Any) -> np.ndarray:
-    """bool [vocab]: tokens that begin with whitespace (byte-level BPE spells a leading space Ġ, a newline Ċ, a tab
-    ĉ). Planting a fact before one of them never splits a word."""
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    starts = np.zeros(vocab, bool)
-    for token, i in tokenizer.get_vocab(with_added_tokens=False).items():
-        starts[i] = token[:1] in ("Ġ", "Ċ", "ĉ")
-    return starts
-
-
 @dataclass(frozen=True)
 class LongQA:
     """One long QA sample: ``[BOS] context[:p] needle context[p:] question answer [EOS]``."""

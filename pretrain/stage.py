@@ -116,7 +116,8 @@ class PretrainParams(StageParams):
         "as the answer to a late query), from the run's own held-in text; 0: none. Our departure from the report "
         "(its data is not public): natural text alone teaches a small model no copying in a one-GPU budget."))
     retrieval_kinds: list[str] = Field(default_factory=lambda: list(RETRIEVAL_KINDS), description=(
-        "Kinds of retrieval samples, drawn uniformly: repeat, continue, lookup, multi_lookup."))
+        "Kinds of retrieval samples (repeat, continue, lookup, multi_lookup), drawn uniformly from this list: a kind "
+        "listed twice is drawn twice as often."))
     retrieval_min_tokens: int = Field(256, ge=96, description=(
         "Shortest retrieval sample; lengths are drawn uniformly up to seq_len."))
     probe_every: int = Field(0, ge=0, description=(
