@@ -58,7 +58,7 @@ def main() -> None:
     from model.sizes import config_for
     from pretrain.data import PackedRows
     from pretrain.probe import RetrievalProbe
-    from pretrain.retrieval_rows import _Contexts
+    from pretrain.retrieval_rows import TrainingText
 
     torch.manual_seed(args.seed)
     tok = Tokenizer.from_file(f"{args.tokenizer}/tokenizer.json")
@@ -67,7 +67,7 @@ def main() -> None:
     bos, eos = special["bos"], special["eos"]
     maker = RetrievalMaker(tok, bos=bos, eos=eos)
     rng = np.random.default_rng(args.seed)
-    contexts = _Contexts(train, special.values(), rng)
+    contexts = TrainingText(train, special.values(), rng)
     added = set(tok.get_added_tokens_decoder())
     vocab = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in added]
     kinds = args.kinds.split(",")

@@ -46,7 +46,6 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
-from data.retrieval import KINDS as RETRIEVAL_KINDS
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from pretrain.stage import (
@@ -55,6 +54,7 @@ from pretrain.stage import (
     RankLayout,
     _Relay,
     launch_ranks,
+    retrieval_problems,
     sequence_parallel_problems,
     sequence_parallel_rank_problems,
     write_loss_curve,
@@ -167,13 +167,9 @@ class LongContextParams(StageParams):
         if self.checkpoint_every % self.log_every:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be a multiple of "
                              f"log_every={self.log_every}")
-        if self.probe_every % self.log_every or (self.probe_every and self.sequence_parallel > 1):
-            raise ValueError(f"probe_every={self.probe_every} must be a multiple of log_every={self.log_every} "
-                             "(and needs sequence_parallel 1)")
-        if set(self.retrieval_kinds) - set(RETRIEVAL_KINDS) or not self.retrieval_kinds:
-            raise ValueError(f"retrieval_kinds={self.retrieval_kinds}: a non-empty list of {', '.join(RETRIEVAL_KINDS)}")
-        if self.retrieval_share and self.retrieval_min_tokens > min(p.seq_len for p in self.phases):
-            raise ValueError(f"retrieval_min_tokens={self.retrieval_min_tokens} is longer than a phase's rows")
+        problems = retrieval_problems(self, [p.seq_len for p in self.phases])
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.short_bound >= self.medium_bound:
             raise ValueError(f"short_max_tokens={self.short_bound} must be below medium_max_tokens={self.medium_bound}")
         if min(self.document_lengths) < 3:
@@ -487,7 +483,7 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
         ctx.log_figure(fig, "loss_curve.png")
     from pretrain.probe import probe_figure
 
-    fig = probe_figure(history, chance=0.25, boundaries=[(p["end_step"], f"{p['seq_len']} tok") for p in phases])
+    fig = probe_figure(history, boundaries=[(p["end_step"], f"{p['seq_len']} tok") for p in phases])
     if fig is not None:
         ctx.log_figure(fig, "retrieval_probe.png")
     fig, axes = plt.subplots(1, len(phases), figsize=(5 * len(phases), 3.5), squeeze=False)

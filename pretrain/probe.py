@@ -3,13 +3,13 @@
 The ``eval`` stage measures retrieval once, at the end; learning to copy is a phase change (Olsson et al.), so
 ``pretrain`` and ``long_context`` also measure it while they train, on held-out text, and log it as a curve:
 
-* ``probe_copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` random ordinary tokens; the
-  eval stage's copy probe, ``pretrain/eval_tasks.build_copy_trials``), and ``probe_copy_loss_gain``, the first
+* ``copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` random ordinary tokens; the
+  eval stage's copy probe, ``pretrain/eval_tasks.build_copy_trials``), and ``copy_loss_gain``, the first
   copy's mean loss minus the second's (nats);
-* ``probe_niah_choice_accuracy``: vanilla NIAH prompts of the training length (``pretrain/eval_tasks``: the needle in
+* ``niah_choice_accuracy``: vanilla NIAH prompts of the training length (``pretrain/eval_tasks``: the needle in
   a haystack of held-out rows, one prompt per depth from 0 to 1) scored as a forced choice between the needle's
   number and ``distractors`` numbers the prompt never held (teacher-forced log-likelihood of each as the answer;
-  chance is 1 / (1 + distractors)), and ``probe_niah_margin`` (nats: the needle's number minus the distractors'
+  chance is 1 / (1 + distractors)), and ``niah_answer_margin`` (nats: the needle's number minus the distractors'
   mean).
 
 The eval's own prompt builders are used, so the probe and the stage measure the same thing; the probe never trains
@@ -27,14 +27,18 @@ import torch
 
 from pretrain.eval_tasks import TokenStream, build_copy_trials, build_niah_trials, niah_distractors
 
-PROBE_METRICS = ("probe_copy_accuracy", "probe_copy_loss_gain", "probe_niah_choice_accuracy", "probe_niah_margin")
+# the eval stage's names (pretrain/evaluation.py), so a training curve and an eval report read alike
+
+DISTRACTORS = 3  # wrong numbers per NIAH prompt: chance is 1 / (1 + DISTRACTORS)
+CHANCE = 1.0 / (1 + DISTRACTORS)
+PROBE_METRICS = ("copy_accuracy", "copy_loss_gain", "niah_choice_accuracy", "niah_answer_margin")
 
 
 class RetrievalProbe:
     """Built once per run from the tokenizer and the held-out rows; :meth:`run` measures a model."""
 
     def __init__(self, tokenizer_dir: str | Path, eval_rows: Any, *, seq_len: int, trials: int, seed: int,
-                 distractors: int = 3, copy_tokens: int = 64) -> None:
+                 distractors: int = DISTRACTORS, copy_tokens: int = 64) -> None:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
@@ -104,16 +108,16 @@ class RetrievalProbe:
                 margin.append(lls[0] - float(np.mean(lls[1:])))
         finally:
             model.train(was_training)
-        return {"probe_copy_accuracy": float(np.mean(acc)), "probe_copy_loss_gain": float(np.mean(gain)),
-                "probe_niah_choice_accuracy": float(np.mean(choice)), "probe_niah_margin": float(np.mean(margin))}
+        return {"copy_accuracy": float(np.mean(acc)), "copy_loss_gain": float(np.mean(gain)),
+                "niah_choice_accuracy": float(np.mean(choice)), "niah_answer_margin": float(np.mean(margin))}
 
 
 def probe_history(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The logged steps that carry a probe."""
-    return [h for h in history if "probe_copy_accuracy" in h]
+    return [h for h in history if "copy_accuracy" in h]
 
 
-def probe_figure(history: list[dict[str, Any]], chance: float | None = None,
+def probe_figure(history: list[dict[str, Any]], chance: float | None = CHANCE,
                  boundaries: list[tuple[int, str]] | None = None) -> Any:
     """Copy accuracy and NIAH forced-choice accuracy against the step (``boundaries``: phase ends, labelled), or
     None without probes."""
@@ -124,14 +128,14 @@ def probe_figure(history: list[dict[str, Any]], chance: float | None = None,
 
     steps = [h["step"] for h in rows]
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
-    ax[0].plot(steps, [h["probe_copy_accuracy"] for h in rows], "o-", label="copy accuracy (second copy, top-1)")
-    ax[0].plot(steps, [h["probe_niah_choice_accuracy"] for h in rows], "s-", label="NIAH forced choice")
+    ax[0].plot(steps, [h["copy_accuracy"] for h in rows], "o-", label="copy accuracy (second copy, top-1)")
+    ax[0].plot(steps, [h["niah_choice_accuracy"] for h in rows], "s-", label="NIAH forced choice")
     if chance is not None:
         ax[0].axhline(chance, color="gray", ls=":", label=f"forced-choice chance {chance:.2f}")
     ax[0].set(ylim=(-0.02, 1.02), xlabel="step", ylabel="accuracy", title="retrieval probe (held-out text)")
     ax[0].legend(fontsize=8)
-    ax[1].plot(steps, [h["probe_copy_loss_gain"] for h in rows], "o-", label="copy loss gain (1st - 2nd copy)")
-    ax[1].plot(steps, [h["probe_niah_margin"] for h in rows], "s-", label="NIAH answer margin")
+    ax[1].plot(steps, [h["copy_loss_gain"] for h in rows], "o-", label="copy loss gain (1st - 2nd copy)")
+    ax[1].plot(steps, [h["niah_answer_margin"] for h in rows], "s-", label="NIAH answer margin")
     ax[1].axhline(0, color="gray", lw=0.8)
     ax[1].set(xlabel="step", ylabel="nats", title="the same, graded")
     ax[1].legend(fontsize=8)

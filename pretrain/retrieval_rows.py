@@ -60,7 +60,7 @@ def positions(plain: int, added: int) -> np.ndarray:
     return at
 
 
-class _Contexts:
+class TrainingText:
     """Held-in text for the samples: a random training row's tokens onward, special tokens removed."""
 
     def __init__(self, rows: PackedRows, special: Sequence[int], rng: np.random.Generator) -> None:
@@ -101,7 +101,7 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
     plain = PackedRows(data_dir, "train")
     rng = np.random.default_rng([seed, _ROWS_TAG])
     maker = RetrievalMaker(tokenizer, bos=special["bos"], eos=special["eos"])
-    contexts = _Contexts(plain, special.values(), rng)
+    contexts = TrainingText(plain, special.values(), rng)
     total = len(plain) + added_rows
     at = positions(len(plain), added_rows)
     vocab = info.vocab_size

@@ -154,16 +154,28 @@ class PretrainParams(StageParams):
         if self.checkpoint_every % self.log_every:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be a multiple of log_every={self.log_every} "
                              "(a resumed run then logs the same loss windows as an uninterrupted one)")
-        if self.probe_every and self.sequence_parallel > 1:
-            raise ValueError("probe_every needs sequence_parallel 1 (the probe runs whole rows on every rank)")
-        if sorted(set(self.retrieval_kinds) - set(RETRIEVAL_KINDS)) or not self.retrieval_kinds:
-            raise ValueError(f"retrieval_kinds={self.retrieval_kinds}: a non-empty list of "
-                             f"{', '.join(RETRIEVAL_KINDS)}")
-        if self.retrieval_share and self.retrieval_min_tokens > self.seq_len:
-            raise ValueError(f"retrieval_min_tokens={self.retrieval_min_tokens} > seq_len={self.seq_len}")
+        problems = retrieval_problems(self, [self.seq_len])
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.batch_rows % self.micro_batch_rows:
             raise ValueError(f"batch_rows={self.batch_rows} must be a multiple of micro_batch_rows={self.micro_batch_rows}")
         return self
+
+
+def retrieval_problems(params: Any, seq_lens: list[int]) -> list[str]:
+    """The retrieval rows' and the in-training probe's params against each other (pretrain and long_context)."""
+    problems = []
+    if params.probe_every % params.log_every:
+        problems.append(f"probe_every={params.probe_every} must be a multiple of log_every={params.log_every} (the "
+                        "probe's metrics join a logged step)")
+    if params.probe_every and params.sequence_parallel > 1:
+        problems.append("probe_every needs sequence_parallel 1 (the probe runs whole rows on every rank)")
+    if not params.retrieval_kinds or set(params.retrieval_kinds) - set(RETRIEVAL_KINDS):
+        problems.append(f"retrieval_kinds={params.retrieval_kinds}: a non-empty list of {', '.join(RETRIEVAL_KINDS)}")
+    if params.retrieval_share and params.retrieval_min_tokens > min(seq_lens):
+        problems.append(f"retrieval_min_tokens={params.retrieval_min_tokens} is longer than a row "
+                        f"({min(seq_lens)} tokens)")
+    return problems
 
 
 MIN_TOKENS_PER_SEQUENCE_RANK = 16  # the smallest chunk of the Triton lightning kernel
@@ -496,7 +508,7 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
         ctx.log_figure(fig, "loss_curve.png")
     from pretrain.probe import probe_figure
 
-    fig = probe_figure(history, chance=0.25)
+    fig = probe_figure(history)
     if fig is not None:
         ctx.log_figure(fig, "retrieval_probe.png")
     routed = np.load(ctx.out_dir / "expert_routed.npy")

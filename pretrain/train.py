@@ -720,9 +720,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                     metrics |= probe.run(engine.module, device)
                 metrics["probe_seconds"] = time.perf_counter() - probe_t
                 emit("progress", {"message": (
-                    f"probe at step {step}: copy accuracy {metrics['probe_copy_accuracy']:.3f}, NIAH forced choice "
-                    f"{metrics['probe_niah_choice_accuracy']:.2f} (chance {probe.chance:.2f}), margin "
-                    f"{metrics['probe_niah_margin']:+.2f} nats")}, rank)
+                    f"probe at step {step}: copy accuracy {metrics['copy_accuracy']:.3f}, NIAH forced choice "
+                    f"{metrics['niah_choice_accuracy']:.2f} (chance {probe.chance:.2f}), margin "
+                    f"{metrics['niah_answer_margin']:+.2f} nats")}, rank)
             history.append({"step": step, **metrics})
             if rank == 0:
                 with open(log_path, "a") as f:

@@ -300,8 +300,8 @@ def test_the_probe_measures_what_a_plain_forward_pass_measures(packed, inputs):
         ids = torch.tensor(t.ids)
         acc.append(float((lp[second - 1].argmax(-1) == ids[second]).float().mean()))
         gain.append(float(-lp[first - 1, ids[first]].mean() + lp[second - 1, ids[second]].mean()))
-    assert got["probe_copy_accuracy"] == pytest.approx(np.mean(acc), abs=1e-6)
-    assert got["probe_copy_loss_gain"] == pytest.approx(np.mean(gain), abs=1e-4)
+    assert got["copy_accuracy"] == pytest.approx(np.mean(acc), abs=1e-6)
+    assert got["copy_loss_gain"] == pytest.approx(np.mean(gain), abs=1e-4)
     choice, margin = [], []
     for t, cands in zip(probe.niah, probe.candidates, strict=True):
         lls = []
@@ -311,7 +311,24 @@ def test_the_probe_measures_what_a_plain_forward_pass_measures(packed, inputs):
             lls.append(float(lp[pos - 1, torch.tensor(c)].sum()))
         choice.append(lls[0] > max(lls[1:]))
         margin.append(lls[0] - np.mean(lls[1:]))
-    assert got["probe_niah_choice_accuracy"] == pytest.approx(np.mean(choice))
-    assert got["probe_niah_margin"] == pytest.approx(np.mean(margin), abs=1e-3)
+    assert got["niah_choice_accuracy"] == pytest.approx(np.mean(choice))
+    assert got["niah_answer_margin"] == pytest.approx(np.mean(margin), abs=1e-3)
     assert len(probe.niah) == 3 and all(len(t.ids) == 128 for t in probe.niah)
     assert [t.depth for t in probe.niah] == [0.0, 0.5, 1.0]
+
+
+def test_pretrain_and_long_context_refuse_the_same_bad_retrieval_and_probe_params():
+    from pydantic import ValidationError
+
+    from pretrain.long_context import LongContextParams
+    from pretrain.stage import PretrainParams
+
+    for make in (lambda **kw: PretrainParams(seq_len=256, **kw), lambda **kw: LongContextParams(**kw)):
+        with pytest.raises(ValidationError, match="probe_every=15 must be a multiple of log_every=10"):
+            make(probe_every=15, log_every=10, checkpoint_every=50)
+        with pytest.raises(ValidationError, match="retrieval_kinds"):
+            make(retrieval_kinds=["trivia"])
+        with pytest.raises(ValidationError, match="retrieval_min_tokens=4096 is longer than a row"):
+            make(retrieval_share=0.5, retrieval_min_tokens=4096)
+        assert make(probe_every=20, log_every=10, checkpoint_every=50, retrieval_share=0.5,
+                    retrieval_min_tokens=128).probe_every == 20

@@ -92,14 +92,14 @@ def test_tiny_dag_trains_on_retrieval_rows_and_probes_retrieval_while_training(t
     assert sum(m[f"retrieval.{k}.samples"] for k in KINDS) == m["retrieval.samples"] >= m["retrieval.rows"]
     assert 0 < m["retrieval.answer_tokens"] < m["retrieval.tokens"]
     # a probe every 40 steps and one at the last (147) step, each metric in range; the last one in the summary
-    assert [x.step for x in c.get_metric_history(pre["run_id"], "probe_copy_accuracy")] == [40, 80, 120, 147]
+    assert [x.step for x in c.get_metric_history(pre["run_id"], "copy_accuracy")] == [40, 80, 120, 147]
     for key in PROBE_METRICS:
         assert key in pre["summary"], key
-    for key in ("probe_copy_accuracy", "probe_niah_choice_accuracy"):
+    for key in ("copy_accuracy", "niah_choice_accuracy"):
         assert all(0.0 <= x.value <= 1.0 for x in c.get_metric_history(pre["run_id"], key)), key
     lm = c.get_run(lc["run_id"]).data.metrics
     assert (lm["phase0.retrieval.rows"], lm["phase1.retrieval.rows"]) == (16, 8)  # a quarter of 64 and 32 rows
-    assert [x.step for x in c.get_metric_history(lc["run_id"], "probe_niah_choice_accuracy")] == [4, 8, 12, 16]
+    assert [x.step for x in c.get_metric_history(lc["run_id"], "niah_choice_accuracy")] == [4, 8, 12, 16]
     for stage in (pre, lc):
         assert (Path(stage["artifact"]) / "plots" / "retrieval_probe.png").stat().st_size > 10_000
 
