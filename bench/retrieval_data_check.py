@@ -15,7 +15,12 @@ repeated once, the loss on the repeat. It needs no corpus text.
     python bench/retrieval_data_check.py --tokenizer DIR --data PACKED_DIR --kinds repeat --steps 300
 
 ``--data`` is a packed dataset (``pretrain/data.py``; its train rows give the context text, its eval rows the
-probe's haystacks). Prints one line per probe and a final JSON line.
+probe's haystacks). Prints one line per probe and a final JSON line (also appended to ``--out``).
+
+To try a pretraining mixture rather than the samples alone: ``--text-share F`` makes that share of the rows packed
+natural-text train rows (their own loss mask; documents attend across their boundaries here, unlike the stage),
+``--answers-only`` puts the retrieval samples' loss on their answers alone (not on their natural-text context), and
+``--micro-rows`` accumulates gradients over micro-batches of that many rows (the stage's batch at less memory).
 """
 
 from __future__ import annotations
@@ -49,14 +54,21 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--probe-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text-share", type=float, default=0.0, help="share of rows that are natural-text rows")
+    ap.add_argument("--answers-only", action="store_true", help="retrieval samples' loss on the answers alone")
+    ap.add_argument("--micro-rows", type=int, default=0, help="rows per micro-batch (0: the whole batch)")
+    ap.add_argument("--label", default="", help="a name for this run in the output")
+    ap.add_argument("--out", default="", help="append the final JSON line to this file")
     args = ap.parse_args()
+    if not 0.0 <= args.text_share <= 1.0:
+        ap.error("--text-share must be within [0, 1]")
 
     from tokenizers import Tokenizer
 
     from data.retrieval import RetrievalMaker
     from model.modeling import HybridForCausalLM
     from model.sizes import config_for
-    from pretrain.data import PackedRows
+    from pretrain.data import PackedRows, loss_mask
     from pretrain.probe import RetrievalProbe
     from pretrain.retrieval_rows import TrainingText
 
@@ -73,15 +85,21 @@ def main() -> None:
     kinds = args.kinds.split(",")
     L = args.seq_len
 
-    def sample(r: np.random.Generator) -> tuple:
+    def sample(r: np.random.Generator, text_share: float = 0.0) -> tuple:
+        if text_share and r.random() < text_share:
+            tokens, starts, pad = train.row(int(r.integers(len(train))))
+            tokens = np.asarray(tokens[:L], np.int64)
+            keep = loss_mask(starts, pad)[:L]
+            return tokens, ~keep, np.zeros(L, bool)
         kind = kinds[int(r.integers(len(kinds)))]
         if kind == "random_repeat":
             return random_repeat(vocab, bos, eos, L, r)
         s = maker.make(kind, contexts.take(L), L, r)
-        return s.tokens.astype(np.int64), s.no_loss, s.answer
+        no_loss = ~s.answer if args.answers_only else s.no_loss
+        return s.tokens.astype(np.int64), no_loss, s.answer
 
-    def batch(r: np.random.Generator, n: int) -> tuple:
-        rows = [sample(r) for _ in range(n)]
+    def batch(r: np.random.Generator, n: int, text_share: float = 0.0) -> tuple:
+        rows = [sample(r, text_share) for _ in range(n)]
         ids = torch.tensor(np.stack([x[0] for x in rows]))
         labels = ids.clone()
         labels[torch.tensor(np.stack([x[1] for x in rows]))] = -100
@@ -94,6 +112,7 @@ def main() -> None:
     model = HybridForCausalLM(config_for(args.size, vocab_size=train.info.vocab_size)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     probe = RetrievalProbe(args.tokenizer, held, seq_len=L, trials=8, seed=args.seed)
+    probe_vocab = RetrievalProbe(args.tokenizer, held, seq_len=L, trials=8, seed=args.seed, copy_pool="vocab")
     warm = max(1, args.steps // 20)
     out = []
     t0 = time.perf_counter()
@@ -101,11 +120,20 @@ def main() -> None:
         lr = args.lr * min(1.0, step / warm)
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, labels, _ = batch(rng, args.rows)
-        with autocast:
-            loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
+        ids, labels, _ = batch(rng, args.rows, args.text_share)
         opt.zero_grad()
-        loss.backward()
+        micro = args.micro_rows or args.rows
+        counted = int((labels[:, 1:] != -100).sum())
+        loss = 0.0
+        for s in range(0, args.rows, micro):  # each micro-batch's mean loss weighted by its share of the labels
+            part = labels[s:s + micro]
+            w = int((part[:, 1:] != -100).sum()) / max(counted, 1)
+            if w == 0:
+                continue
+            with autocast:
+                mb = model(input_ids=ids[s:s + micro].to(device), labels=part.to(device)).loss
+            (mb * w).backward()
+            loss += float(mb.detach()) * w
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.probe_every == 0 or step == args.steps:
@@ -117,13 +145,20 @@ def main() -> None:
             acc = float((pred == eval_ids[:, 1:])[target].float().mean())
             with autocast:
                 p = probe.run(model, device)
+                pv = probe_vocab.run(model, device)
+            p["copy_accuracy_vocab"] = pv["copy_accuracy"]
             model.train()
-            row = {"step": step, "loss": float(loss), "answer_accuracy": acc, **p,
+            row = {"label": args.label, "step": step, "loss": float(loss), "answer_accuracy": acc, **p,
                    "seconds": round(time.perf_counter() - t0, 1)}
             out.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    print(json.dumps({"kinds": kinds, "size": args.size, "seq_len": L, "rows": args.rows, "lr": args.lr,
-                      "final": out[-1]}))
+    final = json.dumps({"label": args.label, "kinds": kinds, "size": args.size, "seq_len": L, "rows": args.rows,
+                        "lr": args.lr, "text_share": args.text_share, "answers_only": args.answers_only,
+                        "steps": args.steps, "history": out, "final": out[-1]})
+    print(final)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(final + "\n")
 
 
 if __name__ == "__main__":

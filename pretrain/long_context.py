@@ -152,6 +152,7 @@ class LongContextParams(StageParams):
         "(pretrain/retrieval_rows.py), spread evenly through the phase; the phase's token budget stays the same."))
     retrieval_kinds: list[str] = _SHARED["retrieval_kinds"]
     retrieval_min_tokens: int = _SHARED["retrieval_min_tokens"]
+    retrieval_loss: Literal["all", "answers"] = _SHARED["retrieval_loss"]
     probe_every: int = _SHARED["probe_every"]
     probe_trials: int = _SHARED["probe_trials"]
 
@@ -355,7 +356,7 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
                 if params.retrieval_rows(i):
                     add_retrieval_rows(tmp, tok, added_rows=params.retrieval_rows(i), seed=params.seed + i,
                                        kinds=params.retrieval_kinds, min_tokens=params.retrieval_min_tokens,
-                                       progress=ctx.progress)
+                                       loss_on=params.retrieval_loss, progress=ctx.progress)
                 os.replace(tmp, data_dir)
             cfg = _train_config(params, i, data_dir=data_dir, tokenizer_dir=tokenizer.path, resume_dir=pdir,
                                 export_dir=export, init_from=init)

@@ -3,9 +3,12 @@
 The ``eval`` stage measures retrieval once, at the end; learning to copy is a phase change (Olsson et al.), so
 ``pretrain`` and ``long_context`` also measure it while they train, on held-out text, and log it as a curve:
 
-* ``copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` random ordinary tokens; the
-  eval stage's copy probe, ``pretrain/eval_tasks.build_copy_trials``), and ``copy_loss_gain``, the first
-  copy's mean loss minus the second's (nats);
+* ``copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` tokens drawn uniformly from the
+  distinct ordinary tokens of the held-out text: tokens a model trained on this corpus has met, in an order no
+  text has; ``pretrain/eval_tasks.build_copy_trials``), and ``copy_loss_gain``, the first copy's mean loss minus
+  the second's (nats). ``copy_pool="vocab"`` draws from the whole ordinary vocabulary instead, as the eval stage's
+  copy probe does: on a small corpus many of a 32K vocabulary's tokens are never a training target, and a model
+  that copies every token it has met can still score 0 there;
 * ``niah_choice_accuracy``: vanilla NIAH prompts of the training length (``pretrain/eval_tasks``: the needle in
   a haystack of held-out rows, one prompt per depth from 0 to 1) scored as a forced choice between the needle's
   number and ``distractors`` numbers the prompt never held (teacher-forced log-likelihood of each as the answer;
@@ -38,7 +41,7 @@ class RetrievalProbe:
     """Built once per run from the tokenizer and the held-out rows; :meth:`run` measures a model."""
 
     def __init__(self, tokenizer_dir: str | Path, eval_rows: Any, *, seq_len: int, trials: int, seed: int,
-                 distractors: int = DISTRACTORS, copy_tokens: int = 64) -> None:
+                 distractors: int = DISTRACTORS, copy_tokens: int = 64, copy_pool: str = "seen") -> None:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
@@ -62,7 +65,13 @@ class RetrievalProbe:
         wrong = niah_distractors(self.niah, distractors, seed)
         self.candidates = [[encode(f" {x}") for x in [t.number, *w]] for t, w in zip(self.niah, wrong, strict=True)]
         self.chance = 1.0 / (1 + distractors)
-        ordinary = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in special]
+        if copy_pool == "seen":
+            ordinary = np.unique(np.concatenate(text)).tolist()
+        elif copy_pool == "vocab":
+            ordinary = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in special]
+        else:
+            raise ValueError(f"copy_pool={copy_pool!r}: expected 'seen' or 'vocab'")
+        self.copy_pool_size = len(ordinary)
         n = max(4, min(copy_tokens, (seq_len - 1) // 2))
         self.copy = build_copy_trials(ordinary, self.bos, trials, n, seed)
 

@@ -11,7 +11,7 @@ A retrieval row is filled with samples of lengths drawn uniformly from ``[min_to
 row's space); a rest shorter than ``min_tokens`` is one more plain-text segment. The rows are spread evenly
 among the split's rows (``long_context`` reads its rows in order, so the share is the same in every part of a
 phase), and the split's files and ``packing.json`` are rewritten: ``train_no_loss.npy`` marks what does not count
-(the samples' prompts; padding; a long-QA context), the segment files and unigram counts include the new rows,
+(the samples' prompts, and with ``loss_on="answers"`` their natural-text context too; padding; a long-QA context), the segment files and unigram counts include the new rows,
 ``retrieval.json`` says what was made (rows, samples, tokens and answer tokens per kind).
 """
 
@@ -41,6 +41,7 @@ from pretrain.data import (
 )
 
 RETRIEVAL_FILE = "retrieval.json"
+LOSS_ON = ("all", "answers")  # what of a retrieval sample is a training target
 _ROWS_TAG = 21  # numpy SeedSequence tag (distinct, nonzero) of the retrieval rows' draws
 
 
@@ -83,10 +84,14 @@ class TrainingText:
 
 
 def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int, seed: int,
-                       kinds: Sequence[str] = KINDS, min_tokens: int = 256,
+                       kinds: Sequence[str] = KINDS, min_tokens: int = 256, loss_on: str = "all",
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Add ``added_rows`` retrieval rows to the training split in ``data_dir`` (module docstring); return what
-    ``retrieval.json`` records. ``tokenizer`` is the run's ``tokenizers.Tokenizer``."""
+    ``retrieval.json`` records. ``tokenizer`` is the run's ``tokenizers.Tokenizer``. ``loss_on``: ``"all"`` (a
+    sample's natural-text context and its answer are targets) or ``"answers"`` (the answers alone: the copy targets
+    are then a larger share of the run's loss; the context's text is still read, as the plain rows teach it)."""
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"retrieval loss_on={loss_on!r}: expected one of {', '.join(LOSS_ON)}")
     data_dir = Path(data_dir)
     if (data_dir / RETRIEVAL_FILE).exists():
         raise ValueError(f"{data_dir} already holds retrieval rows ({RETRIEVAL_FILE}); pack it again to change them")
@@ -137,12 +142,12 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
                 kind = kinds[int(rng.integers(len(kinds)))]
                 s = maker.make(kind, contexts.take(n), n, rng)
                 pieces.append(s.tokens)
-                masks.append(s.no_loss)
+                masks.append(~s.answer if loss_on == "answers" else s.no_loss)
                 counts = by_kind[kind]
                 counts["samples"] += 1
                 counts["tokens"] += n
                 counts["answer_tokens"] += s.answer_tokens
-                counts["loss_tokens"] += int((~s.no_loss[1:]).sum())  # a segment's first label never counts
+                counts["loss_tokens"] += int((~masks[-1][1:]).sum())  # a segment's first label never counts
                 space -= n
                 if space:
                     row_starts_l.append(seq_len - space)
@@ -181,7 +186,7 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
               "tokens": added["tokens"], "loss_tokens": added["loss_tokens"],
               "answer_tokens": sum(c["answer_tokens"] for c in by_kind.values()),
               "share_of_rows": added_rows / max(total, 1), "filler": filler, "by_kind": by_kind,
-              "kinds": list(kinds), "min_tokens": min_tokens, "seed": seed}
+              "kinds": list(kinds), "min_tokens": min_tokens, "loss_on": loss_on, "seed": seed}
     with _atomic_write(data_dir / RETRIEVAL_FILE) as f:
         f.write((json.dumps(record, indent=1) + "\n").encode())
     with _atomic_write(data_dir / INFO_FILE) as f:  # last: its presence means the rest is complete

@@ -120,6 +120,9 @@ class PretrainParams(StageParams):
         "listed twice is drawn twice as often."))
     retrieval_min_tokens: int = Field(256, ge=96, description=(
         "Shortest retrieval sample; lengths are drawn uniformly up to seq_len."))
+    retrieval_loss: Literal["all", "answers"] = Field("all", description=(
+        "What of a retrieval sample is a training target: 'all' (its natural-text context and its answer) or "
+        "'answers' (the answer alone, so the copy targets weigh more in the loss; the plain rows still teach the text)."))
     probe_every: int = Field(0, ge=0, description=(
         "Steps between in-training retrieval probes on held-out text (copy accuracy, NIAH forced choice at seq_len; "
         "pretrain/probe.py), logged as probe_* metrics; 0: none. Not with sequence_parallel > 1."))
@@ -426,7 +429,8 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
             add_retrieval_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")),
                                added_rows=retrieval_rows_for(info.train.rows, params.retrieval_share),
                                seed=params.seed, kinds=params.retrieval_kinds,
-                               min_tokens=params.retrieval_min_tokens, progress=ctx.progress)
+                               min_tokens=params.retrieval_min_tokens, loss_on=params.retrieval_loss,
+                               progress=ctx.progress)
         os.replace(tmp, data_dir)
     from pretrain.retrieval_rows import read_retrieval, retrieval_metrics
 
@@ -439,7 +443,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     world = layout.world
     fields = {k: v for k, v in params.model_dump().items()
               if k not in ("double_batch_at_tokens", "double_batch_below_loss", "eval_documents", "processes",
-                           "retrieval_share", "retrieval_kinds", "retrieval_min_tokens")}
+                           "retrieval_share", "retrieval_kinds", "retrieval_min_tokens", "retrieval_loss")}
     cfg = TrainConfig(data_dir=str(data_dir), tokenizer_dir=str(tokenizer.path), resume_dir=str(ctx.resume_dir),
                       export_dir=str(ctx.out_dir), double_at_tokens=params.double_batch_at_tokens,
                       double_below_loss=params.double_batch_below_loss, **fields)
