@@ -17,7 +17,7 @@ WORK=${WORK:-/tmp/hylight-gpu-dag}
 OUT=${OUT:-$WORK/out}
 SEQ=${SEQ:-2048}
 LIMIT_S=${LIMIT_S:-560}
-COMMON=${COMMON:---size gpu-300m --seq-len $SEQ --rows 16 --micro-rows 8 --lr 8e-4 --steps 240 --probe-every 40}
+COMMON=${COMMON:---size gpu-300m --seq-len $SEQ --rows 16 --micro-rows 4 --lr 8e-4 --steps 240 --probe-every 40}
 MIX="repeat,repeat,continue,lookup,multi_lookup"
 STREAM_A=${STREAM_A:-"rr --kinds random_repeat;rep_ans25 --kinds repeat --text-share 0.25 --answers-only"}
 STREAM_B=${STREAM_B:-"mix_ans50 --kinds $MIX --text-share 0.5 --answers-only;mix_all50 --kinds $MIX --text-share 0.5"}
@@ -27,7 +27,7 @@ if [ ! -f "$WORK/data.ok" ]; then
     KEEP_WORK=1 RUN_ARGS="--stage mix" RUN_LIMIT_S=300 OUT="$WORK/dagout" bash bench/run_gpu_dag.sh >/dev/null 2>&1
     cp "$WORK/dagout/summary.txt" "$OUT/dag_summary.txt" 2>/dev/null
 fi
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
 if [ ! -f "$WORK/data.ok" ]; then
     python3 - "$WORK" "$SEQ" <<'EOF' || { echo "packing failed" | tee -a "$OUT/check.log"; exit 2; }
 import json, sys, time

@@ -102,7 +102,9 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
     cos, sin = cos[:, None], sin[:, None]
     rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((rotated, x_pass), dim=-1)
+    # x's dtype back: under autocast an fp32 cos/sin would leave q and k fp32 beside a bf16 v, which the packed
+    # attention kernels refuse (transformers' apply_rotary_pos_emb casts back the same way)
+    return torch.cat((rotated, x_pass), dim=-1).to(x.dtype)
 
 
 # --- padding, packing and positions of one forward call ---------------------------------------------------

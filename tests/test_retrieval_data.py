@@ -245,6 +245,33 @@ def test_retrieval_rows_are_determined_by_the_seed_and_refused_twice(packed, tok
         add_retrieval_rows(tmp_path / "x", tokenizer, added_rows=3, seed=0, kinds=["trivia"])
 
 
+def test_answers_only_rows_count_just_the_answers_and_keep_the_same_tokens(packed, tokenizer, tmp_path, mixed):
+    """loss_on="answers": the same rows (same seed) with every label off but the answers' (and the filler's text)."""
+    out, record = mixed
+    ans = tmp_path / "answers"
+    shutil.copytree(packed, ans)
+    plain = len(PackedRows(packed, "train"))
+    rec = add_retrieval_rows(ans, tokenizer, added_rows=retrieval_rows_for(plain, 0.25), seed=0, min_tokens=96,
+                             loss_on="answers")
+    assert (np.load(out / "train_tokens.npy") == np.load(ans / "train_tokens.npy")).all()
+    assert rec["loss_on"] == "answers" and record["loss_on"] == "all"
+    assert rec["answer_tokens"] == record["answer_tokens"]
+    # per kind, the counted labels are the answers after each sample's first token (here: all of them)
+    for kind, c in rec["by_kind"].items():
+        assert c["loss_tokens"] == c["answer_tokens"], kind
+        assert record["by_kind"][kind]["loss_tokens"] > c["loss_tokens"], kind
+    a, b = PackedRows(out, "train"), PackedRows(ans, "train")
+    at = np.flatnonzero(positions(plain, rec["rows"]))
+    for i in at[:20]:
+        t, starts, nl_all = a.row(int(i))
+        _, _, nl_ans = b.row(int(i))
+        assert (nl_ans | ~nl_all).sum() >= (~nl_all).sum() and (~nl_ans & nl_all).sum() == 0  # a subset of all's
+    for i in np.flatnonzero(~positions(plain, rec["rows"]))[:5]:  # plain rows untouched
+        assert (a.row(int(i))[2] == b.row(int(i))[2]).all()
+    with pytest.raises(ValueError, match="loss_on"):
+        add_retrieval_rows(tmp_path / "y", tokenizer, added_rows=3, seed=0, loss_on="context")
+
+
 def _window_hashes(tokens: np.ndarray, special: list[int], n: int = 24) -> np.ndarray:
     """A 64-bit polynomial hash of every ``n``-token window of ``tokens`` with the special tokens taken out."""
     t = tokens[~np.isin(tokens, special)].astype(np.uint64)
@@ -315,6 +342,27 @@ def test_the_probe_measures_what_a_plain_forward_pass_measures(packed, inputs):
     assert got["niah_answer_margin"] == pytest.approx(np.mean(margin), abs=1e-3)
     assert len(probe.niah) == 3 and all(len(t.ids) == 128 for t in probe.niah)
     assert [t.depth for t in probe.niah] == [0.0, 0.5, 1.0]
+
+
+def test_the_copy_probe_draws_from_held_out_tokens_or_from_the_whole_vocabulary(packed, inputs):
+    from pretrain.probe import RetrievalProbe
+
+    from tokenizers import Tokenizer
+
+    rows = PackedRows(packed, "eval")
+    special = set(Tokenizer.from_file(str(inputs.tokenizer.path / "tokenizer.json")).get_added_tokens_decoder())
+    seen = RetrievalProbe(inputs.tokenizer.path, rows, seq_len=128, trials=6, seed=0, copy_tokens=40)
+    held = set()
+    for i in range(len(rows)):
+        held |= set(rows.row(i)[0].tolist())
+    drawn = {x for t in seen.copy for x in t.ids[1:]}
+    assert drawn <= held - special and seen.copy_pool_size < rows.info.vocab_size - len(special)
+    whole = RetrievalProbe(inputs.tokenizer.path, rows, seq_len=128, trials=6, seed=0, copy_tokens=40,
+                           copy_pool="vocab")
+    assert whole.copy_pool_size == rows.info.vocab_size - len(special)
+    assert {x for t in whole.copy for x in t.ids[1:]} - held  # some ids no held-out text holds
+    with pytest.raises(ValueError, match="copy_pool"):
+        RetrievalProbe(inputs.tokenizer.path, rows, seq_len=128, trials=2, seed=0, copy_pool="corpus")
 
 
 def test_pretrain_and_long_context_refuse_the_same_bad_retrieval_and_probe_params():
