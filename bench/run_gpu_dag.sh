@@ -19,7 +19,7 @@
 #   diagnostics.txt     only if something failed: Ray's error logs and the stage error files
 #
 # Env: DAG (dags/gpu-recipe.yaml), HYLIGHT_SET (more `--set` overrides, space separated, e.g.
-# "pretrain.train_tokens=4000000"), RUN_ARGS (more `hylight run` arguments, space separated, e.g. "--stage eval" to run
+# "pretrain.train_tokens=4000000"; one a line instead where a value holds spaces), RUN_ARGS (more `hylight run` arguments, space separated, e.g. "--stage eval" to run
 # one stage and what it needs first), RUN_LIMIT_S (540: seconds after this script starts at which the run gets
 # SIGINT (SIGKILL 20 s later) and the record is still written; keep it ~50 s under the call's timeout), SITE (/tmp/site), ARCHIVE (.whl-dag/pack/site.tar.xz), WORK
 # (/tmp/hylight-gpu-dag; emptied first unless KEEP_WORK=1 and a previous call's run is there: then the run
@@ -169,7 +169,9 @@ fi
 
 # --- the run ----------------------------------------------------------------------------------------------
 sets=(--set "artifact_root=$WORK/root")
-for s in ${HYLIGHT_SET:-}; do sets+=(--set "$s"); done
+# HYLIGHT_SET: space-separated, or one override a line where a value holds spaces (a YAML flow list of mappings)
+if [[ "${HYLIGHT_SET:-}" == *$'\n'* ]]; then mapfile -t _sets <<<"$HYLIGHT_SET"; else read -ra _sets <<<"${HYLIGHT_SET:-}"; fi
+for s in "${_sets[@]}"; do [ -n "$s" ] && sets+=(--set "$s"); done
 for a in ${RUN_ARGS:-}; do sets+=("$a"); done
 left=$(awk -v a="$(since "$T0")" -v l="$RUN_LIMIT_S" 'BEGIN { printf "%d", l - a }')
 say "hylight run $DAG ${sets[*]} (stopped in ${left}s if still running)"
