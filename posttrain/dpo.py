@@ -259,6 +259,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
 
     from posttrain.policy import (
         MODEL_DIR,
+        NO_ACTIVATION_CHECKPOINTING,
         SamplingStats,
         last_checkpoint,
         load_policy,
@@ -351,7 +352,8 @@ def run(params: DPOParams, ctx: StageContext) -> None:
         per_device_train_batch_size=params.batch_pairs, gradient_accumulation_steps=params.gradient_accumulation_steps,
         max_length=params.max_length, logging_steps=1, eval_strategy="no", report_to="none",
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
-        seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
+        seed=params.seed, disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}],
                                   "chosen": [{"role": "assistant", "content": p["chosen"]}],
                                   "rejected": [{"role": "assistant", "content": p["rejected"]}]}

@@ -196,6 +196,15 @@ CHECKPOINT_EVERY_HELP = ("Save a mid-training checkpoint (weights, optimizer, sc
                          "continues from the last one; the directory is removed when the stage commits. 0: never.")
 
 
+# TRL's configs (1.x) turn activation checkpointing on by default. Post-training keeps it off in every stage (SFT,
+# reward model, DPO, GRPO): its recomputation must save the same tensors as the forward, and the MoE saves one set
+# per expert that received tokens, so where routing is not bit-reproducible (bf16 on a GPU) the recomputed forward
+# can route differently and torch refuses it. On an H100 the reward model stage failed so ("A different number of
+# tensors was saved during the original forward and recomputation": 62 vs 59; BENCHMARKS.md). The models trained
+# here fit without it.
+NO_ACTIVATION_CHECKPOINTING = False
+
+
 def trainer_checkpointing(ctx: Any, every: int) -> dict[str, Any]:
     """``TrainingArguments`` fields for a post-training stage's mid-training checkpoints.
 

@@ -39,7 +39,13 @@ from pydantic import Field, field_validator
 from data.documents import ANY_DOCUMENTS
 from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint
-from posttrain.policy import CHECKPOINT_EVERY_HELP, last_checkpoint, trainer_checkpointing, trainer_log_relay
+from posttrain.policy import (
+    CHECKPOINT_EVERY_HELP,
+    NO_ACTIVATION_CHECKPOINTING,
+    last_checkpoint,
+    trainer_checkpointing,
+    trainer_log_relay,
+)
 from posttrain.preference_pairs import PreferencePair, build_pairs, chat_messages, pair_file_problems
 from posttrain.prompts import POOLS, PROMPTS_TYPE, read_pool
 from pretrain.stage import CHECKPOINT_TYPE
@@ -249,7 +255,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         weight_decay=params.weight_decay, warmup_steps=max(1, params.max_steps // 10), lr_scheduler_type="linear",
         logging_steps=1, eval_strategy="no", report_to="none",
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
-        seed=params.seed, max_length=None, disable_tqdm=True,
+        seed=params.seed, max_length=None, disable_tqdm=True, gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING,
         center_rewards_coefficient=params.center_rewards_coefficient, dataloader_num_workers=0)
     dataset = Dataset.from_dict({"chosen_ids": train[1], "rejected_ids": train[2]})
     trainer = RewardTrainer(model=rm, args=config, train_dataset=dataset, processing_class=tokenizer,

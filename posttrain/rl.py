@@ -220,6 +220,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     from posttrain.grpo import HylightGRPOConfig, select_prompts_by_pass_rate, train_grpo
     from posttrain.policy import (
         MODEL_DIR,
+        NO_ACTIVATION_CHECKPOINTING,
         SamplingStats,
         last_checkpoint,
         load_policy,
@@ -320,7 +321,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
         clip_large_ratio_negative_advantage=params.clip_large_ratio_negative_advantage,
         balance_advantages=params.balance_advantages, seed=params.seed, logging_steps=1,
         report_to="none", disable_tqdm=True, use_cpu=not on_gpu, bf16=on_gpu,  # the stage's GPU when it has one
-        gradient_checkpointing=False, dataloader_num_workers=0)
+        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, dataloader_num_workers=0)
     t0 = time.monotonic()
     result = train_grpo(policy, tok, [chat(r["prompt"]) for r in train_records], [reward], config,
                         ctx.work_dir / "grpo", callbacks=[relay],

@@ -60,6 +60,7 @@ from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
+    NO_ACTIVATION_CHECKPOINTING,
     SamplingStats,
     last_checkpoint,
     load_policy,
@@ -449,7 +450,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
         gradient_accumulation_steps=params.gradient_accumulation_steps, weight_decay=params.weight_decay,
         logging_steps=1, eval_strategy="no", report_to="none", **trainer_checkpointing(ctx, params.checkpoint_every),
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
-        gradient_checkpointing=False, seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
+        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
     dataset = Dataset.from_dict({"messages": [example_messages(t) for t in targets]})
     model.train()
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,

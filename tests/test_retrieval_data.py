@@ -345,9 +345,9 @@ def test_the_probe_measures_what_a_plain_forward_pass_measures(packed, inputs):
 
 
 def test_the_copy_probe_draws_from_held_out_tokens_or_from_the_whole_vocabulary(packed, inputs):
-    from pretrain.probe import RetrievalProbe
-
     from tokenizers import Tokenizer
+
+    from pretrain.probe import RetrievalProbe
 
     rows = PackedRows(packed, "eval")
     special = set(Tokenizer.from_file(str(inputs.tokenizer.path / "tokenizer.json")).get_added_tokens_decoder())
