@@ -16,7 +16,9 @@ What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_
   numbers the prompt never held (teacher-forced log-likelihood of each as the answer): ``niah_choice_accuracy`` /
   ``_2x`` (chance is 1 / (1 + niah_distractors)) and ``niah_answer_margin`` / ``_2x`` (nats: the needle's number's
   log-likelihood minus the distractors' mean; 0 means the model ignores the needle);
-* the copy probe: ``[BOS] R R`` with ``R`` ``copy_tokens`` random token ids; ``copy_accuracy`` is the top-1 accuracy
+* the copy probe: ``[BOS] R R`` with ``R`` ``copy_tokens`` random token ids (``copy_pool``: drawn from the distinct
+  ordinary tokens of the held-out text, as the in-training probe draws them, or from the whole ordinary vocabulary,
+  many of whose tokens a small run never trains on); ``copy_accuracy`` is the top-1 accuracy
   on the second copy (its first token excepted), ``copy_loss_gain`` the first copy's mean loss minus the second's
   (Olsson et al.'s in-context signature of induction heads). NIAH's answer is a copy of the needle's number, so a
   model that cannot copy a repeated sequence cannot pass NIAH: the two together say whether a NIAH failure is the
@@ -45,7 +47,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -120,6 +122,11 @@ class EvalParams(StageParams):
         "(niah_choice_accuracy, niah_answer_margin)."))
     copy_trials: int = Field(8, ge=0, description="Copy probe sequences (0: no copy probe).")
     copy_tokens: int = Field(64, ge=4, description="Copy probe: random tokens per copy ([BOS] R R).")
+    copy_pool: Literal["seen", "vocab"] = Field("seen", description=(
+        "Where the copy probe's tokens come from: 'seen', the distinct ordinary tokens of the held-out text (as the "
+        "in-training probe of pretrain and long_context); 'vocab', the whole ordinary vocabulary (on a small corpus "
+        "many of a 32K vocabulary's tokens are never a training target, and a model that copies every token it has "
+        "met can still score 0 there)."))
     generate_batch: int = Field(8, ge=1, description="NIAH and multi-round NIAH prompts decoded together (one "
                                 "generate call; prompts of different lengths are packed, no compute on padding).")
     pass_rate_prompts: int = Field(0, ge=0, description=(
@@ -337,14 +344,19 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
     return out
 
 
-def _copy_probe(scorer: Scorer, params: EvalParams, ctx: StageContext) -> dict[str, Any] | None:
+def _copy_probe(scorer: Scorer, params: EvalParams, ctx: StageContext,
+                stream: TokenStream | None = None) -> dict[str, Any] | None:
     """The copy probe (module docstring): per trial, the first copy's and the second copy's mean loss and the second
-    copy's top-1 accuracy."""
+    copy's top-1 accuracy. ``copy_pool="seen"`` draws from ``stream``'s distinct ordinary tokens."""
     if not params.copy_trials:
         return None
     torch = scorer.torch
-    trials = build_copy_trials(scorer.ordinary_token_ids(), scorer.bos, params.copy_trials, params.copy_tokens,
-                               params.seed)
+    pool = scorer.ordinary_token_ids()
+    if params.copy_pool == "seen":
+        if stream is None:
+            raise ValueError("copy_pool='seen' needs the held-out text")
+        pool = np.intersect1d(np.unique(stream.tokens), np.asarray(pool, np.int64)).tolist()
+    trials = build_copy_trials(pool, scorer.bos, params.copy_trials, params.copy_tokens, params.seed)
     ids = torch.tensor([t.ids for t in trials], device=scorer.device)
     logp, hits = scorer.token_logprobs(ids, hits=True)
     logp, hits = logp.double().cpu().numpy(), hits.cpu().numpy()
@@ -355,13 +367,14 @@ def _copy_probe(scorer: Scorer, params: EvalParams, ctx: StageContext) -> dict[s
         rows.append({"first_copy_loss": float(-logp[b, first].mean()), "second_copy_loss": float(-logp[b, second].mean()),
                      "second_copy_accuracy": float(hits[b, second].mean()),
                      "first_copy_accuracy": float(hits[b, first].mean())})
-    out = {"trials": len(trials), "tokens_per_copy": params.copy_tokens,
-           "uniform_loss": math.log(len(scorer.ordinary_token_ids())),
+    out = {"trials": len(trials), "tokens_per_copy": params.copy_tokens, "pool": params.copy_pool,
+           "pool_size": len(pool), "uniform_loss": math.log(len(pool)),
            "accuracy": float(np.mean([r["second_copy_accuracy"] for r in rows])),
            "first_copy_loss": float(np.mean([r["first_copy_loss"] for r in rows])),
            "second_copy_loss": float(np.mean([r["second_copy_loss"] for r in rows])), "rows": rows}
     out["loss_gain"] = out["first_copy_loss"] - out["second_copy_loss"]
-    ctx.progress(f"copy probe ({len(trials)} x {params.copy_tokens} random tokens, repeated): second-copy accuracy "
+    ctx.progress(f"copy probe ({len(trials)} x {params.copy_tokens} random tokens of {len(pool):,} "
+                 f"({params.copy_pool}), repeated): second-copy accuracy "
                  f"{out['accuracy']:.3f}, loss {out['first_copy_loss']:.3f} -> {out['second_copy_loss']:.3f} "
                  f"(uniform {out['uniform_loss']:.3f})")
     return out
@@ -555,7 +568,7 @@ def run(params: EvalParams, ctx: StageContext) -> None:
                      f"{max(lengths)}: haystacks repeat it")
 
     niah = _niah(scorer, stream, lengths, params, ctx)
-    copy = _copy_probe(scorer, params, ctx)
+    copy = _copy_probe(scorer, params, ctx, stream)
     mr = _multi_round(scorer, stream, lengths, params, ctx)
     loss = _loss_by_position(scorer, stream, lengths, params, ctx)
     built = [build_cloze_task(held.docs, params.cloze_items, params.mc_choices, params.mc_context_chars, params.seed),

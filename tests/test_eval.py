@@ -184,12 +184,28 @@ def test_copy_probe_credits_a_copying_model_on_the_second_copy_only(tmp_path: Pa
     from pretrain.evaluation import _copy_probe
 
     ctx = StageContext(tmp_path / "out", {}, stage_name="eval")
-    got = _copy_probe(_InductionOracle(vocab=5000), EvalParams(copy_trials=4, copy_tokens=32), ctx)
+    got = _copy_probe(_InductionOracle(vocab=5000), EvalParams(copy_trials=4, copy_tokens=32, copy_pool="vocab"), ctx)
     # with 5,000 ids and 32 draws a repeated id inside one copy is rare; the oracle then guesses its latest follower
     assert got["accuracy"] > 0.95 and got["trials"] == 4
     assert got["first_copy_loss"] == pytest.approx(math.log(5000), rel=0.05)
     assert got["second_copy_loss"] < 0.3 and got["loss_gain"] > 8
     assert _copy_probe(_InductionOracle(5000), EvalParams(copy_trials=0), ctx) is None
+
+
+def test_copy_probe_draws_from_the_held_out_texts_tokens_by_default(tmp_path: Path) -> None:
+    from pretrain.eval_tasks import TokenStream
+    from pretrain.evaluation import _copy_probe
+
+    ctx = StageContext(tmp_path / "out", {}, stage_name="eval")
+    held = np.asarray([0, 7, 9, 11, 7, 13, 200, 4999, 9, 0], np.int64)  # 0 is BOS, not an ordinary id here
+    stream = TokenStream(held)
+    got = _copy_probe(_InductionOracle(vocab=5000), EvalParams(copy_trials=4, copy_tokens=32), ctx, stream)
+    assert got["pool"] == "seen" and got["pool_size"] == 6 and got["uniform_loss"] == pytest.approx(math.log(6))
+    whole = _copy_probe(_InductionOracle(vocab=5000), EvalParams(copy_trials=4, copy_tokens=32, copy_pool="vocab"),
+                        ctx, stream)
+    assert whole["pool_size"] == 4999
+    with pytest.raises(ValueError, match="held-out text"):
+        _copy_probe(_InductionOracle(vocab=5000), EvalParams(copy_trials=4), ctx)
 
 
 # --- scoring ------------------------------------------------------------------------------------------------------
