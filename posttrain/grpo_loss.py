@@ -67,6 +67,12 @@ def balanced_advantages(advantages: torch.Tensor, token_counts: torch.Tensor, gr
     return torch.where(pos, adv * pos_scale, torch.where(neg, adv * neg_scale, adv)).reshape(-1)
 
 
+# The largest log-ratio log π_θ - log π_old fed to exp: past ~88 float32's exp overflows to inf, and an inf ratio
+# makes the loss inf and its gradient NaN even where the token is masked or dropped (0 · inf). Ratios beyond e^20
+# (~4.9e8) are far outside any clip range: the cap changes no clipped value, and the gradient through it is 0.
+LOG_RATIO_MAX = 20.0
+
+
 def clipped_is_objective(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
                          epsilon_low: float, epsilon_high: float,
                          ratio_max_negative: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +84,7 @@ def clipped_is_objective(logp: torch.Tensor, old_logp: torch.Tensor, advantages:
     §5.4.2 (a) "abandons this case": with ``ratio_max_negative`` = c (None: off), a token with A < 0 and r > c
     is dropped from the policy term (value 0, gradient 0). It still counts in the token normaliser.
     ``advantages``: [B, 1] (per sequence) or [B, T]."""
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(max=LOG_RATIO_MAX))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages
     loss = -torch.min(unclipped, clipped)
@@ -95,7 +101,7 @@ def cispo_objective(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     """CISPO (MiniMax-M1): loss = -sg(clip(r, ratio_min, ratio_max)) · A · logp. The IS weight is clipped and
     detached, so every token keeps a gradient A·w·∇logp with w bounded. Returns the per-token loss and the mask of
     tokens whose weight was clipped (and A ≠ 0, so the gradient changed)."""
-    ratio = torch.exp(logp - old_logp).detach()
+    ratio = torch.exp((logp - old_logp).clamp(max=LOG_RATIO_MAX)).detach()
     weight = torch.clamp(ratio, min=ratio_min, max=ratio_max)
     changed = (weight != ratio) & (advantages != 0)
     return -weight * advantages * logp, changed
@@ -163,9 +169,10 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         else:
             raise ValueError(f"unknown kl_estimator {kl_estimator!r}; use 'stop_gradient' (§5.4.2 b) or 'k3'")
         per_token = policy + beta * kl_term
-        kl_loss = ((kl_term * m).sum() / norm).detach()
-        kl = ((k3_kl(logp, ref_logp) * m).sum() / tokens).detach()
-    loss = (per_token * m).sum() / norm
+        kl_loss = (torch.where(mask.bool(), kl_term, 0.0).sum() / norm).detach()
+        kl = (torch.where(mask.bool(), k3_kl(logp, ref_logp), 0.0).sum() / tokens).detach()
+    keep = mask.bool()  # where(), not a product: a masked token's value never reaches the sum (0 · inf is NaN)
+    loss = torch.where(keep, per_token, 0.0).sum() / norm
     return GRPOLossOutput(
-        loss=loss, policy_loss=((policy * m).sum() / norm).detach(), kl_loss=kl_loss, kl=kl,
+        loss=loss, policy_loss=(torch.where(keep, policy, 0.0).sum() / norm).detach(), kl_loss=kl_loss, kl=kl,
         clip_fraction=((changed.expand_as(m) * m).sum() / tokens).detach(), per_token_loss=per_token)

@@ -369,3 +369,23 @@ def test_select_prompts_by_pass_rate_keeps_moderate_prompts_and_counts_the_dropp
     assert 0.1 <= sel.pass_rates[2] <= 0.9, sel.pass_rates  # the tiny model passes "the bird" now and then
     with pytest.raises(ValueError, match="lo <= hi"):
         select_prompts_by_pass_rate(model, tokenizer, prompts, [reward], lo=0.8, hi=0.2)
+
+
+@pytest.mark.parametrize("advantage", [-1.0, 0.0, 1.0])
+@pytest.mark.parametrize("options", [{}, {"ratio_max_negative": 3.0}, {"objective": "cispo"},
+                                     {"beta": 0.1, "kl_estimator": "k3"}])
+def test_a_log_ratio_past_float32_exp_range_gives_a_finite_loss_and_gradient(advantage, options):
+    """log π_θ - log π_old of 100 (kept) and 198 (masked): exp overflows float32 past ~88; neither the loss nor the
+    gradient may become inf or NaN, and the masked token adds nothing."""
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-100.0, -1.5, -200.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    ref = torch.tensor([[-0.5, -1.0, -2.0]]) if options.get("beta") else None
+    out = grpo_loss(logp, old, torch.tensor([advantage]), mask, ref_logp=ref, **options)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert grad[0, 2] == 0  # the masked token
+    # the in-range token's value is what it was without the cap
+    plain = grpo_loss(logp[:, 1:2], old[:, 1:2], torch.tensor([advantage]), mask[:, 1:2],
+                      ref_logp=None if ref is None else ref[:, 1:2], **options)
+    assert torch.isfinite(plain.loss)
