@@ -65,6 +65,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _json_target_problem(path: str) -> str | None:
+    """Why the run report could not be written to ``path`` (None: it can)."""
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        return "is a directory; give a file path"
+    if not parent.is_dir():
+        return f"its directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"its directory {parent} is not writable"
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pipeline.orchestrator import RunOptions, report_json, run_pipeline, summary_table
     from pipeline.spec import SpecError
@@ -84,6 +97,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"{args.spec}: no stage named {', '.join(map(repr, unknown))} (stages: {', '.join(spec.stages)})",
               file=sys.stderr)
+        return EXIT_INVALID
+    problem = _json_target_problem(args.json) if args.json else None
+    if problem:  # found before anything runs, not after the whole DAG
+        print(f"--json {args.json}: {problem}", file=sys.stderr)
         return EXIT_INVALID
     from pipeline.tracking import TrackingUnavailable, check_reachable, journal_summary
 

@@ -121,6 +121,17 @@ def test_cli_invalid_spec_exits_2_and_starts_nothing(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
 
 
+def test_cli_run_refuses_a_json_report_path_it_could_not_write_before_anything_runs(tmp_path, capsys):
+    path = write(tmp_path, GOOD)
+    (tmp_path / "adir").mkdir()
+    for target, why in [(tmp_path / "missing" / "report.json", "does not exist"),
+                        (tmp_path / "adir", "is a directory")]:
+        assert main(["run", str(path), "--json", str(target)]) == EXIT_INVALID
+        err = capsys.readouterr().err
+        assert f"--json {target}" in err and why in err
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
 def test_cli_validate_ok(tmp_path, capsys):
     assert main(["validate", str(write(tmp_path, GOOD))]) == 0
     assert "OK" in capsys.readouterr().out
