@@ -2,7 +2,10 @@
 
 An artifact lives at ``<root>/artifacts/<kind>/<key[:24]>/`` and is accepted only if its
 ``manifest.json`` names the same cache key and the directory holds exactly the files it lists, each with
-the listed sha256 (every lookup re-hashes: a same-size corruption is not reused). A stage writes into
+the listed sha256 (every lookup re-hashes: a same-size corruption is not reused), whose ``digest`` is the one its
+file list gives, and whose fields all agree with its seal (``manifest_sha256``: the sha256 of the rest of the
+manifest, so a one-character edit of its digest, summary or row count is found; a seal detects edits, it does not
+authenticate: whoever can write the artifact can also recompute it). A stage writes into
 ``<root>/.tmp/...``; at commit every file and directory is fsynced, then the manifest is written (last),
 and the directory is renamed into place, so neither a killed stage nor a crash leaves anything the cache
 would accept. An artifact that fails verification is moved to ``<root>/corrupt/`` (and logged in
@@ -31,7 +34,8 @@ from typing import Any
 from pipeline.launch import pid_alive
 from pipeline.stage import MANIFEST_NAME, Artifact, sha256_file
 
-MANIFEST_SCHEMA = "hylight.artifact/1"
+MANIFEST_SCHEMA = "hylight.artifact/2"  # /2: manifests carry their seal (manifest_sha256)
+SEAL_FIELD = "manifest_sha256"
 QUARANTINE_DIR = "corrupt"  # under the artifact root: artifacts that failed verification, kept for inspection
 
 log = logging.getLogger("hylight.artifacts")
@@ -54,6 +58,13 @@ def artifact_digest(type_: str, schema_version: int, files: list[dict[str, Any]]
     ident = {"type": type_, "schema_version": schema_version,
              "files": [(f["path"], f["sha256"]) for f in files if not f.get("record")]}
     return hashlib.sha256(canonical_json(ident).encode()).hexdigest()
+
+
+def manifest_seal(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON without its seal field, as it reads back from manifest.json (a JSON
+    round trip first: keys become strings, tuples lists, other objects their str, exactly as written)."""
+    rest = json.loads(json.dumps({k: v for k, v in manifest.items() if k != SEAL_FIELD}, default=str))
+    return hashlib.sha256(canonical_json(rest).encode()).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -194,12 +205,17 @@ def check_artifact(path: str | Path, *, kind: str | None = None, key: str | None
         problem = f"manifest is for cache key {m.get('cache_key')!r}, looked up {key!r}"
     elif key is None and not str(m.get("cache_key", "")).startswith(path.name):
         problem = f"manifest is for cache key {m.get('cache_key')!r}, which does not match the directory name"
+    elif m.get(SEAL_FIELD) != manifest_seal(m):
+        problem = (f"{MANIFEST_NAME} was edited after its commit: its fields do not match its seal ({SEAL_FIELD})")
     if problem:
         return ArtifactCheck(path, m, problem=problem)
     try:
         listed = {f["path"]: f for f in m.get("files", [])}
+        digest = artifact_digest(m["type"], m["schema_version"], m["files"])
     except (TypeError, KeyError):
         return ArtifactCheck(path, m, problem="manifest has no valid file list")
+    if m.get("digest") != digest:
+        return ArtifactCheck(path, m, problem=f"manifest digest {m.get('digest')!r} is not its file list's {digest!r}")
     on_disk = {p.relative_to(path).as_posix(): p for p in _payload_files(path)}
     missing = tuple(sorted(set(listed) - set(on_disk)))
     extra = tuple(sorted(set(on_disk) - set(listed)))
@@ -381,6 +397,7 @@ class ArtifactStore:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **meta,
         }
+        manifest[SEAL_FIELD] = manifest_seal(manifest)
         write_json_atomic(tmp_dir / MANIFEST_NAME, manifest)
         final = self.path_for(kind, key)
         if not final.parent.is_dir():

@@ -86,6 +86,40 @@ def test_every_kind_of_damage_is_a_miss_naming_what_changed(tmp_path, damage, ex
     assert not art.path.exists() and len(list((tmp_path / QUARANTINE_DIR / "test_source").iterdir())) == 1
 
 
+def _edit_manifest(path: Path, edit) -> None:  # noqa: ANN001
+    m = json.loads((path / MANIFEST_NAME).read_text())
+    edit(m)
+    (path / MANIFEST_NAME).write_text(json.dumps(m, indent=2))
+
+
+def _bump_digest(m: dict) -> None:
+    m["digest"] = ("0" if m["digest"][0] != "0" else "1") + m["digest"][1:]
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (_bump_digest, "edited after its commit"),
+    (lambda m: m.update(summary={"loss": 0.1}), "edited after its commit"),
+    (lambda m: m.update(rows=999), "edited after its commit"),
+    (lambda m: (_bump_digest(m), m.update(manifest_sha256=__import__("pipeline.artifacts").artifacts.manifest_seal(m))),
+     "is not its file list's"),
+], ids=["digest", "summary", "rows", "digest with the seal recomputed"])
+def test_an_edited_manifest_field_is_a_miss_and_fails_verify(tmp_path, capsys, edit, expect):
+    """A one-character edit of the digest (or of the summary, or the row count) in manifest.json: the lookup refuses
+    the artifact (the stage reruns, not a cache hit under a key built from the wrong digest) and `hylight verify`
+    fails; the digest is also recomputed from the file list, so resealing an edited digest does not pass either."""
+    store = ArtifactStore(tmp_path)
+    art = _commit(store, {"text.txt": b"abc" * 50})
+    assert check_artifact(art.path).ok
+    _edit_manifest(art.path, edit)
+    check = check_artifact(art.path)
+    assert not check.ok and expect in check.describe()
+    assert cli.main(["verify", "--root", str(tmp_path)]) != 0
+    capsys.readouterr()
+    said: list[str] = []
+    assert store.lookup("test_source", KEY, on_reject=said.append) is None
+    assert len(said) == 1 and expect in said[0]
+
+
 def test_a_nested_file_named_manifest_json_is_part_of_the_artifact(tmp_path):
     store = ArtifactStore(tmp_path)
     art = _commit(store, {"model/manifest.json": b'{"a": 1}', "text.txt": b"t"})
