@@ -42,11 +42,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import math
 import os
 import re
 import time
 from collections import Counter
 from collections.abc import Iterator
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +154,55 @@ def record_problem(obj: Any) -> str | None:
         need = ("function", "tests") if obj["checker"] == "python_tests" else ("answer",)
         if not isinstance(ref, dict) or any(k not in ref for k in need):
             return f"checker {obj['checker']!r} needs a 'reference' object with {', '.join(need)}"
+        why = _reference_problem(obj["checker"], ref)
+        if why:
+            return why
+    return _value_problem(obj, "")
+
+
+def _reference_problem(checker: str, ref: dict[str, Any]) -> str | None:
+    """Why a checker's reference values cannot be checked against (types, not only keys), or None."""
+    if checker == "python_tests":
+        if not isinstance(ref["function"], str) or not ref["function"].isidentifier():
+            return "reference.function must be a Python identifier (a string)"
+        tests = ref["tests"]
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
+            return "reference.tests must be a non-empty list of strings (one test statement each), not " + (
+                "a string" if isinstance(tests, str) else type(tests).__name__)
+    elif checker == "exact_number":
+        answer = ref["answer"]
+        if isinstance(answer, bool) or not isinstance(answer, int | float | str):
+            return f"reference.answer must be a number (or a numeric string), got {type(answer).__name__}"
+        try:
+            ok = Decimal(str(answer)).is_finite()
+        except InvalidOperation:
+            ok = False
+        if not ok:
+            return f"reference.answer {answer!r} is not a finite number"
+    elif not isinstance(ref["answer"], str | int | float) or isinstance(ref["answer"], bool):
+        return f"reference.answer must be a string (or a number), got {type(ref['answer']).__name__}"
+    if "casefold" in ref and not isinstance(ref["casefold"], bool):
+        return f"reference.casefold must be true or false, got {ref['casefold']!r}"
+    return None
+
+
+def _value_problem(value: Any, where: str) -> str | None:
+    """Values JSON cannot hold (NaN, Infinity: Python's parser takes them, strict JSON has none) or text with a
+    NUL character, anywhere in the record."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where or 'a value'} is {value!r}, which is not a JSON number"
+    if isinstance(value, str) and "\x00" in value:
+        return f"{where or 'a string'} holds a NUL character"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            why = _value_problem(v, f"{where}.{k}" if where else str(k))
+            if why:
+                return why
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            why = _value_problem(v, f"{where}[{i}]")
+            if why:
+                return why
     return None
 
 
@@ -160,8 +211,24 @@ def iter_user_file(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
 
 
 def validate_external(params: PromptsParams) -> list[tuple[str, str]]:
-    """At spec validation: every user file exists and each line is a prompt record (first 5 problems a file)."""
-    return jsonl_file_problems(params.user_files, "user_files", "prompt file", record_problem)
+    """At spec validation: every user file exists and each line is a prompt record (first 5 problems a file), and
+    no id is given twice (across all the files)."""
+    problems = jsonl_file_problems(params.user_files, "user_files", "prompt file", record_problem)
+    if problems:
+        return problems
+    seen: dict[str, str] = {}
+    for i, path in enumerate(params.user_files):
+        for line_no, obj, _ in iter_user_file(path):
+            rid = obj.get("id")
+            if rid is None:
+                continue
+            if rid in seen:
+                problems.append((f"user_files.{i}", f"{path}:{line_no}: duplicate id {rid!r} (first at {seen[rid]})"))
+                if len(problems) >= 5:
+                    return problems
+            else:
+                seen[rid] = f"{path}:{line_no}"
+    return problems
 
 
 def fingerprint(params: PromptsParams) -> list[dict[str, Any]]:
@@ -197,9 +264,15 @@ def heuristic_tags(prompt: str) -> dict[str, str]:
 # --- the sources --------------------------------------------------------------------------------------------------
 def _user_prompts(params: PromptsParams) -> Iterator[tuple[dict[str, Any] | None, str, str]]:
     """(record or None, id, problem) for every line of every user file."""
+    seen: dict[str, str] = {}
     for path in params.user_files:
         for line_no, obj, problem in iter_user_file(path):
             where = f"{path}:{line_no}"
+            if not problem and obj.get("id") is not None:
+                if obj["id"] in seen:
+                    problem = f"duplicate id {obj['id']!r} (first at {seen[obj['id']]})"
+                else:
+                    seen[obj["id"]] = where
             if problem:
                 yield None, where, problem
                 continue

@@ -359,6 +359,52 @@ BAD_USER_LINES = [
 ]
 
 
+BAD_PROMPT_VALUES = [
+    pytest.param(b'{"prompt": "2+2?", "checker": "exact_number", "reference": {"answer": null}}',
+                 "reference.answer must be a number", id="null-number-answer"),
+    pytest.param(b'{"prompt": "2+2?", "checker": "exact_number", "reference": {"answer": "four"}}',
+                 "is not a finite number", id="non-numeric-answer"),
+    pytest.param(b'{"prompt": "f?", "checker": "python_tests", "reference": {"function": "f", "tests": "assert f()"}}',
+                 "reference.tests must be a non-empty list of strings (one test statement each), not a string",
+                 id="tests-as-a-string"),
+    pytest.param(b'{"prompt": "f?", "checker": "python_tests", "reference": {"function": "f()", "tests": ["1"]}}',
+                 "reference.function must be a Python identifier", id="function-not-an-identifier"),
+    pytest.param(b'{"prompt": "Say hi", "checker": "exact_text", "reference": {"answer": "hi", "casefold": "no"}}',
+                 "reference.casefold must be true or false", id="casefold-as-a-string"),
+    pytest.param(b'{"prompt": "x", "checker": "exact_number", "reference": {"answer": NaN}}',
+                 "not a finite number", id="nan-answer"),
+    pytest.param(b'{"prompt": "x", "difficulty_score": 1e400}', "difficulty_score is inf, which is not a JSON number",
+                 id="infinity"),
+    pytest.param(b'{"prompt": "a\\u0000b"}', "prompt holds a NUL character", id="escaped-nul"),
+]
+
+
+@pytest.mark.parametrize(("line", "message"), BAD_PROMPT_VALUES)
+def test_a_bad_value_in_a_user_prompt_is_a_validation_problem_at_its_line(tmp_path, line, message):
+    """Values, not only keys: each of these passed validation before and crashed or misled a later stage."""
+    from posttrain.prompts import PromptsParams, validate_external
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(_jsonl({"prompt": "fine"}, line, {"prompt": "also fine"}))
+    [(field, msg)] = validate_external(PromptsParams(user_files=[str(path)]))
+    assert field == "user_files.0" and msg.startswith(f"{path}:2: ") and message in msg
+
+
+def test_a_duplicate_prompt_id_is_refused_at_validation_and_dropped_by_the_stage(tmp_path):
+    from posttrain.prompts import PromptsParams, _user_prompts, validate_external
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_bytes(_jsonl({"id": "p1", "prompt": "one"}, {"id": "p2", "prompt": "two"}))
+    b.write_bytes(_jsonl({"prompt": "no id"}, {"id": "p1", "prompt": "one again"}))
+    params = PromptsParams(user_files=[str(a), str(b)])
+    [(field, msg)] = validate_external(params)
+    assert field == "user_files.1" and msg == f"{b}:2: duplicate id 'p1' (first at {a}:1)"
+    got = list(_user_prompts(params))
+    assert [r["id"] for r, _, _ in got if r] == ["p1", "p2", f"user/{b.name}/1"]
+    [(where, why)] = [(w, p) for r, w, p in got if r is None]
+    assert where == f"{b}:2" and "duplicate id 'p1'" in why
+
+
 @pytest.mark.parametrize(("line", "message"), BAD_USER_LINES)
 def test_a_bad_user_prompt_line_is_a_validation_problem_at_its_line(tmp_path, line, message):
     from posttrain.prompts import PromptsParams, validate_external
