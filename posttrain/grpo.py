@@ -49,6 +49,9 @@ class HylightGRPOConfig(GRPOConfig):
     balance_advantages: bool = field(default=True, metadata={
         "help": "§5.4.2 (c): equal total token-weighted advantage for positive and negative completions per group."})
     beta: float = field(default=0.04, metadata={"help": "KL coefficient (GRPO, Shao et al. 2024: 0.04)."})
+    use_bias_correction_kl: bool = field(default=False, metadata={
+        "help": "TRL's IS-weighted KL (on by default in TRL 1.x): not wired into this loss, so off, and refused on "
+                "with beta != 0 (it was silently ignored before)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +63,9 @@ class HylightGRPOConfig(GRPOConfig):
                             "absolute cap of the IS weight, as TRL does; set it above 1, e.g. 5.0)")
         if self.kl_estimator not in ("stop_gradient", "k3"):
             problems.append(f"kl_estimator={self.kl_estimator!r} (use 'stop_gradient' or 'k3')")
+        if self.use_bias_correction_kl and self.beta != 0.0:
+            problems.append(f"use_bias_correction_kl=True with beta={self.beta} (TRL's importance-weighted KL is not "
+                            "wired into this loss: the KL term is kl_estimator's, unweighted)")
         if self.importance_sampling_level != "token":
             problems.append(f"importance_sampling_level={self.importance_sampling_level!r} (only 'token')")
         if self.use_vllm:

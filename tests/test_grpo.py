@@ -389,3 +389,16 @@ def test_a_log_ratio_past_float32_exp_range_gives_a_finite_loss_and_gradient(adv
     plain = grpo_loss(logp[:, 1:2], old[:, 1:2], torch.tensor([advantage]), mask[:, 1:2],
                       ref_logp=None if ref is None else ref[:, 1:2], **options)
     assert torch.isfinite(plain.loss)
+
+
+def test_trls_importance_weighted_kl_is_off_and_refused_rather_than_ignored(tmp_path):
+    """TRL 1.x turns use_bias_correction_kl on by default; this loss does not weight its KL term by the IS ratio,
+    so the config defaults it off and refuses it on (with a KL term), instead of ignoring it silently."""
+    from posttrain.grpo import HylightGRPOConfig
+
+    assert HylightGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").use_bias_correction_kl is False
+    for estimator in ("k3", "stop_gradient"):
+        with pytest.raises(ValueError, match="use_bias_correction_kl=True"):
+            HylightGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", beta=0.04,
+                              kl_estimator=estimator, use_bias_correction_kl=True)
+    HylightGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", beta=0.0, use_bias_correction_kl=True)
