@@ -273,7 +273,10 @@ def policy_embeddings(model: Any, tokenizer: Any, texts: Sequence[str], batch_si
 
 # --- the stage ------------------------------------------------------------------------------------------------------
 def example_messages(target: Target) -> list[dict[str, str]]:
-    return chat_messages(target.record["prompt"], target.response)
+    """The training conversation. The target's leading whitespace is dropped: the template ends the assistant
+    header with a newline, and byte-level BPE would merge that newline with a leading newline or space of the
+    response into one token, which the assistant mask then labels (half of it is the template)."""
+    return chat_messages(target.record["prompt"], target.response.lstrip())
 
 
 def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: Any, hierarchy: RewardHierarchy,

@@ -266,3 +266,26 @@ def test_stage_writes_a_loadable_policy_that_stops_at_the_end_of_turn(stages) ->
     for row in ended:
         cut = next(i for i, t in enumerate(row) if t in stops)
         assert set(row[cut + 1:]) <= {tok.pad_token_id}
+
+
+@pytest.mark.parametrize("lead", ["\n", "\n\n", " ", "\n  "])
+def test_a_target_with_leading_whitespace_labels_no_token_of_the_template(tmp_path: Path, lead: str) -> None:
+    """The template ends the assistant header with a newline; a response starting with a newline or a space
+    would merge with it into one labelled token. The labelled tokens are exactly the response and <|end|>."""
+    from transformers import AutoTokenizer
+
+    from posttrain.sft import Target, example_messages
+    from tests.pretrain_fixtures import build_inputs
+
+    inputs = build_inputs(tmp_path / "in", documents=20, vocab_size=512)
+    tok = AutoTokenizer.from_pretrained(inputs.tokenizer.path)
+    target = Target(record={"prompt": "Compute 40 + 2."}, response=lead + "Answer: 42", source="reference",
+                    components=None, temperature=None)  # type: ignore[arg-type]
+    enc = tok.apply_chat_template(example_messages(target), tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+    labelled = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(labelled) == "Answer: 42<|end|>"
+    header = tok.apply_chat_template(example_messages(target)[:1], tokenize=True, add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
+    assert ids[:len(header)] == header and not any(mask[:len(header)])  # the header is whole, and unlabelled
