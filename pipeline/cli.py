@@ -68,7 +68,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _json_target_problem(path: str) -> str | None:
     """Why the run report could not be written to ``path`` (None: it can)."""
     target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
+    parent = target.parent  # "." for a bare file name
     if target.is_dir():
         return "is a directory; give a file path"
     if not parent.is_dir():

@@ -154,6 +154,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     else:
         raise ValueError(f"unknown GRPO objective {objective!r}; use 'clipped_is' or 'cispo'")
     m = mask.to(logp.dtype)
+    keep = mask.bool()  # sums select with where(), not a product: a masked token's inf never reaches them (0 · inf)
     tokens = m.sum().clamp(min=1.0)
     norm = tokens if normalizer is None else normalizer
     per_token = policy
@@ -169,9 +170,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         else:
             raise ValueError(f"unknown kl_estimator {kl_estimator!r}; use 'stop_gradient' (§5.4.2 b) or 'k3'")
         per_token = policy + beta * kl_term
-        kl_loss = (torch.where(mask.bool(), kl_term, 0.0).sum() / norm).detach()
-        kl = (torch.where(mask.bool(), k3_kl(logp, ref_logp), 0.0).sum() / tokens).detach()
-    keep = mask.bool()  # where(), not a product: a masked token's value never reaches the sum (0 · inf is NaN)
+        kl_loss = (torch.where(keep, kl_term, 0.0).sum() / norm).detach()
+        kl = (torch.where(keep, k3_kl(logp, ref_logp), 0.0).sum() / tokens).detach()
     loss = torch.where(keep, per_token, 0.0).sum() / norm
     return GRPOLossOutput(
         loss=loss, policy_loss=(torch.where(keep, policy, 0.0).sum() / norm).detach(), kl_loss=kl_loss, kl=kl,

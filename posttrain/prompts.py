@@ -216,18 +216,12 @@ def validate_external(params: PromptsParams) -> list[tuple[str, str]]:
     problems = jsonl_file_problems(params.user_files, "user_files", "prompt file", record_problem)
     if problems:
         return problems
-    seen: dict[str, str] = {}
-    for i, path in enumerate(params.user_files):
-        for line_no, obj, _ in iter_user_file(path):
-            rid = obj.get("id")
-            if rid is None:
-                continue
-            if rid in seen:
-                problems.append((f"user_files.{i}", f"{path}:{line_no}: duplicate id {rid!r} (first at {seen[rid]})"))
-                if len(problems) >= 5:
-                    return problems
-            else:
-                seen[rid] = f"{path}:{line_no}"
+    index = {path: i for i, path in enumerate(params.user_files)}
+    for rec, where, problem in _user_prompts(params):  # every line is a record now: what is left are duplicates
+        if rec is None:
+            problems.append((f"user_files.{index[where.rsplit(':', 1)[0]]}", f"{where}: {problem}"))
+            if len(problems) >= 5:
+                break
     return problems
 
 

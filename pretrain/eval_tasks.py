@@ -153,6 +153,12 @@ class CopyTrial:
         return range(self.n + 2, 1 + 2 * self.n)
 
 
+def held_out_token_pool(tokens: np.ndarray, ordinary: Sequence[int]) -> list[int]:
+    """The copy probe's ``copy_pool="seen"``: the distinct ``ordinary`` ids that occur in the held-out ``tokens``
+    (tokens a model trained on the corpus has met; on a small corpus many of a large vocabulary's never are)."""
+    return np.intersect1d(np.unique(np.asarray(tokens, np.int64)), np.asarray(ordinary, np.int64)).tolist()
+
+
 def build_copy_trials(vocab: Sequence[int], bos_id: int, trials: int, n: int, seed: int) -> list[CopyTrial]:
     """``trials`` probes of ``n`` random tokens each, drawn from ``vocab`` (the ids that are not special tokens)."""
     if n < 4:

@@ -74,6 +74,7 @@ from pretrain.eval_tasks import (
     build_multi_round_trial,
     build_next_sentence_task,
     build_niah_trials,
+    held_out_token_pool,
     lm_eval_item_problem,
     needle_rounds,
     niah_distractors,
@@ -355,7 +356,7 @@ def _copy_probe(scorer: Scorer, params: EvalParams, ctx: StageContext,
     if params.copy_pool == "seen":
         if stream is None:
             raise ValueError("copy_pool='seen' needs the held-out text")
-        pool = np.intersect1d(np.unique(stream.tokens), np.asarray(pool, np.int64)).tolist()
+        pool = held_out_token_pool(stream.tokens, pool)
     trials = build_copy_trials(pool, scorer.bos, params.copy_trials, params.copy_tokens, params.seed)
     ids = torch.tensor([t.ids for t in trials], device=scorer.device)
     logp, hits = scorer.token_logprobs(ids, hits=True)

@@ -6,8 +6,8 @@ The ``eval`` stage measures retrieval once, at the end; learning to copy is a ph
 * ``copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` tokens drawn uniformly from the
   distinct ordinary tokens of the held-out text: tokens a model trained on this corpus has met, in an order no
   text has; ``pretrain/eval_tasks.build_copy_trials``), and ``copy_loss_gain``, the first copy's mean loss minus
-  the second's (nats). ``copy_pool="vocab"`` draws from the whole ordinary vocabulary instead, as the eval stage's
-  copy probe does: on a small corpus many of a 32K vocabulary's tokens are never a training target, and a model
+  the second's (nats); the eval stage's default ``copy_pool``. ``copy_pool="vocab"`` draws from the whole ordinary
+  vocabulary instead: on a small corpus many of a 32K vocabulary's tokens are never a training target, and a model
   that copies every token it has met can still score 0 there;
 * ``niah_choice_accuracy``: vanilla NIAH prompts of the training length (``pretrain/eval_tasks``: the needle in
   a haystack of held-out rows, one prompt per depth from 0 to 1) scored as a forced choice between the needle's
@@ -28,12 +28,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.eval_tasks import TokenStream, build_copy_trials, build_niah_trials, niah_distractors
-
-# the eval stage's names (pretrain/evaluation.py), so a training curve and an eval report read alike
+from pretrain.eval_tasks import (
+    TokenStream,
+    build_copy_trials,
+    build_niah_trials,
+    held_out_token_pool,
+    niah_distractors,
+)
 
 DISTRACTORS = 3  # wrong numbers per NIAH prompt: chance is 1 / (1 + DISTRACTORS)
 CHANCE = 1.0 / (1 + DISTRACTORS)
+# the eval stage's names (pretrain/evaluation.py), so a training curve and an eval report read alike
 PROBE_METRICS = ("copy_accuracy", "copy_loss_gain", "niah_choice_accuracy", "niah_answer_margin")
 
 
@@ -65,12 +70,11 @@ class RetrievalProbe:
         wrong = niah_distractors(self.niah, distractors, seed)
         self.candidates = [[encode(f" {x}") for x in [t.number, *w]] for t, w in zip(self.niah, wrong, strict=True)]
         self.chance = 1.0 / (1 + distractors)
-        if copy_pool == "seen":
-            ordinary = np.unique(np.concatenate(text)).tolist()
-        elif copy_pool == "vocab":
-            ordinary = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in special]
-        else:
+        if copy_pool not in ("seen", "vocab"):
             raise ValueError(f"copy_pool={copy_pool!r}: expected 'seen' or 'vocab'")
+        ordinary = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in special]
+        if copy_pool == "seen":
+            ordinary = held_out_token_pool(np.concatenate(text), ordinary)
         self.copy_pool_size = len(ordinary)
         n = max(4, min(copy_tokens, (seq_len - 1) // 2))
         self.copy = build_copy_trials(ordinary, self.bos, trials, n, seed)

@@ -379,17 +379,6 @@ BAD_PROMPT_VALUES = [
 ]
 
 
-@pytest.mark.parametrize(("line", "message"), BAD_PROMPT_VALUES)
-def test_a_bad_value_in_a_user_prompt_is_a_validation_problem_at_its_line(tmp_path, line, message):
-    """Values, not only keys: each of these passed validation before and crashed or misled a later stage."""
-    from posttrain.prompts import PromptsParams, validate_external
-
-    path = tmp_path / "prompts.jsonl"
-    path.write_bytes(_jsonl({"prompt": "fine"}, line, {"prompt": "also fine"}))
-    [(field, msg)] = validate_external(PromptsParams(user_files=[str(path)]))
-    assert field == "user_files.0" and msg.startswith(f"{path}:2: ") and message in msg
-
-
 def test_a_duplicate_prompt_id_is_refused_at_validation_and_dropped_by_the_stage(tmp_path):
     from posttrain.prompts import PromptsParams, _user_prompts, validate_external
 
@@ -405,8 +394,10 @@ def test_a_duplicate_prompt_id_is_refused_at_validation_and_dropped_by_the_stage
     assert where == f"{b}:2" and "duplicate id 'p1'" in why
 
 
-@pytest.mark.parametrize(("line", "message"), BAD_USER_LINES)
+@pytest.mark.parametrize(("line", "message"), BAD_USER_LINES + BAD_PROMPT_VALUES)
 def test_a_bad_user_prompt_line_is_a_validation_problem_at_its_line(tmp_path, line, message):
+    """Unusable lines, and (BAD_PROMPT_VALUES) values, not only keys: each of those passed validation before and
+    crashed or misled a later stage."""
     from posttrain.prompts import PromptsParams, validate_external
 
     path = tmp_path / "prompts.jsonl"

@@ -1,0 +1,106 @@
+"""How fast does ``model/``'s hybrid learn to copy, by the vocabulary of what it copies? (CPU, minutes; issue 22)
+
+Trains a small hybrid (``--layers`` layers, d ``--d``, vocabulary ``--vocab``) from scratch on rows of random spans
+of ``--span`` ids, each repeated once right after itself, the loss on the repeat alone (the induction task of the
+issue's toy), plain AdamW. Every 50 steps it prints the training loss and the top-1 accuracy on the repeats of 16
+fresh rows drawn from the whole vocabulary (ln V is the loss of a model that does not copy). Span ids are drawn
+
+* uniformly from the ``--vocab`` ids (default),
+* ``--zipf``: with p ∝ 1/rank, as words are,
+* ``--small N --small-steps S``: uniformly from the first N ids for the first S steps, then from all (a curriculum).
+
+    python bench/copy_toy.py --vocab 256                     # copies within ~150 steps on one core
+    python bench/copy_toy.py --vocab 4096                    # nothing in 200 steps
+    python bench/copy_toy.py --vocab 4096 --zipf --steps 400
+    python bench/copy_toy.py --vocab 4096 --small 260 --small-steps 150 --steps 400
+
+One JSON line per report. BENCHMARKS.md ("Retrieval on one H100, continued") has the measured table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+import torch
+
+RESERVED = 4  # ids below this are never drawn (id 0 starts each row)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--span", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--zipf", action="store_true")
+    ap.add_argument("--small", type=int, default=0)
+    ap.add_argument("--small-steps", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from model.modeling import HybridForCausalLM
+    from model.sizes import config_for
+
+    torch.manual_seed(args.seed)
+    V, L, span = args.vocab, args.seq_len, args.span
+    cfg = config_for("tiny", vocab_size=V, hidden_size=args.d, num_hidden_layers=args.layers,
+                     num_attention_heads=max(2, args.d // 32), head_dim=32, num_key_value_heads=max(1, args.d // 64),
+                     max_position_embeddings=max(L, 256))
+    model = HybridForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(args.seed)
+    zipf = 1.0 / np.arange(1, V - RESERVED + 1)
+    zipf /= zipf.sum()
+
+    def draw(step: int | None) -> np.ndarray:
+        if args.zipf:
+            return RESERVED + rng.choice(V - RESERVED, size=span, p=zipf)
+        hi = args.small if args.small and step is not None and step <= args.small_steps else V
+        return rng.integers(RESERVED, hi, size=span)
+
+    def batch(n: int, step: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = np.zeros((n, L), np.int64)
+        labels = np.full((n, L), -100, np.int64)
+        for b in range(n):
+            p = 1
+            while p + 2 * span <= L:
+                r = draw(step)
+                ids[b, p:p + span] = ids[b, p + span:p + 2 * span] = r
+                labels[b, p + span + 1:p + 2 * span] = r[1:]  # the repeat after its first token
+                p += 2 * span
+        return torch.from_numpy(ids), torch.from_numpy(labels)
+
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, step / 20)
+        x, y = batch(args.rows, step)
+        loss = model(input_ids=x, labels=y).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == args.steps:
+            model.eval()
+            with torch.no_grad():
+                x, y = batch(16, None)  # always over the whole vocabulary (or the Zipf draw)
+                pred = model(input_ids=x).logits[:, :-1].argmax(-1)
+            model.train()
+            target = y[:, 1:]
+            keep = target != -100
+            acc = float((pred[keep] == target[keep]).float().mean())
+            print(json.dumps({"step": step, "loss": round(float(loss.detach()), 3), "copy_accuracy": round(acc, 3),
+                              "ln_v": round(math.log(V - RESERVED), 2),
+                              "seconds": round(time.perf_counter() - t0)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
