@@ -176,7 +176,9 @@ class SwiGLUExperts(nn.Module):
             known = _GROUPED_MM_KNOWN.get(key)
             if known is None and not torch.compiler.is_compiling():
                 known = grouped_mm_supported(*key)
-            if known:
+            # torch 2.11's fake (compile-time) grouped_mm accepts only bf16 while eager also runs fp32: an fp32
+            # policy's compiled decode step (post-training loads fp32 weights) takes the loop instead
+            if known and (key[1] == torch.bfloat16 or not torch.compiler.is_compiling()):
                 return "grouped"
         return "loop"
 

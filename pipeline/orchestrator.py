@@ -279,7 +279,10 @@ class Orchestrator:
                 opts["memory"] = int(r.memory_gb * 2**30)
         else:  # zero, not "a little": any share of a node's CPUs could keep a full-node worker from fitting
             opts = {"num_cpus": 0, "num_gpus": 0, "max_retries": 0}
-        remote = ray.remote(execute_stage).options(name=f"stage:{st.name}", **opts)
+        # A fresh worker per GPU stage (max_calls=1): what one stage leaves on the device (an engine, a captured
+        # graph pool, the caching allocator's blocks) cannot starve the next stage run in the same worker.
+        fn = ray.remote(max_calls=1)(execute_stage) if opts["num_gpus"] else ray.remote(execute_stage)
+        remote = fn.options(name=f"stage:{st.name}", **opts)
         return remote.remote(task)
 
     # --- mlflow ------------------------------------------------------------------------------
