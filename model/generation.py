@@ -182,7 +182,10 @@ class DecodeEngine:
             for store in (self.cache.keys, self.cache.values):
                 for buffer in store.values():  # one compiled step serves every capacity (prompt + new tokens)
                     torch._dynamo.mark_dynamic(buffer, 2)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            # a layer's step guards on its layer index, and each batch bucket is its own shape: one entry per
+            # layer and bucket (32 was hit on an H100 by gpu-300m's second bucket, then dynamo ran eager)
+            layers = model.config.num_hidden_layers
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * layers)
             self._forward = torch.compile(self._logits, dynamic=False)
         if cuda_graph:
             self._capture()

@@ -396,9 +396,12 @@ class LightningAttention(nn.Module):
         """fp32 [H] rates s_h from kernels.lightning (the one source of truth), cached per device."""
         device = self.qkv_proj.weight.device
         if device not in self._decay_rates:
-            self._decay_rates[device] = lightning_decay_rates(
-                self.num_heads, self.layer_idx, self.num_layers, device=device
-            )
+            # never an inference tensor: the first call may come from generate (inference mode), and the Triton
+            # kernels save the rates for backward in a later training step (an H100 SFT run failed on exactly that)
+            with torch.inference_mode(False), torch.no_grad():
+                self._decay_rates[device] = lightning_decay_rates(
+                    self.num_heads, self.layer_idx, self.num_layers, device=device
+                )
         return self._decay_rates[device]
 
     def forward(

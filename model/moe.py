@@ -123,6 +123,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, 
     return ok
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (always False off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class SwiGLUExperts(nn.Module):
     """E SwiGLU FFNs stored as stacked weights (the released layout): gate_up [E, 2F, d], down [E, d, F].
 
@@ -173,13 +178,17 @@ class SwiGLUExperts(nn.Module):
             return "dense"
         if x.device.type in GROUPED_MM_DEVICES:
             key = (x.device, _compute_dtype(x), d, f)
+            # torch 2.11's grouped_mm is sync-free only in bf16: in fp32 (post-training's policy) eager copies the
+            # offsets to the host and the compile-time kernel refuses it. So a decode step that is traced or
+            # captured into a CUDA graph runs fp32 through "dense" (no sync; the loop syncs per expert).
+            tracing = torch.compiler.is_compiling() or _capturing(x.device)
             known = _GROUPED_MM_KNOWN.get(key)
-            if known is None and not torch.compiler.is_compiling():
+            if known is None and not tracing:  # the probe runs kernels and a backward: never inside a capture
                 known = grouped_mm_supported(*key)
-            # torch 2.11's fake (compile-time) grouped_mm accepts only bf16 while eager also runs fp32: an fp32
-            # policy's compiled decode step (post-training loads fp32 weights) takes the loop instead
-            if known and (key[1] == torch.bfloat16 or not torch.compiler.is_compiling()):
+            if known and (key[1] == torch.bfloat16 or not tracing):
                 return "grouped"
+            if tracing and not grad:
+                return "dense"
         return "loop"
 
     def forward_loop(

@@ -207,6 +207,17 @@ def _watch_this_process() -> None:
         _watchdog = start_watchdog()
 
 
+def stage_remote(fn: Any, name: str, opts: dict[str, Any]) -> Any:
+    """``fn`` as a Ray task named ``stage:<name>`` with ``opts``. A stage that takes GPUs runs in a fresh worker
+    (``max_calls=1``): on an H100, SFT hit CUDA out-of-memory in the worker that had run long_context and the reward
+    model before it. What one stage leaves on the device (an engine, a captured graph pool, the caching allocator's
+    blocks) must not starve the next. CPU stages keep reusing workers (no process start per stage)."""
+    import ray
+
+    remote = ray.remote(max_calls=1)(fn) if opts.get("num_gpus") else ray.remote(fn)
+    return remote.options(name=f"stage:{name}", **opts)
+
+
 class Orchestrator:
     def __init__(self, spec: PipelineSpec, opts: RunOptions, out: TextIO = sys.stderr):
         self.spec = spec
@@ -269,7 +280,6 @@ class Orchestrator:
         self._ray_ready = True
 
     def _submit(self, task: StageTask, st: ResolvedStage) -> Any:
-        import ray
 
         self._ensure_ray()
         r = st.resources
@@ -279,11 +289,7 @@ class Orchestrator:
                 opts["memory"] = int(r.memory_gb * 2**30)
         else:  # zero, not "a little": any share of a node's CPUs could keep a full-node worker from fitting
             opts = {"num_cpus": 0, "num_gpus": 0, "max_retries": 0}
-        # A fresh worker per GPU stage (max_calls=1): what one stage leaves on the device (an engine, a captured
-        # graph pool, the caching allocator's blocks) cannot starve the next stage run in the same worker.
-        fn = ray.remote(max_calls=1)(execute_stage) if opts["num_gpus"] else ray.remote(execute_stage)
-        remote = fn.options(name=f"stage:{st.name}", **opts)
-        return remote.remote(task)
+        return stage_remote(execute_stage, st.name, opts).remote(task)
 
     # --- mlflow ------------------------------------------------------------------------------
     def _owner_tags(self) -> dict[str, str]:

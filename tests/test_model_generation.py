@@ -157,3 +157,19 @@ def test_generate_in_training_mode_keeps_the_cache_and_equals_eval_mode():
     out = model(ids, attention_mask=mask)  # a plain training forward still builds no cache
     model.eval()
     assert out.past_key_values is None
+
+
+def test_generate_in_inference_mode_leaves_no_inference_tensor_for_a_later_training_step():
+    """SFT on an H100 sampled under inference_mode, then trained: the lightning decay rates, cached on the first
+    call, were inference tensors, and the Triton kernels' backward could not save them."""
+    torch.manual_seed(0)
+    model = HybridForCausalLM(config_for("tiny", num_hidden_layers=2, attention_pattern=["lightning", "softmax"]))
+    ids = torch.randint(8, model.config.vocab_size, (2, 9))
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+    rates = model.model.layers[0].attn.decay_rates
+    assert not rates.is_inference()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert model.model.layers[0].attn.qkv_proj.weight.grad is not None

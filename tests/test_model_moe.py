@@ -267,6 +267,24 @@ def test_small_calls_take_the_dense_path_and_larger_ones_the_grouped_gemm_where_
     assert experts.path_for(small) == "grouped"  # with gradients: the grouped GEMM where it runs
 
 
+def test_a_traced_or_captured_fp32_step_takes_no_path_that_syncs(monkeypatch):
+    """On an H100, post-training's fp32 policy failed to capture its decode step: fp32 grouped_mm copies its
+    offsets to the host, and the loop waits on the host per expert. Under capture or compile fp32 takes dense."""
+    experts = _fp32_moe().experts
+    large = torch.randn(moe_module.DENSE_MAX_TOKENS + 37, 64)
+    monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
+    bf16 = _fp32_moe().experts.bfloat16()
+    with torch.no_grad():
+        assert experts.path_for(large) == "grouped"  # eager: the grouped GEMM, its sync harmless
+        assert bf16.path_for(large.bfloat16()) == "grouped"
+        monkeypatch.setattr(moe_module, "_capturing", lambda device: True)
+        assert experts.path_for(large) == "dense"
+        assert bf16.path_for(large.bfloat16()) == "grouped"  # bf16's grouped GEMM is sync-free
+        monkeypatch.setattr(moe_module, "_capturing", lambda device: False)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert experts.path_for(large) == "dense"
+
+
 def test_grouped_mm_support_is_decided_by_dtype_and_strides():
     cpu = torch.device("cpu")
     assert grouped_mm_supported(cpu, torch.float32, 64, 32)
