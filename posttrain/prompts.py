@@ -60,6 +60,7 @@ from data.minhash import jaccard, ngram_hashes
 from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from pipeline.user_jsonl import iter_checked_jsonl, jsonl_file_problems
+from posttrain.sandbox import parse_tests
 from posttrain.verifiable import (
     ANSWER_INSTRUCTION,
     CHECKERS,
@@ -169,6 +170,10 @@ def _reference_problem(checker: str, ref: dict[str, Any]) -> str | None:
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
             return "reference.tests must be a non-empty list of strings (one test statement each), not " + (
                 "a string" if isinstance(tests, str) else type(tests).__name__)
+        try:  # the sandbox takes only tests whose expected value the parent can hold (posttrain/sandbox.py)
+            parse_tests(tests)
+        except ValueError as e:
+            return f"reference.{e}"
     elif checker == "exact_number":
         answer = ref["answer"]
         if isinstance(answer, bool) or not isinstance(answer, int | float | str):

@@ -23,13 +23,24 @@ child died before finishing), ``timeout``, ``memory`` (MemoryError under the add
 process cap). Which isolation was in force is in the result: ``network_mode`` (``namespace``, ``user_namespace`` or
 ``guard``), ``process_limit`` (``cgroup``, ``rlimit`` or ``watchdog``), ``uid``.
 
-Not isolated: the filesystem beyond permissions (the dropped uid can read world-readable files), and the code's own
-test harness (the code runs in the same interpreter as its tests, so a hostile response could tamper with them; the
-reward is a pass *count* reported per test, and tests never see the reference solution).
+**The verdict is the parent's.** A test is an ``assert`` statement of one of the forms ``assert CALL == LITERAL``
+(either side may be the literal), ``assert CALL is None``, ``assert CALL`` (expects ``True``) or ``assert not CALL``
+(expects ``False``); :func:`parse_tests` splits each into the expression the child evaluates and the value the parent
+expects. Only the expressions enter the sandbox. The child sends back each value as JSON. The parent compares that
+with the expected value, types included (``1``, ``1.0`` and ``True`` differ). So the response cannot read the
+expected values, because they are never in its process. It cannot forge a pass by writing "passed" on the result
+pipe, because the parent reads values there, not verdicts. And an object whose ``__eq__`` always says True is not
+plain data, so it fails. A response can still write values on the pipe in place of its function's, but it must know
+the right ones to gain anything, which is solving the task.
+
+Not isolated: the filesystem beyond permissions (the dropped uid can read world-readable files, the prompts
+artifact's reference answers included where they are world-readable), memory across processes, and files left in
+``/tmp`` or ``/dev/shm`` (issue 23 items 3-5, open).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -86,6 +97,66 @@ class SandboxResult:
     @property
     def pass_rate(self) -> float:
         return self.tests_passed / self.tests_total if self.tests_total else 0.0
+
+
+# --- tests as (expression, expected value) -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class SandboxCase:
+    expression: str  # evaluated in the sandbox, after the response's code
+    expected: object  # plain data; never sent to the sandbox
+
+
+def parse_tests(tests: list[str] | tuple[str, ...]) -> list[SandboxCase]:
+    """Each ``assert`` statement as a :class:`SandboxCase` (forms in the module docstring); ValueError names the first
+    statement of another form."""
+    return [_test_case(t, i) for i, t in enumerate(tests)]
+
+
+def _test_case(test: str, index: int) -> SandboxCase:
+    form = ("assert EXPR == LITERAL, assert LITERAL == EXPR, assert EXPR is None, assert EXPR or assert not EXPR "
+            "(LITERAL: a Python literal such as 4, 'ab', [1, 2], None)")
+    try:
+        body = ast.parse(test).body
+    except SyntaxError as e:
+        raise ValueError(f"test {index}: not valid Python ({e.msg}); a test is one of: {form}") from None
+    if len(body) != 1 or not isinstance(body[0], ast.Assert) or body[0].msg is not None:
+        raise ValueError(f"test {index}: {test[:80]!r} is not a single assert statement; a test is one of: {form}")
+    expr = body[0].test
+    if isinstance(expr, ast.Compare) and len(expr.ops) == 1:
+        left, right = expr.left, expr.comparators[0]
+        if isinstance(expr.ops[0], ast.Eq):
+            for call, want in ((left, right), (right, left)):
+                value = _literal(want)
+                if value is not _NOT_LITERAL:
+                    return SandboxCase(ast.unparse(call), value)
+            raise ValueError(f"test {index}: {test[:80]!r} compares two expressions; one side must be a literal: "
+                             f"{form}")
+        if isinstance(expr.ops[0], ast.Is) and _literal(right) is None:
+            return SandboxCase(ast.unparse(left), None)
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        return SandboxCase(ast.unparse(expr.operand), False)
+    return SandboxCase(ast.unparse(expr), True)
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(node: ast.AST) -> object:
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_LITERAL
+    try:
+        canonical_json(value)
+    except (TypeError, ValueError):  # a set, bytes or complex literal has no plain-data form
+        return _NOT_LITERAL
+    return value
+
+
+def canonical_json(value: object) -> str:
+    """The comparison form of a test's value: JSON with sorted keys. It tells 1, 1.0 and True apart, and a tuple
+    equals the list of the same items, since JSON has no tuples."""
+    return json.dumps(value, sort_keys=True, allow_nan=True)
 
 
 # --- process accounting -----------------------------------------------------------------------------------------
@@ -235,9 +306,11 @@ class _Capped:
 # --- the run ----------------------------------------------------------------------------------------------------
 def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: SandboxLimits | None = None,
                ) -> SandboxResult:
-    """Run ``code`` then each test statement (e.g. ``"assert f(2) == 4"``) in one sandboxed interpreter."""
+    """Run ``code``, then evaluate each test's expression in the same sandboxed interpreter. The parent compares
+    the values with the tests' expected values, which never enter the sandbox (see the module docstring). A test
+    of another form raises ValueError before anything runs."""
     lim = limits or SandboxLimits()
-    tests = list(tests)
+    cases = parse_tests(tests)
     root = os.geteuid() == 0
     drop_uid = NOBODY_UID if (root and lim.drop_privileges) else None
     workdir = Path(tempfile.mkdtemp(prefix="hylight-sandbox-"))
@@ -251,7 +324,7 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
     nproc = None
     if process_limit == "rlimit":  # RLIMIT_NPROC counts every process of the uid, not of this run
         nproc = lim.max_processes + (0 if drop_uid is not None else _user_process_count(os.getuid()))
-    job = {"code": code, "tests": tests, "cgroup_procs": cgroup.procs_file, "network": lim.network,
+    job = {"code": code, "expressions": [c.expression for c in cases], "cgroup_procs": cgroup.procs_file, "network": lim.network,
            "drop_to_uid": drop_uid, "nproc": nproc,
            "limits": {"memory_bytes": lim.memory_bytes, "cpu_seconds": max(1, int(lim.cpu_seconds)),
                       "file_bytes": lim.file_bytes, "open_files": lim.open_files}}
@@ -259,7 +332,7 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
     job_file.write_text(json.dumps(job))
     if drop_uid is not None:
         os.chown(workdir, drop_uid, drop_uid)
-        os.chmod(job_file, 0o600)  # the job (tests) stays root's: read by the child before it drops root
+        os.chmod(job_file, 0o600)  # the job stays root's: read by the child before it drops root
     res_r, res_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -298,7 +371,7 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
     cgroup.remove()
     events = [_parse(line) for line in results.text().splitlines()]
     shutil.rmtree(workdir, ignore_errors=True)
-    return _result(events, tests, proc.returncode, stopped, out, err, lim, process_limit, wall, peak, leftover)
+    return _result(events, cases, proc.returncode, stopped, out, err, lim, process_limit, wall, peak, leftover)
 
 
 def _user_process_count(uid: int) -> int:
@@ -320,15 +393,27 @@ def _parse(line: str) -> dict:
         return {}
 
 
-def _result(events: list[dict], tests: list[str], returncode: int | None, stopped: str | None, out: _Capped,
+def _verdict(case: SandboxCase, event: dict) -> str | None:
+    """None when the child's value for ``case`` is its expected value (canonical JSON, types included), else why."""
+    if "json" not in event:
+        return str(event.get("error", "no value"))[:300]
+    got, want = event["json"], canonical_json(case.expected)
+    if not isinstance(got, str) or got != want:
+        return f"AssertionError: {case.expression[:80]} returned {str(got)[:80]}, expected {want[:80]}"
+    return None
+
+
+def _result(events: list[dict], cases: list[SandboxCase], returncode: int | None, stopped: str | None, out: _Capped,
             err: _Capped, lim: SandboxLimits, process_limit: str, wall: float, peak: int,
             leftover: int) -> SandboxResult:
     start = next((e for e in events if e.get("event") == "start"), {})
-    errors: list[str | None] = ["not run"] * len(tests)
-    for e in events:
+    errors: list[str | None] = ["not run"] * len(cases)
+    seen: set[int] = set()
+    for e in events:  # the first value event per index counts; the verdict is computed here, not reported
         i = e.get("index")
-        if e.get("event") == "test" and isinstance(i, int) and 0 <= i < len(tests) and errors[i] == "not run":
-            errors[i] = None if e.get("passed") is True else str(e.get("error", "failed"))
+        if e.get("event") == "value" and isinstance(i, int) and 0 <= i < len(cases) and i not in seen:
+            seen.add(i)
+            errors[i] = _verdict(cases[i], e)
     code_event = next((e for e in events if e.get("event") == "code"), None)
     stderr = err.text()
     error = ""
@@ -348,7 +433,7 @@ def _result(events: list[dict], tests: list[str], returncode: int | None, stoppe
     else:
         status = "ok"
     return SandboxResult(
-        status=status, tests_total=len(tests), tests_passed=sum(e is None for e in errors), test_errors=errors,
+        status=status, tests_total=len(cases), tests_passed=sum(e is None for e in errors), test_errors=errors,
         error=error, stdout=out.text(), stderr_tail=stderr[-2000:], output_truncated=out.truncated or err.truncated,
         network_mode=str(start.get("network", "unknown")), process_limit=process_limit,
         uid=start.get("uid"), returncode=returncode, wall_seconds=round(wall, 3), peak_processes=peak,

@@ -10,8 +10,9 @@ Everything here runs *before* the untrusted code, with the parent's privileges; 
 4. when running as root, drop to an unprivileged uid/gid (the code cannot touch others' files or signal their
    processes, and RLIMIT_NPROC, which root ignores, applies);
 5. resource limits: address space, CPU seconds, file size, open files, processes, no core dumps;
-6. run the response's code, then each test statement in the same namespace, reporting one JSON line per event on
-   RESULT_FD (the parent reads nothing else as results).
+6. run the response's code, then evaluate each test expression in the same namespace and send its value as JSON,
+   one line per event on RESULT_FD. The expected values are not here. The parent compares, so nothing this process
+   writes is a verdict.
 
 Standard library only: the child starts with ``-S`` (no site-packages).
 """
@@ -90,8 +91,9 @@ def main():
         resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
     _emit(fd, {"event": "start", "network": network, "uid": os.geteuid()})
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
-    tests = job["tests"]
+    expressions = job["expressions"]
     code = job["code"]
+    dumps = json.dumps  # bound before the response runs (it could replace json.dumps, but not this name)
     del job  # nothing of the job but what the code needs stays reachable by name
     try:
         exec(compile(code, "<response>", "exec"), ns)  # noqa: S102 -- this process is the sandbox
@@ -102,15 +104,16 @@ def main():
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: a response must not end the run
         _emit(fd, {"event": "code", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]})
         return
-    for i, test in enumerate(tests):
+    for i, expression in enumerate(expressions):
         try:
-            exec(compile(test, f"<test {i}>", "exec"), ns)  # noqa: S102
-            _emit(fd, {"event": "test", "index": i, "passed": True})
+            value = eval(compile(expression, f"<test {i}>", "eval"), ns)  # noqa: S307 -- this process is the sandbox
+            # plain data only: JSON has no place for an object that compares equal to anything
+            _emit(fd, {"event": "value", "index": i, "json": dumps(value, sort_keys=True, allow_nan=True)})
         except MemoryError:
             _emit(fd, {"event": "memory"})
             return
         except BaseException as e:
-            _emit(fd, {"event": "test", "index": i, "passed": False, "error": f"{type(e).__name__}: {e}"[:300]})
+            _emit(fd, {"event": "value", "index": i, "error": f"{type(e).__name__}: {e}"[:300]})
     _emit(fd, {"event": "done"})
 
 

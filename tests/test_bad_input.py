@@ -367,6 +367,11 @@ BAD_PROMPT_VALUES = [
     pytest.param(b'{"prompt": "f?", "checker": "python_tests", "reference": {"function": "f", "tests": "assert f()"}}',
                  "reference.tests must be a non-empty list of strings (one test statement each), not a string",
                  id="tests-as-a-string"),
+    pytest.param(b'{"prompt": "f?", "checker": "python_tests", "reference": {"function": "f", "tests": ["print(1)"]}}',
+                 "reference.test 0: 'print(1)' is not a single assert statement", id="test-not-an-assert"),
+    pytest.param(b'{"prompt": "f?", "checker": "python_tests", "reference": {"function": "f", '
+                 b'"tests": ["assert f(1) == 1", "assert f(2) == g(2)"]}}',
+                 "reference.test 1: 'assert f(2) == g(2)' compares two expressions", id="test-without-a-literal"),
     pytest.param(b'{"prompt": "f?", "checker": "python_tests", "reference": {"function": "f()", "tests": ["1"]}}',
                  "reference.function must be a Python identifier", id="function-not-an-identifier"),
     pytest.param(b'{"prompt": "Say hi", "checker": "exact_text", "reference": {"answer": "hi", "casefold": "no"}}',

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from posttrain.sandbox import SandboxLimits, run_python
+from posttrain.sandbox import SandboxCase, SandboxLimits, parse_tests, run_python
 
 SQUARE = "def square(x):\n    return x * x\n"
 SQUARE_TESTS = ["assert square(3) == 9", "assert square(-2) == 4", "assert square(0) == 0"]
@@ -161,3 +161,72 @@ def test_file_writes_are_capped_and_the_work_dir_is_removed():
     assert r.status in ("error", "timeout")  # SIGXFSZ or an OSError, never a 4 MiB file
     workdir = r.stdout.strip()
     assert workdir and not os.path.exists(workdir)
+
+
+# --- the verdict is the parent's (issue 23 items 1-2): each attack passed every test before ---------------------------
+def test_tests_split_into_the_expression_the_sandbox_sees_and_the_value_only_the_parent_holds():
+    assert parse_tests(["assert f(1) == [1, (2, 'a')]", "assert 'x' == g()", "assert h() is None", "assert ok(2)",
+                        "assert not ok(3)"]) == [
+        SandboxCase("f(1)", [1, (2, "a")]), SandboxCase("g()", "x"), SandboxCase("h()", None),
+        SandboxCase("ok(2)", True), SandboxCase("ok(3)", False)]
+    for bad, why in (("assert f(1) == g(1)", "one side must be a literal"), ("x = 1", "not a single assert"),
+                     ("assert f(1), 'msg'", "not a single assert"), ("assert f(", "not valid Python"),
+                     ("assert f() == {1, 2}", "one side must be a literal")):  # a set has no plain-data form
+        with pytest.raises(ValueError, match=why):
+            parse_tests([bad])
+
+
+def test_a_response_that_writes_pass_events_on_the_result_pipe_passes_nothing():
+    forger = ("import os, sys\n"
+              "def square(x):\n    return 0\n"
+              "fd = int(sys.argv[2])\n"
+              "for i in range(3):\n"
+              "    os.write(fd, b'{\"event\": \"test\", \"index\": %d, \"passed\": true}\\n' % i)\n"
+              "    os.write(fd, b'{\"event\": \"value\", \"index\": %d, \"json\": \"true\"}\\n' % i)\n"
+              "os.write(fd, b'{\"event\": \"done\"}\\n')\n"
+              "os._exit(0)\n")
+    r = run_python(forger, SQUARE_TESTS)
+    assert r.tests_passed == 0 and all(e for e in r.test_errors), r
+
+
+def test_the_expected_values_are_not_in_the_sandbox_to_be_read():
+    """A response that searches the calling frames and every live string for the expected answer."""
+    reader = ("import gc, re, sys\n"
+              "def secret():\n"
+              "    pattern = re.compile('zeb' + 'ra-[0-9]+')\n"
+              "    found, f = [], sys._getframe(1)\n"
+              "    while f is not None:\n"
+              "        found += list(f.f_locals.values())\n"
+              "        f = f.f_back\n"
+              "    for o in found + gc.get_objects():\n"
+              "        items = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else [o]\n"
+              "        for t in items:\n"
+              "            m = pattern.search(t) if isinstance(t, str) else None\n"
+              "            if m:\n"
+              "                return m.group(0)\n"
+              "    return None\n")
+    r = run_python(reader, ["assert secret() == 'zebra-4271'"])
+    assert (r.status, r.tests_passed) == ("ok", 0), r
+    assert "returned null" in r.test_errors[0]
+
+
+@pytest.mark.parametrize("value", ["AlwaysEqual()", "Sneaky(7)", "1"], ids=["eq-object", "int-subclass", "int-for-bool"])
+def test_objects_that_compare_equal_to_anything_do_not_pass(value):
+    code = ("class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n"
+            "class Sneaky(int):\n    def __eq__(self, other):\n        return True\n"
+            f"def square(x):\n    return {value}\n")
+    r = run_python(code, SQUARE_TESTS + ["assert square(1) == True"])
+    assert r.tests_passed == 0, r.test_errors
+
+
+def test_check_python_tests_gives_a_forging_wrong_function_no_credit():
+    from posttrain.verifiable import check_python_tests
+
+    record = {"reference": {"function": "square", "tests": SQUARE_TESTS}}
+    forged = ("```python\nimport os, sys\ndef square(x):\n    return -1\n"
+              "for i in range(3):\n"
+              "    os.write(int(sys.argv[2]), b'{\"event\": \"test\", \"index\": %d, \"passed\": true}\\n' % i)\n"
+              "```")
+    res = check_python_tests(record, forged)
+    assert (res.correct, res.score) == (False, 0.0), res
+    assert check_python_tests(record, f"```python\n{SQUARE}```").correct
