@@ -33,9 +33,19 @@ pipe, because the parent reads values there, not verdicts. And an object whose `
 plain data, so it fails. A response can still write values on the pipe in place of its function's, but it must know
 the right ones to gain anything, which is solving the task.
 
-Not isolated: the filesystem beyond permissions (the dropped uid can read world-readable files, the prompts
-artifact's reference answers included where they are world-readable), memory across processes, and files left in
-``/tmp`` or ``/dev/shm`` (issue 23 items 3-5, open).
+**Containment by the kernel**, as root (what the result records: ``filesystem``, ``pid_namespace``,
+``memory_limit``). The run has a private mount namespace. ``/tmp`` and ``/dev/shm`` are its own size-capped tmpfs,
+gone when it ends. The project, the caller's working directory and home directory (where the artifacts, the
+prompts' reference answers among them, usually live) are empty and read-only to it. A PID namespace hides every
+other process. When the run ends, the kernel kills whatever it left behind, double-forked ``setsid`` processes
+included. A memory cgroup caps the whole run's memory, tmpfs pages included: RLIMIT_AS alone caps each process.
+
+What a machine without these gets, reported in the same fields rather than refused: not root, or no mount
+namespace, leaves the host's filesystem (``filesystem="shared"``: world-readable files are readable, and
+``/tmp`` writes outlive the run) and process table. No writable memory cgroup (v1 ``memory`` hierarchy) leaves
+RLIMIT_AS per process (``memory_limit="rlimit"``). The "guard" network mode blocks Python's socket module but not
+libc called through ctypes. ``SandboxLimits(private_filesystem=False, use_cgroup=False, network="guard")`` runs
+those fallbacks on purpose.
 """
 
 from __future__ import annotations
@@ -71,6 +81,11 @@ class SandboxLimits:
     file_bytes: int = 16 << 20
     open_files: int = 64
     network: Literal["namespace", "guard"] = "namespace"  # guard: skip the namespace (tests of the fallback)
+    # root: a private mount namespace (tmpfs /tmp and /dev/shm of tmp_bytes each, hidden directories) and a PID
+    # namespace. False: the host's filesystem and process table (tests of the fallback)
+    private_filesystem: bool = True
+    tmp_bytes: int = 64 << 20
+    hide_paths: tuple[str, ...] = ()  # besides the project, the working directory and the home directory
     drop_privileges: bool = True  # when running as root: run the code as nobody (65534)
     use_cgroup: bool = True  # False: RLIMIT_NPROC (or, as root keeping root, the watchdog alone) caps processes
     poll_seconds: float = 0.01
@@ -88,6 +103,9 @@ class SandboxResult:
     output_truncated: bool = False
     network_mode: str = "unknown"
     process_limit: str = "watchdog"
+    memory_limit: str = "rlimit"  # "cgroup": one limit for the whole run; "rlimit": per process only
+    filesystem: str = "shared"  # "private": own /tmp, /dev/shm, hidden directories (see SandboxLimits)
+    pid_namespace: bool = False
     uid: int | None = None
     returncode: int | None = None
     wall_seconds: float = 0.0
@@ -249,12 +267,71 @@ def _rmdir_quiet(d: Path) -> None:
             time.sleep(0.01)
 
 
-def _kill_all(proc: subprocess.Popen, cgroup: _PidsCgroup) -> None:
+class _MemoryCgroup:
+    """A per-run memory cgroup (v1 ``memory`` hierarchy, under this process's own) capping the whole run's memory,
+    tmpfs pages included, if writable. RLIMIT_AS alone caps each process, so N processes could hold N times it."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.dir: Path | None = None
+        root = Path("/sys/fs/cgroup/memory")
+        if limit is None or not (root / "memory.limit_in_bytes").exists():
+            return
+        own = next((line.split(":", 2)[2] for line in _read(Path("/proc/self/cgroup")).splitlines()
+                    if line.split(":", 2)[1:2] == ["memory"]), "/")
+        d = root / own.lstrip("/") / f"hylight-sandbox-{uuid.uuid4().hex[:12]}"
+        try:
+            d.mkdir()
+            (d / "memory.limit_in_bytes").write_text(str(limit))
+            if (d / "memory.memsw.limit_in_bytes").exists():  # swap too, where accounted: not a way around it
+                (d / "memory.memsw.limit_in_bytes").write_text(str(limit))
+        except OSError:
+            if d.exists():
+                _rmdir_quiet(d)
+            return
+        self.dir = d
+
+    @property
+    def procs_file(self) -> str | None:
+        return str(self.dir / "cgroup.procs") if self.dir else None
+
+    def pids(self) -> list[int]:
+        return [p for p in map(int, _read(self.dir / "cgroup.procs").split()) if _alive(p)] if self.dir else []
+
+    def hit_limit(self) -> bool:
+        """The OOM killer acted in the run (``oom_kill N`` in memory.oom_control)."""
+        if not self.dir:
+            return False
+        for line in _read(self.dir / "memory.oom_control").splitlines():
+            key, _, n = line.partition(" ")
+            if key == "oom_kill" and n.strip() not in ("", "0"):
+                return True
+        return False
+
+    def remove(self) -> None:
+        if self.dir:
+            _rmdir_quiet(self.dir)
+
+
+def _hidden_paths(lim: SandboxLimits) -> list[str]:
+    """Directories the sandbox sees as empty: the project, the working and home directories and the limits'
+    extra ones, except any that holds the standard library (imports after the preload still need it)."""
+    project = Path(__file__).resolve().parents[1]
+    stdlib = Path(os.__file__).resolve().parent
+    out: list[str] = []
+    for p in (project, Path.cwd(), Path.home(), *map(Path, lim.hide_paths)):
+        p = p.resolve()
+        if p == Path("/") or stdlib.is_relative_to(p) or str(p) in out:
+            continue
+        out.append(str(p))
+    return out
+
+
+def _kill_all(proc: subprocess.Popen, cgroup: _PidsCgroup, memory: _MemoryCgroup) -> None:
     """SIGKILL every process of the run until none is left (a fork bomb refills while we kill: loop)."""
     sid = proc.pid
     for _ in range(400):
         proc.poll()  # reap the child itself, so it does not linger as a zombie
-        pids = set(cgroup.pids()) | set(_proc_ids(sid))
+        pids = set(cgroup.pids()) | set(memory.pids()) | set(_proc_ids(sid))
         if not pids:
             return
         try:
@@ -324,7 +401,10 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
     nproc = None
     if process_limit == "rlimit":  # RLIMIT_NPROC counts every process of the uid, not of this run
         nproc = lim.max_processes + (0 if drop_uid is not None else _user_process_count(os.getuid()))
-    job = {"code": code, "expressions": [c.expression for c in cases], "cgroup_procs": cgroup.procs_file, "network": lim.network,
+    memory = _MemoryCgroup(lim.memory_bytes if lim.use_cgroup else None)
+    job = {"code": code, "expressions": [c.expression for c in cases], "network": lim.network,
+           "cgroup_procs": [f for f in (cgroup.procs_file, memory.procs_file) if f],
+           "private_filesystem": lim.private_filesystem, "tmp_bytes": lim.tmp_bytes, "hide": _hidden_paths(lim),
            "drop_to_uid": drop_uid, "nproc": nproc,
            "limits": {"memory_bytes": lim.memory_bytes, "cpu_seconds": max(1, int(lim.cpu_seconds)),
                       "file_bytes": lim.file_bytes, "open_files": lim.open_files}}
@@ -364,14 +444,18 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
                 break
             time.sleep(lim.poll_seconds)
     finally:
-        _kill_all(proc, cgroup)
+        _kill_all(proc, cgroup, memory)
         proc.wait()
     wall = time.monotonic() - start
-    leftover = len(set(cgroup.pids()) | set(_proc_ids(sid)))
+    leftover = len(set(cgroup.pids()) | set(memory.pids()) | set(_proc_ids(sid)))
+    if memory.hit_limit():
+        stopped = "memory"
     cgroup.remove()
+    memory.remove()
     events = [_parse(line) for line in results.text().splitlines()]
     shutil.rmtree(workdir, ignore_errors=True)
-    return _result(events, cases, proc.returncode, stopped, out, err, lim, process_limit, wall, peak, leftover)
+    return _result(events, cases, proc.returncode, stopped, out, err, lim, process_limit, wall, peak, leftover,
+                   "cgroup" if memory.dir else "rlimit")
 
 
 def _user_process_count(uid: int) -> int:
@@ -405,7 +489,7 @@ def _verdict(case: SandboxCase, event: dict) -> str | None:
 
 def _result(events: list[dict], cases: list[SandboxCase], returncode: int | None, stopped: str | None, out: _Capped,
             err: _Capped, lim: SandboxLimits, process_limit: str, wall: float, peak: int,
-            leftover: int) -> SandboxResult:
+            leftover: int, memory_limit: str) -> SandboxResult:
     start = next((e for e in events if e.get("event") == "start"), {})
     errors: list[str | None] = ["not run"] * len(cases)
     seen: set[int] = set()
@@ -417,8 +501,11 @@ def _result(events: list[dict], cases: list[SandboxCase], returncode: int | None
     code_event = next((e for e in events if e.get("event") == "code"), None)
     stderr = err.text()
     error = ""
-    if any(e.get("event") == "memory" for e in events) or "MemoryError" in stderr:
+    if stopped == "memory":  # the run's memory cgroup: its processes together reached the limit
         status: Status = "memory"
+        error = f"memory limit ({lim.memory_bytes >> 20} MiB for the whole run) reached"
+    elif any(e.get("event") == "memory" for e in events) or "MemoryError" in stderr:
+        status = "memory"
         error = f"memory limit ({lim.memory_bytes >> 20} MiB address space) reached"
     elif stopped == "killed":
         status, error = "killed", f"process limit ({lim.max_processes}) reached: every process of the run killed"
@@ -435,6 +522,7 @@ def _result(events: list[dict], cases: list[SandboxCase], returncode: int | None
     return SandboxResult(
         status=status, tests_total=len(cases), tests_passed=sum(e is None for e in errors), test_errors=errors,
         error=error, stdout=out.text(), stderr_tail=stderr[-2000:], output_truncated=out.truncated or err.truncated,
-        network_mode=str(start.get("network", "unknown")), process_limit=process_limit,
+        network_mode=str(start.get("network", "unknown")), process_limit=process_limit, memory_limit=memory_limit,
+        filesystem=str(start.get("filesystem", "shared")), pid_namespace=start.get("pid_namespace") is True,
         uid=start.get("uid"), returncode=returncode, wall_seconds=round(wall, 3), peak_processes=peak,
         leftover_processes=leftover)

@@ -2,11 +2,17 @@
 
 Everything here runs *before* the untrusted code, with the parent's privileges; the order matters:
 
-1. join the per-run pids cgroup (the fork-bomb limit), while still allowed to write to it;
+1. join the per-run cgroups (pids: the fork-bomb limit; memory: one limit for every process of the run), while
+   still allowed to write to them;
 2. leave the network: a fresh network namespace (``unshare(CLONE_NEWNET)``: no interface but a down loopback),
    or, for an unprivileged user, a user + network namespace; when neither is permitted, an in-process guard that
    makes every socket call fail (weaker: code that reaches libc through ctypes or execs a program bypasses it);
 3. import the standard-library modules responses may use (after step 4 the interpreter's files may be unreadable);
+3b. (root) a private mount namespace: size-capped tmpfs on ``/tmp`` and ``/dev/shm`` (gone when the run ends),
+   and an empty read-only tmpfs over each hidden directory (the project, the caller's working and home
+   directories); then a PID namespace: this process forks the namespace's init, which mounts its own ``/proc``
+   (other processes are invisible) and forks the process that runs the code. When the init exits, the kernel
+   kills every process left in the namespace, double-forked and ``setsid`` ones included;
 4. when running as root, drop to an unprivileged uid/gid (the code cannot touch others' files or signal their
    processes, and RLIMIT_NPROC, which root ignores, applies);
 5. resource limits: address space, CPU seconds, file size, open files, processes, no core dumps;
@@ -21,6 +27,7 @@ import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 
 CLONE_NEWUSER = 0x10000000
@@ -66,17 +73,78 @@ def _install_socket_guard():
     _socket.socket = NoSocket
 
 
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 16384, 1 << 18
+
+
+def _mount(libc, source, target, fstype, flags, data):
+    if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+                  data.encode() if data else None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype or source} on {target}: {os.strerror(err)}")
+
+
+def _private_filesystem(libc, job):
+    """A mount namespace of private tmpfs /tmp and /dev/shm and hidden directories: "private", else "shared"."""
+    if os.geteuid() != 0 or not job["private_filesystem"] or libc.unshare(CLONE_NEWNS) != 0:
+        return "shared"
+    _mount(libc, "none", "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here reaches the host
+    for target in ("/tmp", "/dev/shm"):
+        if os.path.isdir(target):
+            _mount(libc, "tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmp_bytes']},mode=1777")
+    for path in job["hide"]:
+        if os.path.isdir(path):
+            _mount(libc, "tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
+    os.chdir("/tmp")
+    return "private"
+
+
+def _reraise(status):
+    """Exit as the waited-for process did: the parent reads a signal death as -signal."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _pid_namespace(libc, filesystem):
+    """Fork into a new PID namespace; returns in the process that runs the code (True), or False when none."""
+    if os.geteuid() != 0 or filesystem != "private" or libc.unshare(CLONE_NEWPID) != 0:
+        return False
+    init = os.fork()
+    if init:  # outside the namespace: wait for its init and end as the worker ended
+        status = os.waitpid(init, 0)[1]
+        code = os.waitstatus_to_exitcode(status)
+        if 128 < code < 128 + signal.NSIG:  # init's 128+sig: die of sig (the parent maps -SIGXCPU to "timeout")
+            signal.signal(code - 128, signal.SIG_DFL)
+            os.kill(os.getpid(), code - 128)
+        _reraise(status)
+    _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)  # only this namespace's pids
+    worker = os.fork()
+    if worker:  # the namespace's init: reap orphans until the worker ends, then end (the kernel kills the rest)
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == worker:
+                # init ignores the signals it has no handler for, even its own: a death by signal leaves as 128+sig
+                os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.waitstatus_to_exitcode(status))
+    return True
+
+
 def main():
     with open(sys.argv[1], encoding="utf-8") as f:
         job = json.load(f)
     fd = int(sys.argv[2])
     libc = ctypes.CDLL(None, use_errno=True)
-    if job["cgroup_procs"]:
-        with open(job["cgroup_procs"], "w") as f:
+    for procs in job["cgroup_procs"]:
+        with open(procs, "w") as f:
             f.write(str(os.getpid()))
     network = _leave_network(libc, job["network"])
     for name in PRELOAD:
         __import__(name)
+    filesystem = _private_filesystem(libc, job)
+    pid_namespace = _pid_namespace(libc, filesystem)
     if os.geteuid() == 0 and job["drop_to_uid"] is not None:
         os.setgroups([])
         os.setgid(job["drop_to_uid"])
@@ -89,7 +157,8 @@ def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
     if job["nproc"] is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
-    _emit(fd, {"event": "start", "network": network, "uid": os.geteuid()})
+    _emit(fd, {"event": "start", "network": network, "uid": os.geteuid(), "filesystem": filesystem,
+               "pid_namespace": pid_namespace})
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
     expressions = job["expressions"]
     code = job["code"]

@@ -155,12 +155,16 @@ def test_huge_output_is_capped():
     assert len(r.stdout) == 4096
 
 
-def test_file_writes_are_capped_and_the_work_dir_is_removed():
+@pytest.mark.parametrize("private", [True, False], ids=["private-tmp", "shared-fs"])
+def test_file_writes_are_capped_and_the_work_dir_is_removed(private):
     code = "import os\nprint(os.getcwd())\nwith open('big', 'wb') as f:\n    f.write(b'x' * (4 << 20))\n"
-    r = run_python(code, [], SandboxLimits(file_bytes=1 << 20))
+    r = run_python(code, [], SandboxLimits(file_bytes=1 << 20, private_filesystem=private))
     assert r.status in ("error", "timeout")  # SIGXFSZ or an OSError, never a 4 MiB file
     workdir = r.stdout.strip()
-    assert workdir and not os.path.exists(workdir)
+    if r.filesystem == "private":  # the run's own tmpfs /tmp, gone with its mount namespace
+        assert workdir == "/tmp"
+    else:
+        assert workdir and not os.path.exists(workdir)
 
 
 # --- the verdict is the parent's (issue 23 items 1-2): each attack passed every test before ---------------------------
@@ -230,3 +234,67 @@ def test_check_python_tests_gives_a_forging_wrong_function_no_credit():
     res = check_python_tests(record, forged)
     assert (res.correct, res.score) == (False, 0.0), res
     assert check_python_tests(record, f"```python\n{SQUARE}```").correct
+
+
+# --- containment by the kernel (issue 23 items 3-5): each attack got through before ----------------------------------
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mount and PID namespaces need root here")
+
+
+@needs_root
+def test_writes_to_tmp_and_dev_shm_do_not_outlive_the_run_and_are_capped_in_total(tmp_path):
+    marker = f"hylight-leak-{os.getpid()}"
+    code = ("import os\n"
+            f"for d in ('/tmp', '/dev/shm'):\n    open(os.path.join(d, '{marker}'), 'w').write('x')\n"
+            "n = 0\n"
+            "try:\n"
+            "    for i in range(64):\n"  # many files, each under the per-file limit
+            "        with open(f'/dev/shm/fill{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n"
+            "        n += 1\n"
+            "except OSError:\n    pass\n"
+            "print(n)\n")
+    r = run_python(code, [], SandboxLimits(file_bytes=2 << 20, tmp_bytes=8 << 20))
+    assert (r.filesystem, r.status) == ("private", "ok"), r
+    assert int(r.stdout.strip()) < 9  # the tmpfs is 8 MiB in total, whatever the number of files
+    assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")
+
+
+@needs_root
+def test_the_project_and_working_directory_are_hidden_and_other_processes_invisible():
+    project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os\n"
+            f"print(sorted(os.listdir({project!r})))\n"
+            "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n")
+    r = run_python(code, [])
+    assert r.status == "ok" and r.pid_namespace, r
+    listing, pids = r.stdout.strip().splitlines()
+    assert listing == "[]"  # the prompts artifact, the reference solutions, the code: none readable
+    assert eval(pids) == [1, 2]  # the namespace's init and the process running the code
+
+
+@needs_root
+def test_memory_is_capped_for_the_whole_run_not_per_process():
+    """4 processes x 200 MiB under a 512 MiB limit: RLIMIT_AS alone allows each its 512 MiB."""
+    code = ("import os, time\n"
+            "for _ in range(3):\n"
+            "    if os.fork() == 0:\n        break\n"
+            "block = bytearray(200 << 20)\n"
+            "for i in range(0, len(block), 4096):\n    block[i] = 1\n"
+            "time.sleep(2)\n"
+            "print('held')\n")
+    r = run_python(code, [], SandboxLimits(memory_bytes=512 << 20, wall_seconds=8))
+    assert r.memory_limit == "cgroup", r
+    assert r.status == "memory" and r.stdout.count("held") < 3, r
+    assert r.leftover_processes == 0
+
+
+@needs_root
+def test_a_double_forked_setsid_grandchild_dies_with_the_run(own_temp_root):
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n        time.sleep(30)\n    os._exit(0)\n"
+            "time.sleep(0.3)\n")
+    r = run_python(code, [], SandboxLimits(use_cgroup=False))
+    assert r.pid_namespace and r.leftover_processes == 0, r
+    time.sleep(0.2)
+    assert _sandbox_processes(own_temp_root) == set()  # the grandchild kept the child's command line
