@@ -144,7 +144,8 @@ def check_python_tests(record: dict[str, Any], response: Any,
     score = r.pass_rate if r.status in ("ok", "error") else 0.0
     correct = r.status == "ok" and r.tests_passed == r.tests_total
     first_fail = next((e for e in r.test_errors if e is not None), "")
-    reason = f"{r.tests_passed}/{r.tests_total} tests passed (sandbox {r.status}, network {r.network_mode})"
+    reason = (f"{r.tests_passed}/{r.tests_total} tests passed (sandbox {r.status}, network {r.network_mode}, "
+              f"filesystem {r.filesystem}, memory {r.memory_limit})")
     if r.error or first_fail:
         reason += f": {(r.error or first_fail)[:160]}"
     return CheckResult(correct, score, reason)
