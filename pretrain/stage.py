@@ -2,9 +2,9 @@
 
 Inputs: the ``mixture`` (how many times each document is trained on), the ``scored_documents`` it was planned
 from (the texts) and the ``tokenizer``. The stage packs the mixture into rows (``pretrain/data.py``), launches the
-training processes (``pretrain/train.py``: one process for a CPU or one GPU, ``torchrun`` with one rank per GPU
-for several; the stage's ``resources.gpus`` decides) under ``pipeline.launch.run_process_tree`` (nothing outlives
-a cancelled stage), or, when the stage spans nodes or was not given the resources itself (``resources.nodes > 1``,
+training processes (``pretrain/train.py``: one process for a CPU or one GPU, ``pretrain/local_ranks.py`` with one
+rank per GPU for several; the stage's ``resources.gpus`` decides) under ``pipeline.launch.run_process_tree`` (nothing
+outlives a cancelled stage), or, when the stage spans nodes or was not given the resources itself (``resources.nodes > 1``,
 GPUs on a Ray cluster), as Ray Train workers; forwards their metrics to MLflow, and writes the artifact:
 
     model/            HybridForCausalLM (``import model`` registers it) + tokenizer, token ids, chat template
@@ -238,8 +238,8 @@ def check_rank_layout(params: Any, resources: Any, stage: str) -> None:
 def _train_command(config_path: Path, world: int) -> list[str]:
     if world == 1:
         return [sys.executable, "-m", "pretrain.train", "--config", str(config_path)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-            "-m", "pretrain.train", "--config", str(config_path)]
+    return [sys.executable, "-m", "pretrain.local_ranks", str(world), "-m", "pretrain.train", "--config",
+            str(config_path)]
 
 
 class _Relay:
@@ -385,8 +385,8 @@ class RankLayout:
 def launch_ranks(cfg: Any, layout: RankLayout, relay: _Relay, ctx: StageContext, *, name: str,
                  config_name: str = "train_config.json") -> None:
     """Run :func:`pretrain.train.run_rank` on every rank of ``layout`` with ``cfg`` (a ``TrainConfig``, written to
-    the work dir): one process or ``torchrun`` under ``run_process_tree``, or Ray Train workers. Returns when they
-    are done; a failed rank raises."""
+    the work dir): one process or ``pretrain.local_ranks`` under ``run_process_tree``, or Ray Train workers. Returns
+    when they are done; a failed rank raises."""
     from dataclasses import asdict
 
     from pipeline.launch import run_process_tree
@@ -544,7 +544,7 @@ STAGE = StageKind(
     doc="Pretraining on DeepSpeed (ZeRO-1/2, DeepSpeed-MoE experts with the §2.1 global router and token drop, "
         "Triton lightning kernels on CUDA): packed rows honouring the mixture's sample counts, WSD learning rate "
         "and batch-size doubling (§4.2), checkpoints a rerun resumes from, divergence guard; exports model/ and "
-        "transformers MiniMax checkpoints with the tokenizer. One process, torchrun on one node, or Ray Train "
+        "transformers MiniMax checkpoints with the tokenizer. One process, local ranks on one node, or Ray Train "
         "workers across nodes (resources.nodes).",
     launches_workers=True,
     validate_resources=sequence_parallel_rank_problems,

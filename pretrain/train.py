@@ -1,8 +1,8 @@
 """The pretraining loop on DeepSpeed: one function every rank runs, CPU tiny and multi-GPU alike.
 
 ``python -m pretrain.train --config CONFIG.json`` is what the ``pretrain`` stage launches (one process on a CPU or
-one GPU, ``torchrun`` for several GPUs of one node); a Ray Train worker of a multi-node stage calls the same
-:func:`run_rank`; :func:`train` is the body. It reads packed rows (``pretrain/data.py``),
+one GPU, ``pretrain/local_ranks.py`` for several GPUs of one node); a Ray Train worker of a multi-node stage calls
+the same :func:`run_rank`; :func:`train` is the body. It reads packed rows (``pretrain/data.py``),
 builds the ``model/`` hybrid with DeepNorm init, swaps its MoE layers for DeepSpeed-MoE ones with the global router
 (``pretrain/moe.py``), and trains with ``deepspeed.initialize`` (ZeRO stage 1 or 2, torch AdamW with the report's
 β = (0.9, 0.95) and weight decay 0.1, gradient clipping, bf16 on GPU / fp32 on CPU), under the WSD learning-rate
@@ -198,9 +198,12 @@ class RankGrid:
 def init_distributed() -> tuple[int, int, torch.device]:
     """Rank, world size and device; a lone process (no launcher) gets a world of one on 127.0.0.1. A process group
     set up before the call is used as it is: Ray Train's workers get theirs (gloo or NCCL, the CUDA device set) before
-    they call :func:`run_rank`."""
+    they call :func:`run_rank`. With a loopback ``MASTER_ADDR`` every listener the group opens is on loopback
+    (:func:`_loopback_store`); any other address is a cluster's, served as torch.distributed does."""
     import deepspeed
     import torch.distributed as dist
+
+    from pretrain.local_ranks import LOOPBACK, free_loopback_port
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -213,20 +216,49 @@ def init_distributed() -> tuple[int, int, torch.device]:
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing group
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         return dist.get_rank(), dist.get_world_size(), device
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": LOOPBACK}.items():
         os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    local = int(os.environ["LOCAL_RANK"])
+    os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if cuda:
         torch.cuda.set_device(local)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    backend = "nccl" if cuda else "gloo"
+    store = _loopback_store(rank, world)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    deepspeed.init_distributed(dist_backend=backend)  # adopts the group just made, or makes one from MASTER_*
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+    return rank, world, device
+
+
+LOOPBACK_HOSTS = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1", "::1": "::1"}
+
+
+def _loopback_store(rank: int, world: int) -> Any:
+    """The process group's store when ``MASTER_ADDR`` is loopback, its server (rank 0) listening on loopback only:
+    torch's own TCPStore server listens on every interface (``*:MASTER_PORT``) whatever ``MASTER_ADDR`` says, so
+    rank 0 binds the socket itself and hands it over (``master_listen_fd``). gloo and NCCL are pointed at ``lo``
+    for their own listeners unless the user chose an interface. None for a cluster's address, or under torchrun,
+    whose agent already serves the store (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    host = LOOPBACK_HOSTS.get(os.environ["MASTER_ADDR"])
+    if host is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    port = int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=default_pg_timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a previous run's store left in TIME_WAIT
+    sock.bind((host, port))
+    sock.listen(128)
+    return dist.TCPStore(host, port, world, is_master=True, timeout=default_pg_timeout, multi_tenant=True,
+                         master_listen_fd=sock.detach())
 
 
 def special_token_ids(tokenizer_dir: str | Path) -> dict[str, Any]:
@@ -823,7 +855,7 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_rank(config_path: str | Path, events_path: str | Path | None = None) -> dict[str, float]:
-    """One rank's whole job, whoever launched it: :func:`main` (a lone process or a ``torchrun`` rank) and a Ray Train
+    """One rank's whole job, whoever launched it: :func:`main` (a lone process or a local rank) and a Ray Train
     worker (``pretrain/stage.py``) both call this. ``events_path``: rank 0 appends its stdout, the ``@@hylight`` lines
     included, to that file (a Ray Train worker's stdout does not reach the stage's process)."""
     import socket

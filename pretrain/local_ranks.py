@@ -1,0 +1,77 @@
+"""Start the ranks of a one-machine training job: ``python -m pretrain.local_ranks N -m pretrain.train --config C``
+runs ``python -m pretrain.train --config C`` N times, each with ``RANK``/``LOCAL_RANK``, ``WORLD_SIZE``/
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and one free ``MASTER_PORT``.
+
+In place of ``torchrun --standalone``, whose agent opens two rendezvous stores listening on every interface: here
+rank 0 hosts the only store, on loopback (:func:`pretrain.train.init_distributed`), so a local run is not reachable
+from the network. The first rank to fail stops the others (SIGTERM, then SIGKILL after a grace period) and the
+launcher exits with its status; a SIGTERM or SIGINT to the launcher is passed on to every rank.
+
+Standard library only: the launcher should not spend seconds importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+LOOPBACK = "127.0.0.1"
+GRACE_S = 10.0
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel picks it); the store's server binds it moments later."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torch.distributed's env:// rendezvous and :func:`pretrain.train.init_distributed` read."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port)}
+
+
+def run_ranks(world: int, args: list[str]) -> int:
+    """Run ``python *args`` as ranks 0..world-1 until all exit; the first failed rank's status, else 0 (a rank
+    killed by a signal gives 128 + its number, as a shell reports it)."""
+    port = free_loopback_port()
+    ranks = [subprocess.Popen([sys.executable, *args], env={**os.environ, **rank_env(r, world, port)})
+             for r in range(world)]
+
+    def stop(*_: object) -> None:
+        for p in ranks:
+            if p.poll() is None:
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    status, deadline = 0, None
+    while [p for p in ranks if p.poll() is None]:  # polls every rank (any() would stop at the first live one)
+        failed = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+        if failed and deadline is None:  # the others would wait on the failed rank until the store's timeout
+            status, deadline = failed[0], time.monotonic() + GRACE_S
+            stop()
+        if deadline is not None and time.monotonic() > deadline:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    status = status or next((p.returncode for p in ranks if p.returncode), 0)
+    return 128 - status if status < 0 else status
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or not argv[0].isdigit() or int(argv[0]) < 1:
+        print("usage: python -m pretrain.local_ranks N <python args: -m module ... | script.py ...>", file=sys.stderr)
+        return 2
+    return run_ranks(int(argv[0]), argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
