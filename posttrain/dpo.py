@@ -13,9 +13,9 @@ a prompt, and a group of prompts sharing a passage or code function, is on one s
 Training: ``DPOTrainer`` with the policy and a frozen reference, both loaded by :func:`posttrain.policy.load_policy`,
 so both run the MoE **dropless** — with capacity drop a sequence's log-probs would depend on the other sequences of
 its batch (tests/test_dpo.py shows it) and π/π_ref would be compared on different routings. Loss ``loss_type``
-(default TRL's ``sigmoid``: -log σ(β·((log π_c − log π_ref,c) − (log π_r − log π_ref,r)))), the router aux loss
-added by TRL from the config's ``router_aux_loss_coef``. Schedule: Table 7 (stage III cosine 5e-7 → 5e-8, stage IV
-constant 5e-7; batch 64 pairs; one epoch).
+(default TRL's ``sigmoid``: -log σ(β·((log π_c − log π_ref,c) − (log π_r − log π_ref,r)))) plus the config's
+``router_aux_loss_coef`` × the policy's own MoE balance loss (§2.1; :mod:`posttrain.moe_loss`, in place of TRL's).
+Schedule: Table 7 (stage III cosine 5e-7 → 5e-8, stage IV constant 5e-7; batch 64 pairs; one epoch).
 
 Metrics: ``loss`` (every step), ``train_preference_accuracy`` / ``reward_margin`` (TRL's ``rewards/accuracies`` /
 ``rewards/margins`` on the training batch), ``eval_preference_accuracy`` on every held-out pair at step 0, every
@@ -250,12 +250,22 @@ def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any
     return pairs, skipped
 
 
+def trainer_class() -> type:
+    """The trainer this stage trains with: TRL's ``DPOTrainer`` with the model's own MoE balance loss (§2.1) in
+    place of TRL's (:mod:`posttrain.moe_loss`)."""
+    from trl import DPOTrainer
+
+    from posttrain.moe_loss import model_balance_trainer
+
+    return model_balance_trainer(DPOTrainer)
+
+
 def run(params: DPOParams, ctx: StageContext) -> None:
     start = time.monotonic()
     import torch
     from datasets import Dataset
     from transformers import PrinterCallback
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
     from posttrain.policy import (
         MODEL_DIR,
@@ -265,6 +275,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
         load_policy,
         pass_rate,
         save_policy,
+        train_from_checkpoint,
         trainer_checkpointing,
         trainer_log_relay,
     )
@@ -359,8 +370,8 @@ def run(params: DPOParams, ctx: StageContext) -> None:
                                   "rejected": [{"role": "assistant", "content": p["rejected"]}]}
                                  for p in split["train"]])
     model.train()
-    trainer = DPOTrainer(model=model, ref_model=ref_model, args=config, train_dataset=dataset, processing_class=tok,
-                         callbacks=[relay])
+    trainer = trainer_class()(model=model, ref_model=ref_model, args=config, train_dataset=dataset,
+                              processing_class=tok, callbacks=[relay])
     trainer.remove_callback(PrinterCallback)  # the relay reports
     trl_rows = trainer.train_dataset
     if len(trl_rows) != len(split["train"]):
@@ -372,7 +383,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
             raise RuntimeError(f"dpo: pair {p['id']!r} tokenizes differently in TRL than in encode_pair_side; the "
                                "held-out preference accuracy would score other sequences than training uses")
     train_start = time.monotonic()
-    trainer.train(resume_from_checkpoint=last_checkpoint(ctx, config))
+    train_from_checkpoint(trainer, last_checkpoint(ctx, config))
     train_seconds = time.monotonic() - train_start
     steps = trainer.state.global_step
 

@@ -9,7 +9,7 @@ iteration reuse, logging). This module changes only:
     rollout generation, this process);
   - ``_compute_loss``: the loss of ``posttrain.grpo_loss.grpo_loss`` — (a) the extra clip of large-ratio
     negative-advantage tokens, (b) the stop-gradient KL term, CISPO as ``loss_type="cispo"`` — and the metrics
-    ``kl`` and ``clip_fraction``.
+    ``kl`` and ``clip_fraction``; the MoE balance term is the model's own (``posttrain.moe_loss``), not TRL's.
 Entry points for a stage: ``select_prompts_by_pass_rate`` and ``train_grpo``.
 """
 
@@ -25,6 +25,8 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from posttrain.grpo_loss import balanced_advantages, grpo_loss
+from posttrain.moe_loss import ModelBalanceLoss
+from posttrain.policy import train_from_checkpoint
 
 RewardFunc = Callable[..., list[float]]  # TRL's signature: f(prompts, completions, completion_ids, **columns)
 
@@ -88,8 +90,9 @@ class HylightGRPOConfig(GRPOConfig):
         return self.large_ratio_threshold if self.large_ratio_threshold is not None else 1 + eps_high
 
 
-class HylightGRPOTrainer(GRPOTrainer):
-    """TRL's ``GRPOTrainer`` with the §5.4.2 loss. Takes a ``HylightGRPOConfig``."""
+class HylightGRPOTrainer(ModelBalanceLoss, GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with the §5.4.2 loss and the model's own MoE balance loss (§2.1; posttrain/moe_loss.py).
+    Takes a ``HylightGRPOConfig``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         config = kwargs.get("args")
@@ -141,9 +144,10 @@ class HylightGRPOTrainer(GRPOTrainer):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        logp, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+        # no aux loss here: ModelBalanceLoss.compute_loss adds the model's own MoE balance loss around this
+        logp, entropies, _ = self._get_per_token_logps_and_entropies(
             model, torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1),
-            completion_ids.size(1), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled)
+            completion_ids.size(1), compute_entropy=True)
         # Without a stale policy (num_iterations == 1, aligned steps) TRL leaves old log-probs out: r = 1.
         old_logp = inputs.get("old_per_token_logps")
         old_logp = logp.detach() if old_logp is None else old_logp
@@ -161,10 +165,6 @@ class HylightGRPOTrainer(GRPOTrainer):
             ref_logp=inputs.get("ref_per_token_logps"), beta=self.beta, kl_estimator=self.args.kl_estimator,
             normalizer=normalizer)
         loss = out.loss
-        if self.aux_loss_enabled:  # MoE load balance (§3.1 aux loss), scaled for accumulation as TRL does
-            loss = loss + self.router_aux_loss_coef * aux_loss / (
-                self.current_gradient_accumulation_steps if mode == "train" else 1.0)
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
 
         def token_mean(x: torch.Tensor) -> float:  # over all processes' masked tokens
             totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)]), "sum")
@@ -284,7 +284,7 @@ def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs:
         from transformers import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)
-    result = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    result = train_from_checkpoint(trainer, resume_from_checkpoint)
     policy_dir = output_dir / "policy"
     trainer.save_model(str(policy_dir))
     history = [h for h in trainer.state.log_history if "reward_mean" in h or "clip_fraction" in h]

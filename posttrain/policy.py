@@ -65,6 +65,17 @@ class SamplingStats:
             self.decoded_tokens += g.new_tokens
 
 
+def make_dropless(model: Any) -> Any:
+    """``model`` with MoE token dropping off, in place: post-training's log-probs and rewards must not depend on
+    what else is in the batch (a capacity drop does). The config flag is read by each MoE layer at construction,
+    so the built layers are switched too."""
+    model.config.moe_token_drop = False
+    for m in model.modules():
+        if hasattr(m, "token_drop"):
+            m.token_drop = False
+    return model
+
+
 def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) of a checkpoint artifact (or a ``model/`` directory itself), dropless MoE, eval mode."""
     import torch
@@ -83,11 +94,7 @@ def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -
         raise ValueError(f"post-training: the tokenizer in {model_dir} has no pad token; train it with the project's "
                          "tokenizer stage (data/tokenizer.py)")
     tok.padding_side = "left"
-    policy = HybridForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
-    policy.config.moe_token_drop = False
-    for m in policy.modules():  # the flag is read by each MoE layer at construction
-        if hasattr(m, "token_drop"):
-            m.token_drop = False
+    policy = make_dropless(HybridForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32))
     if device is not None:
         policy = policy.to(device)
     return policy.eval(), tok
@@ -241,6 +248,30 @@ def last_checkpoint(ctx: Any, args: Any) -> str | None:
     return str(path)
 
 
+def train_from_checkpoint(trainer: Any, checkpoint: str | None) -> Any:
+    """``trainer.train(resume_from_checkpoint=checkpoint)``, except that a checkpoint at ``max_steps`` (an attempt
+    killed after its last step, before the stage committed) is loaded and not trained from.
+
+    transformers fast-forwards to the checkpoint's step within its epoch and checks ``max_steps`` only after a
+    step, so when the last epoch is unfinished (``max_steps`` not a multiple of the steps per epoch) it would train
+    step ``max_steps + 1``. Here the trainer loads the weights as ``train`` does, takes the checkpoint's state, and
+    its callbacks see a training that began and ended (the log relay takes back the steps the attempt logged)."""
+    from transformers import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    if checkpoint is None:
+        return trainer.train()
+    state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+    if state.global_step < trainer.args.max_steps:
+        return trainer.train(resume_from_checkpoint=checkpoint)
+    trainer._load_from_checkpoint(checkpoint)
+    trainer.state = state
+    trainer.control = trainer.callback_handler.on_train_begin(trainer.args, state, trainer.control)
+    trainer.control = trainer.callback_handler.on_train_end(trainer.args, state, trainer.control)
+    # transformers' training_loss is the mean over the steps this call trained: here none
+    return TrainOutput(state.global_step, float("nan"), {})
+
+
 def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[str, float], int], None] | None = None,
                       shown: Sequence[str] = ("loss",),
                       on_step_end: Callable[[Any, Any], None] | None = None,
@@ -260,18 +291,14 @@ def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[
     class TrainerLogRelay(TrainerCallback):
         def __init__(self) -> None:
             self.losses: list[tuple[int, float]] = []
-            self._began = False
 
         def _relayed(self, logs: dict | None) -> dict[str, float]:
             return {renames[k]: float(v) for k, v in (logs or {}).items()
                     if k in renames and isinstance(v, int | float)}
 
-        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001 -- transformers' callback signature
-            # the first step of this attempt: transformers has loaded a resumed checkpoint's state by now (it does
-            # that after on_train_begin)
-            if self._began:
-                return
-            self._began = True
+        def on_train_begin(self, args, state, control, **kw):  # noqa: ANN001 -- transformers' callback signature
+            # transformers has loaded a resumed checkpoint's state by now; not on a step, since a checkpoint at
+            # max_steps trains none (train_from_checkpoint)
             if state.global_step <= 0:
                 return
             for entry in state.log_history:

@@ -8,7 +8,8 @@ params, checked with the exact checkers, plus ``user_pair_files``), split into t
 
 Model: ``HybridForSequenceClassification`` (model/modeling.py) loaded from ``model/``: the backbone keeps the
 pretrained weights, ``score`` (d -> 1) is new. Loss: TRL's ``-log sigmoid(r_chosen - r_rejected)`` (Bradley-Terry).
-The MoE router's load-balancing loss is not added (RewardTrainer computes its own loss from the logits only).
+Plus ``router_aux_loss_coef`` × the backbone's own MoE balance loss (§2.1; :mod:`posttrain.moe_loss`), which
+RewardTrainer alone would leave out.
 
 Metrics (the stage's MLflow run): ``loss`` every step; ``eval_preference_accuracy`` = the share of held-out pairs
 whose chosen response scores higher (ties count 1/2), at step 0 (before training: the random head), every
@@ -43,6 +44,8 @@ from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
     NO_ACTIVATION_CHECKPOINTING,
     last_checkpoint,
+    make_dropless,
+    train_from_checkpoint,
     trainer_checkpointing,
     trainer_log_relay,
 )
@@ -141,7 +144,7 @@ class RewardModelScorer:
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"reward model: {model_dir} holds no config.json; point at a reward_model stage "
                                     f"artifact's {REWARD_MODEL_DIR}/ directory")
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        self.model = make_dropless(AutoModelForSequenceClassification.from_pretrained(model_dir)).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {model_dir} has num_labels={self.model.config.num_labels}; a reward "
                              "model outputs one score (num_labels=1)")
@@ -174,6 +177,16 @@ def _accuracies(pairs: list[PreferencePair], chosen: list[float], rejected: list
     return out
 
 
+def trainer_class() -> type:
+    """The trainer this stage trains with: TRL's ``RewardTrainer`` with the model's own MoE balance loss (§2.1) in
+    place of TRL's (:mod:`posttrain.moe_loss`)."""
+    from trl import RewardTrainer
+
+    from posttrain.moe_loss import model_balance_trainer
+
+    return model_balance_trainer(RewardTrainer)
+
+
 def run(params: RewardModelParams, ctx: StageContext) -> None:
     start = time.monotonic()
     import torch
@@ -183,7 +196,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         AutoTokenizer,
         PrinterCallback,
     )
-    from trl import RewardConfig, RewardTrainer
+    from trl import RewardConfig
 
     import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
 
@@ -231,7 +244,9 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
                  f"without a pair, {too_long} over {params.max_length} tokens)")
 
     torch.manual_seed(params.seed)  # the new score head
-    rm = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    # dropless like every post-training model: a pair's scores must not depend on the rest of its batch
+    rm = make_dropless(AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1,
+                                                                           dtype=torch.float32))
     rm.config.pad_token_id = tokenizer.pad_token_id
     pad = tokenizer.pad_token_id
 
@@ -258,11 +273,11 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         seed=params.seed, max_length=None, disable_tqdm=True, gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING,
         center_rewards_coefficient=params.center_rewards_coefficient, dataloader_num_workers=0)
     dataset = Dataset.from_dict({"chosen_ids": train[1], "rejected_ids": train[2]})
-    trainer = RewardTrainer(model=rm, args=config, train_dataset=dataset, processing_class=tokenizer,
-                            callbacks=[trainer_log_relay(ctx, relayed, shown=(), on_step_end=heldout_every)])
+    trainer = trainer_class()(model=rm, args=config, train_dataset=dataset, processing_class=tokenizer,
+                              callbacks=[trainer_log_relay(ctx, relayed, shown=(), on_step_end=heldout_every)])
     trainer.remove_callback(PrinterCallback)  # the relay reports; no log dict printed every step
     train_start = time.monotonic()
-    trainer.train(resume_from_checkpoint=last_checkpoint(ctx, config))
+    train_from_checkpoint(trainer, last_checkpoint(ctx, config))
     train_seconds = time.monotonic() - train_start
 
     after, c1, r1 = heldout_accuracy(rm)

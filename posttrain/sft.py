@@ -24,7 +24,9 @@ Inputs: ``checkpoint`` (pretrain, long_context or another sft stage: the policy 
    ``assistant_only_loss=True``: the template's ``{% generation %}`` block spans the assistant content and its
    ``<|end|>``, so the loss covers exactly the target and the end-of-turn marker the policy must learn to stop at.
    Examples over ``max_length`` tokens are dropped (``too_long``), never truncated (a truncated target would lose its
-   end-of-turn). The saved policy's generation config lists ``<|end|>`` as an eos (``save_policy``).
+   end-of-turn). The MoE balance term is ``router_aux_loss_coef`` × the model's own §2.1 loss
+   (:mod:`posttrain.moe_loss`), not TRL's. The saved policy's generation config lists ``<|end|>`` as an eos
+   (``save_policy``).
 
 Every ``sft`` pool prompt is accounted for: kept, or dropped with a reason in :data:`DROP_REASONS` (counted, logged as
 ``dropped.<reason>``, each listed in ``dropped.jsonl``).
@@ -67,6 +69,7 @@ from posttrain.policy import (
     pass_rate,
     sample_responses,
     save_policy,
+    train_from_checkpoint,
     trainer_checkpointing,
     trainer_log_relay,
 )
@@ -384,12 +387,22 @@ def _loss_figure(history: list[tuple[int, float]], name: str) -> Any:
     return fig
 
 
+def trainer_class() -> type:
+    """The trainer this stage trains with: TRL's ``SFTTrainer`` with the model's own MoE balance loss (§2.1) in
+    place of TRL's (:mod:`posttrain.moe_loss`)."""
+    from trl import SFTTrainer
+
+    from posttrain.moe_loss import model_balance_trainer
+
+    return model_balance_trainer(SFTTrainer)
+
+
 def run(params: SFTParams, ctx: StageContext) -> None:
     start = time.monotonic()
     import torch
     from datasets import Dataset
     from transformers import PrinterCallback
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
     ckpt = ctx.input("checkpoint").path
     rm = ctx.inputs.get("reward_model")
@@ -456,11 +469,11 @@ def run(params: SFTParams, ctx: StageContext) -> None:
         gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
     dataset = Dataset.from_dict({"messages": [example_messages(t) for t in targets]})
     model.train()
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
-                         callbacks=[relay])
+    trainer = trainer_class()(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                              callbacks=[relay])
     trainer.remove_callback(PrinterCallback)
     train_start = time.monotonic()
-    trainer.train(resume_from_checkpoint=last_checkpoint(ctx, config))
+    train_from_checkpoint(trainer, last_checkpoint(ctx, config))
     train_seconds = time.monotonic() - train_start
     steps = trainer.state.global_step
     model = trainer.model.eval()

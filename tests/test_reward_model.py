@@ -310,6 +310,24 @@ def test_saved_reward_model_loads_with_auto_and_reproduces_the_reported_accuracy
     assert pairwise_accuracy(chosen, rejected) == pytest.approx(trained.summary["eval_preference_accuracy"])
 
 
+@pytest.mark.slow
+def test_the_reward_model_trains_and_scores_dropless(trained: StageContext) -> None:
+    """A capacity drop would make a pair's scores depend on the rest of its batch; pretraining's checkpoint (the
+    reward model's backbone) drops tokens by default."""
+    from posttrain.reward_model import RewardModelScorer
+
+    rm_dir = trained.out_dir / "reward_model"
+    assert json.loads((rm_dir / "config.json").read_text())["moe_token_drop"] is False
+    config = json.loads((rm_dir / "config.json").read_text())
+    (rm_dir / "config.json").write_text(json.dumps({**config, "moe_token_drop": True}))
+    try:  # a reward model saved with dropping on still scores dropless
+        scorer = RewardModelScorer(rm_dir)
+    finally:
+        (rm_dir / "config.json").write_text(json.dumps(config))
+    flags = [m.token_drop for m in scorer.model.modules() if hasattr(m, "token_drop")]
+    assert flags and not any(flags)
+
+
 def test_every_post_training_trainer_turns_off_trl_activation_checkpointing():
     """TRL's configs turn activation checkpointing on by default; its recomputation failed on an H100 in the reward
     model stage (MoE routing not bit-reproducible in bf16: 62 tensors saved in the forward, 59 in the recompute).
