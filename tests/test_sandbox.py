@@ -298,3 +298,27 @@ def test_a_double_forked_setsid_grandchild_dies_with_the_run(own_temp_root):
     assert r.pid_namespace and r.leftover_processes == 0, r
     time.sleep(0.2)
     assert _sandbox_processes(own_temp_root) == set()  # the grandchild kept the child's command line
+
+
+_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REWARD_HACKS = {
+    "prints-pass": "def square(x):\n    return -1\nprint('PASS')\nprint('3/3 tests passed')\n",
+    "exits-early": "import os\ndef square(x):\n    return -1\nos._exit(0)\n",
+    "patches-the-serialiser": "import json\njson.dumps = lambda *a, **k: 'true'\ndef square(x):\n    return -1\n",
+    "raises-systemexit-when-called": "def square(x):\n    raise SystemExit(0)\n",
+    "recursion-bomb": "def square(x):\n    return square(x)\n",
+    "imports-the-checker": "from posttrain.verifiable import check\ndef square(x):\n    return -1\n",
+    "writes-into-the-project": (f"open({os.path.join(_PROJECT, 'hacked.txt')!r}, 'w').write('x')\n"
+                                "def square(x):\n    return -1\n"),
+}
+
+
+@pytest.mark.parametrize("code", list(REWARD_HACKS.values()), ids=list(REWARD_HACKS))
+def test_reward_hacking_responses_score_zero_and_leave_nothing_behind(code, own_temp_root):
+    from posttrain.verifiable import check_python_tests
+
+    res = check_python_tests({"reference": {"function": "square", "tests": SQUARE_TESTS}},
+                             f"```python\n{code}```")
+    assert (res.correct, res.score) == (False, 0.0), res
+    assert _sandbox_processes(own_temp_root) == set()
+    assert not os.path.exists(os.path.join(_PROJECT, "hacked.txt"))
