@@ -89,6 +89,31 @@ class SandboxLimits:
     drop_privileges: bool = True  # when running as root: run the code as nobody (65534)
     use_cgroup: bool = True  # False: RLIMIT_NPROC (or, as root keeping root, the watchdog alone) caps processes
     poll_seconds: float = 0.01
+    # "require": what the fields above ask for must be in force, else SandboxUnavailable before the code runs;
+    # "best_effort": fall back and report it (filesystem, pid_namespace, memory_limit, network_mode). The default
+    # comes from HYLIGHT_SANDBOX_CONTAINMENT (unset: require), so a pipeline run opts in from its environment
+    containment: Literal["require", "best_effort"] = field(default_factory=lambda: _default_containment())
+
+
+CONTAINMENT_ENV = "HYLIGHT_SANDBOX_CONTAINMENT"
+
+
+def _default_containment() -> Literal["require", "best_effort"]:
+    value = os.environ.get(CONTAINMENT_ENV, "require")
+    if value not in ("require", "best_effort"):
+        raise ValueError(f"{CONTAINMENT_ENV}={value!r}: use require (the default) or best_effort")
+    return value  # type: ignore[return-value]
+
+
+class SandboxUnavailable(RuntimeError):
+    """The containment asked for cannot be set up here; the message names what is missing and the opt-out."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(
+            "sandbox: refusing to run untrusted code without " + "; ".join(missing) + ". Run as root on a Linux "
+            "machine that has them, or accept weaker containment explicitly with "
+            f"{CONTAINMENT_ENV}=best_effort (each check's reason then names what was in force)")
+        self.missing = missing
 
 
 @dataclass
@@ -402,9 +427,19 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
     if process_limit == "rlimit":  # RLIMIT_NPROC counts every process of the uid, not of this run
         nproc = lim.max_processes + (0 if drop_uid is not None else _user_process_count(os.getuid()))
     memory = _MemoryCgroup(lim.memory_bytes if lim.use_cgroup else None)
+    missing = [what for asked, have, what in (
+        (lim.use_cgroup, cgroup.dir, "a writable pids cgroup (v1 /sys/fs/cgroup/pids, or v2 with the pids controller)"),
+        (lim.use_cgroup, memory.dir, "a writable memory cgroup (v1 /sys/fs/cgroup/memory)"),
+        (lim.private_filesystem, root, "root (for the mount and PID namespaces)")) if asked and not have]
+    if missing and lim.containment == "require":
+        cgroup.remove()
+        memory.remove()
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise SandboxUnavailable(missing)
     job = {"code": code, "expressions": [c.expression for c in cases], "network": lim.network,
            "cgroup_procs": [f for f in (cgroup.procs_file, memory.procs_file) if f],
            "private_filesystem": lim.private_filesystem, "tmp_bytes": lim.tmp_bytes, "hide": _hidden_paths(lim),
+           "require": lim.containment == "require",
            "drop_to_uid": drop_uid, "nproc": nproc,
            "limits": {"memory_bytes": lim.memory_bytes, "cpu_seconds": max(1, int(lim.cpu_seconds)),
                       "file_bytes": lim.file_bytes, "open_files": lim.open_files}}
@@ -454,6 +489,9 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
     memory.remove()
     events = [_parse(line) for line in results.text().splitlines()]
     shutil.rmtree(workdir, ignore_errors=True)
+    refused = next((e for e in events if e.get("event") == "refused"), None)
+    if refused is not None:  # the child could not set up what was asked, and did not run the code
+        raise SandboxUnavailable([str(m) for m in refused.get("missing", [])] or ["the requested containment"])
     return _result(events, cases, proc.returncode, stopped, out, err, lim, process_limit, wall, peak, leftover,
                    "cgroup" if memory.dir else "rlimit")
 

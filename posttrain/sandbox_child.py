@@ -157,6 +157,14 @@ def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
     if job["nproc"] is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
+    if job["require"]:  # refuse before the code runs, rather than run it with less than was asked
+        missing = [what for asked, have, what in (
+            (job["network"] == "namespace", network != "guard", "a network namespace"),
+            (job["private_filesystem"], filesystem == "private", "a mount namespace"),
+            (job["private_filesystem"], pid_namespace, "a PID namespace")) if asked and not have]
+        if missing:
+            _emit(fd, {"event": "refused", "missing": missing})
+            return
     _emit(fd, {"event": "start", "network": network, "uid": os.geteuid(), "filesystem": filesystem,
                "pid_namespace": pid_namespace})
     ns = {"__name__": "__main__", "__builtins__": __builtins__}

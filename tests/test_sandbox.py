@@ -322,3 +322,31 @@ def test_reward_hacking_responses_score_zero_and_leave_nothing_behind(code, own_
     assert (res.correct, res.score) == (False, 0.0), res
     assert _sandbox_processes(own_temp_root) == set()
     assert not os.path.exists(os.path.join(_PROJECT, "hacked.txt"))
+
+
+def test_missing_containment_is_refused_by_name_unless_weaker_is_accepted(monkeypatch, own_temp_root):
+    """A machine without a writable memory cgroup (simulated: the cgroup is not created) or without root: the run
+    is refused before any code runs, naming what is missing; HYLIGHT_SANDBOX_CONTAINMENT=best_effort accepts it."""
+    from posttrain import sandbox
+
+    class Unwritable(sandbox._MemoryCgroup):
+        def __init__(self, limit):
+            super().__init__(None)
+
+    monkeypatch.setattr(sandbox, "_MemoryCgroup", Unwritable)
+    marker = own_temp_root / "ran"
+    code = f"open({str(marker)!r}, 'w').write('x')\n" + SQUARE
+    with pytest.raises(sandbox.SandboxUnavailable, match="memory cgroup.*HYLIGHT_SANDBOX_CONTAINMENT=best_effort"):
+        run_python(code, SQUARE_TESTS, SandboxLimits(private_filesystem=False))
+    assert not marker.exists() and _sandbox_processes(own_temp_root) == set()
+    monkeypatch.setenv(sandbox.CONTAINMENT_ENV, "best_effort")
+    r = run_python(SQUARE, SQUARE_TESTS)
+    assert (r.status, r.tests_passed, r.memory_limit) == ("ok", 3, "rlimit")
+    monkeypatch.setenv(sandbox.CONTAINMENT_ENV, "require")
+    monkeypatch.setattr(sandbox, "_MemoryCgroup", sandbox._MemoryCgroup.__mro__[1])
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"root \(for the mount and PID namespaces\)"):
+        run_python(SQUARE, SQUARE_TESTS)
+    monkeypatch.setenv(sandbox.CONTAINMENT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="HYLIGHT_SANDBOX_CONTAINMENT='sometimes'"):
+        SandboxLimits()
