@@ -103,6 +103,12 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         json.dump(obj, f, indent=2, default=str)  # insertion order: summaries read in the order logged
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` (UTF-8) under a temporary name, fsynced, then renamed: a report is whole or absent after a crash."""
+    with _atomic_file(path, "w") as f:
+        f.write(text)
+
+
 def write_jsonl_atomic(path: Path, rows: Iterable[Any]) -> None:
     """One JSON object a line (keys sorted, UTF-8 kept), under a temporary name, fsynced, then renamed."""
     with _atomic_file(path, "w") as f:

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from pipeline.artifacts import write_jsonl_atomic
+from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from posttrain.policy import CHECKPOINT_EVERY_HELP
 from posttrain.prompts import PROMPTS_TYPE, read_pool, split_group
@@ -435,9 +435,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
               "train_seconds": round(train_seconds, 2), "stage_seconds": round(seconds, 2),
               "notes": {"eval_preference_accuracy": "held-out pairs whose implicit reward beta*(log pi - log pi_ref) "
                                                     "is higher for chosen; ties 1/2 (0.5 at step 0, pi = pi_ref)"}}
-    tmp_report = ctx.out_dir / f".{REPORT_FILE}.tmp"
-    tmp_report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_report, ctx.out_dir / REPORT_FILE)
+    write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "dpo")
     ctx.progress(f"held-out preference accuracy {acc0:.3f} -> {acc1:.3f}, pass rate {pass_before:.3f} -> "
                  f"{pass_after:.3f}, {steps} steps in {train_seconds:.1f} s; stage {seconds:.1f} s")

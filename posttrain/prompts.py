@@ -43,7 +43,6 @@ import hashlib
 import heapq
 import json
 import math
-import os
 import re
 import time
 from collections import Counter
@@ -57,7 +56,7 @@ from pydantic import Field, field_validator, model_validator
 
 from data.documents import ANY_DOCUMENTS, iter_documents, unit_hash
 from data.minhash import jaccard, ngram_hashes
-from pipeline.artifacts import write_jsonl_atomic
+from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from pipeline.user_jsonl import iter_checked_jsonl, jsonl_file_problems
 from posttrain.sandbox import parse_tests
@@ -515,9 +514,7 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
                              "sft+rl+eval": partition, "dpo_subset_of_sft": True},
               "documents_sampled": {"retrieval": len(passages), "open_ended": len(open_docs)},
               "seconds": round(time.monotonic() - start, 2)}
-    tmp = ctx.out_dir / f".{REPORT_FILE}.tmp"
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, ctx.out_dir / REPORT_FILE)
+    write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "prompts")
     ctx.progress(f"{n_in} prompts in, {n_kept} kept ({dict(reasons)} dropped): " +
                  ", ".join(f"{p} {len(r)}" for p, r in pools.items()))

@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from data.documents import ANY_DOCUMENTS
-from pipeline.artifacts import write_jsonl_atomic
+from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
@@ -316,9 +316,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
                         "eval_preference_accuracy_untrained": "the same before training (pretrained backbone, "
                                                               "random score head)",
                         "eval_preference_accuracy_longer_wins": "trivial baseline: the longer response (tokens) wins"}}
-    tmp_report = ctx.out_dir / f".{REPORT_FILE}.tmp"
-    tmp_report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_report, ctx.out_dir / REPORT_FILE)
+    write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "reward_model")
     ctx.progress(f"held-out preference accuracy {after:.3f} (untrained {before:.3f}, longer-wins baseline "
                  f"{acc['eval_preference_accuracy_longer_wins']:.3f}) on {len(heldout[0])} pairs; {seconds:.1f} s")

@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from pipeline.artifacts import write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from posttrain.grpo import GENERATION_THROUGHPUT_METRIC, INTERFACE_METRICS
 from posttrain.policy import CHECKPOINT_EVERY_HELP
@@ -190,9 +191,7 @@ def resolve_selection(records: Sequence[dict[str, Any]], pass_rates: Sequence[fl
 
 # --- the stage ----------------------------------------------------------------------------------------------------
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
 
 
 def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None:

@@ -58,7 +58,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from data.documents import unit_hash
-from pipeline.artifacts import write_jsonl_atomic
+from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
@@ -523,9 +523,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                            "seconds": round(train_seconds, 2)},
               "stage_seconds": round(seconds, 2),
               "embeddings": "mean-pooled last hidden state of the policy itself (no separate encoder)"}
-    tmp_report = ctx.out_dir / f".{REPORT_FILE}.tmp"
-    tmp_report.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_report, ctx.out_dir / REPORT_FILE)
+    write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "sft")
     ctx.progress(f"done in {seconds:.1f} s: {steps} steps, loss {final_loss:.4f}, eval_pass_rate {before:.3f} -> "
                  f"{after:.3f}")

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
+from pipeline.artifacts import write_text_atomic
 from pipeline.stage import Artifact, InputSpec, StageContext, StageKind, StageParams, metric_key
 from pretrain.eval_metrics import min_samples_for_accuracy_difference, min_samples_for_mean_difference
 from pretrain.evaluation import EVAL_REPORT_TYPE, REPORT_FILE, _write_json
@@ -326,9 +326,7 @@ def render_markdown(variants: list[Variant], table: list[tuple[str, str, list[An
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 def _plot(ctx: StageContext, variants: list[Variant]) -> Path:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
-from pipeline.artifacts import write_jsonl_atomic
+from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from pipeline.user_jsonl import jsonl_file_problems
 from posttrain.prompts import PROMPTS_TYPE
@@ -502,9 +501,7 @@ def _plots(ctx: StageContext, niah: dict[str, Any], mr: dict[str, Any], loss: di
 
 def _write_json(path: Path, obj: Any) -> None:
     """Strict JSON (an infinite 'items needed' becomes null), written under a temporary name and renamed."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
 
 
 def _finite(o: Any) -> Any:

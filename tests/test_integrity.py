@@ -389,3 +389,21 @@ def test_errors_that_are_not_a_full_disk_pass_through_unchanged(tmp_path):
     with pytest.raises(FileNotFoundError):  # not wrapped: the stage's own error reaches the user as it was
         execute_stage(_task(tmp_path, key, file="no/such/dir/x.bin"))
     _assert_nothing_accepted(tmp_path, key)
+
+
+def test_a_report_write_that_fails_keeps_the_old_report_whole_and_names_it(tmp_path, monkeypatch):
+    """Stage reports go through write_text_atomic (fsynced temp file, then rename): a failure at the fsync (a full
+    disk shows up there on many filesystems) leaves the previous report as it was, no temp file, and the path named."""
+    from pipeline import artifacts
+
+    report = tmp_path / "report.json"
+    artifacts.write_text_atomic(report, '{"old": 1}\n')
+    assert report.read_text() == '{"old": 1}\n' and os.listdir(tmp_path) == ["report.json"]
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(artifacts.os, "fsync", full)
+    with pytest.raises(OSError, match="report.json"):
+        artifacts.write_text_atomic(report, '{"new": 2}\n')
+    assert report.read_text() == '{"old": 1}\n' and os.listdir(tmp_path) == ["report.json"]
