@@ -43,7 +43,7 @@ from deepspeed.moe.experts import Experts
 from deepspeed.moe.layer import MoE
 from torch import nn
 
-from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss, slots_per_expert
+from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss, slot_positions, slots_per_expert
 
 
 class GroupedSwiGLUExperts(nn.Module):
@@ -204,10 +204,7 @@ class DeepSpeedMoEFeedForward(MoE):
         routed = counts[:E]
 
         if self.training and self.token_drop:
-            order = torch.sort(key, stable=True).indices
-            starts = counts.cumsum(0) - counts
-            pos = torch.empty_like(key)
-            pos[order] = torch.arange(key.numel(), device=x.device) - starts[key[order]]
+            pos = slot_positions(key, counts)
             offset, capacity = self._capacity(routed, n if mask is None else mask.sum())
             if isinstance(offset, torch.Tensor):
                 pos = pos + offset[slot_expert]

@@ -118,6 +118,24 @@ def test_padding_neither_consumes_capacity_nor_counts():
     assert keep.tolist() == [[True, True], [True, True], [False, False]]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_capacity_admission_is_rank_major_first_come_against_a_reference(seed):
+    """The sort-based admission keeps exactly the slots GShard's order keeps: all first choices before any second,
+    token order within a choice rank, padding competing for nothing (reference: a Python loop)."""
+    g = torch.Generator().manual_seed(seed)
+    n, k, e = 37, 2, 5
+    top_i = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    valid = (torch.rand(n, generator=g) > 0.2)[:, None].expand(n, k)
+    capacity = int(torch.randint(1, 12, (1,), generator=g))
+    used, want = [0] * e, torch.zeros(n, k, dtype=torch.bool)
+    for rank in range(k):
+        for t in range(n):
+            if valid[t, rank] and used[int(top_i[t, rank])] < capacity:
+                used[int(top_i[t, rank])] += 1
+                want[t, rank] = True
+    assert torch.equal(capacity_keep_mask(top_i, valid, e, capacity), want)
+
+
 def test_model_reports_drops_per_layer_in_training_and_none_in_eval():
     torch.manual_seed(0)
     cfg = config_for(
