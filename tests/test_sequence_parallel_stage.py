@@ -273,6 +273,7 @@ LONG_PHASE = dict(phases=[dict(seq_len=256, rope_theta=20_000.0, tokens=2048, sh
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # multi-minute, run with -m extended: CI holds its 25 minutes (pyproject.toml)
 def test_long_context_phase_split_over_two_ranks_trains_like_one_rank(pretrained, tmp_path: Path) -> None:  # noqa: ANN001
     from pipeline.stage import Resources, StageContext
     from pretrain.long_context import LongContextParams, run
@@ -293,6 +294,7 @@ def test_long_context_phase_split_over_two_ranks_trains_like_one_rank(pretrained
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # multi-minute, run with -m extended: CI holds its 25 minutes (pyproject.toml)
 def test_sequence_parallel_run_resumed_from_a_checkpoint_ends_like_the_uninterrupted_one(
         runs, stage_inputs, tmp_path: Path) -> None:  # noqa: ANN001
     """processes 2, sequence_parallel 2, checkpoints every 2 steps (the shared run); a copy of its checkpoints rewound
