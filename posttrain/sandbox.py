@@ -231,26 +231,32 @@ def _proc_ids(sid: int) -> list[int]:
     return found
 
 
-class _PidsCgroup:
-    """A per-run pids cgroup (v1 ``pids`` hierarchy or a v2 directory with the pids controller), if writable."""
+class _RunCgroup:
+    """A per-run cgroup directory, if one could be made and configured: what the run joins (``procs_file``),
+    lists (``pids``), counts a limit event in (``hit_limit``) and removes."""
 
-    def __init__(self, limit: int | None) -> None:
+    EVENTS = ("", "")  # (file, key) whose nonzero count means the limit acted
+
+    def __init__(self) -> None:
         self.dir: Path | None = None
-        for root in _CGROUP_ROOTS if limit is not None else ():
-            if not (root / "pids.max").exists() and not (root / "cgroup.procs").exists():
-                continue
-            if root == Path("/sys/fs/cgroup") and "pids" not in _read(root / "cgroup.subtree_control"):
-                continue
-            d = root / f"hylight-sandbox-{uuid.uuid4().hex[:12]}"
-            try:
-                d.mkdir()
-                (d / "pids.max").write_text(str(limit))
-            except OSError:
-                if d.exists():
-                    _rmdir_quiet(d)
-                continue
-            self.dir = d
-            return
+
+    def _make(self, parent: Path, settings: dict[str, int], optional: dict[str, int] | None = None) -> bool:
+        """Create a run directory under ``parent`` and write ``settings`` (and those ``optional`` files the kernel
+        offers); False, with nothing left behind, if it refuses."""
+        d = parent / f"hylight-sandbox-{uuid.uuid4().hex[:12]}"
+        try:
+            d.mkdir()
+            for name, value in settings.items():
+                (d / name).write_text(str(value))
+            for name, value in (optional or {}).items():
+                if (d / name).exists():
+                    (d / name).write_text(str(value))
+        except OSError:
+            if d.exists():
+                _rmdir_quiet(d)
+            return False
+        self.dir = d
+        return True
 
     @property
     def procs_file(self) -> str | None:
@@ -260,18 +266,35 @@ class _PidsCgroup:
         return [p for p in map(int, _read(self.dir / "cgroup.procs").split()) if _alive(p)] if self.dir else []
 
     def hit_limit(self) -> bool:
-        """A fork was refused by the cap (v1 and v2 both count them as ``max N`` in pids.events)."""
         if not self.dir:
             return False
-        for line in _read(self.dir / "pids.events").splitlines():
+        file, want = self.EVENTS
+        for line in _read(self.dir / file).splitlines():
             key, _, n = line.partition(" ")
-            if key == "max" and n.strip() not in ("", "0"):
+            if key == want and n.strip() not in ("", "0"):
                 return True
         return False
 
     def remove(self) -> None:
         if self.dir:
             _rmdir_quiet(self.dir)
+
+
+class _PidsCgroup(_RunCgroup):
+    """A per-run pids cgroup (v1 ``pids`` hierarchy or a v2 directory with the pids controller), if writable.
+    ``hit_limit``: a fork was refused by the cap (v1 and v2 both count them as ``max N`` in pids.events)."""
+
+    EVENTS = ("pids.events", "max")
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        for root in _CGROUP_ROOTS if limit is not None else ():
+            if not (root / "pids.max").exists() and not (root / "cgroup.procs").exists():
+                continue
+            if root == Path("/sys/fs/cgroup") and "pids" not in _read(root / "cgroup.subtree_control"):
+                continue
+            if self._make(root, {"pids.max": limit}):
+                return
 
 
 def _read(path: Path) -> str:
@@ -292,49 +315,22 @@ def _rmdir_quiet(d: Path) -> None:
             time.sleep(0.01)
 
 
-class _MemoryCgroup:
+class _MemoryCgroup(_RunCgroup):
     """A per-run memory cgroup (v1 ``memory`` hierarchy, under this process's own) capping the whole run's memory,
-    tmpfs pages included, if writable. RLIMIT_AS alone caps each process, so N processes could hold N times it."""
+    tmpfs pages included, if writable. RLIMIT_AS alone caps each process, so N processes could hold N times it.
+    ``hit_limit``: the OOM killer acted in the run (``oom_kill N`` in memory.oom_control)."""
+
+    EVENTS = ("memory.oom_control", "oom_kill")
 
     def __init__(self, limit: int | None) -> None:
-        self.dir: Path | None = None
+        super().__init__()
         root = Path("/sys/fs/cgroup/memory")
         if limit is None or not (root / "memory.limit_in_bytes").exists():
             return
         own = next((line.split(":", 2)[2] for line in _read(Path("/proc/self/cgroup")).splitlines()
                     if line.split(":", 2)[1:2] == ["memory"]), "/")
-        d = root / own.lstrip("/") / f"hylight-sandbox-{uuid.uuid4().hex[:12]}"
-        try:
-            d.mkdir()
-            (d / "memory.limit_in_bytes").write_text(str(limit))
-            if (d / "memory.memsw.limit_in_bytes").exists():  # swap too, where accounted: not a way around it
-                (d / "memory.memsw.limit_in_bytes").write_text(str(limit))
-        except OSError:
-            if d.exists():
-                _rmdir_quiet(d)
-            return
-        self.dir = d
-
-    @property
-    def procs_file(self) -> str | None:
-        return str(self.dir / "cgroup.procs") if self.dir else None
-
-    def pids(self) -> list[int]:
-        return [p for p in map(int, _read(self.dir / "cgroup.procs").split()) if _alive(p)] if self.dir else []
-
-    def hit_limit(self) -> bool:
-        """The OOM killer acted in the run (``oom_kill N`` in memory.oom_control)."""
-        if not self.dir:
-            return False
-        for line in _read(self.dir / "memory.oom_control").splitlines():
-            key, _, n = line.partition(" ")
-            if key == "oom_kill" and n.strip() not in ("", "0"):
-                return True
-        return False
-
-    def remove(self) -> None:
-        if self.dir:
-            _rmdir_quiet(self.dir)
+        # swap too, where it is accounted (memsw): not a way around the limit
+        self._make(root / own.lstrip("/"), {"memory.limit_in_bytes": limit}, {"memory.memsw.limit_in_bytes": limit})
 
 
 def _hidden_paths(lim: SandboxLimits) -> list[str]:
