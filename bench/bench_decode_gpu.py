@@ -195,7 +195,9 @@ def section_table(model, theirs, device: torch.device, workloads: list[tuple[int
         # the slow loops get fewer new tokens where they would take minutes; tok/s is per generated token
         slow_new = min(new, slow_new_cap)
         t_old, _ = timed(lambda: ours(slow_new, False), device, 1)
-        row = {"kind": "table", "compile": os.environ.get("HYLIGHT_DECODE_COMPILE", "1") != "0", "batch": batch, "prompt": prompt, "new": new, "hylight_tok_s": batch * new / t_fast,
+        row = {"kind": "table", "compile": use_compile(device),
+               "stacked_projections": os.environ.get("HYLIGHT_DECODE_STACKED", "1") != "0",
+               "router_reduction": os.environ.get("HYLIGHT_DECODE_ROUTER_REDUCE", "1") != "0", "batch": batch, "prompt": prompt, "new": new, "hylight_tok_s": batch * new / t_fast,
                "hylight_decode_tok_s": batch * (new - 1) / st.decode_seconds, "prefill_s": st.prefill_seconds,
                "cuda_graph": st.cuda_graph, "hylight_hf_loop_tok_s": batch * slow_new / t_old, "slow_new": slow_new}
         if theirs is not None:
@@ -247,48 +249,79 @@ def section_profile(model, device: torch.device, batch: int, prompt: int, compil
         engine.decode(steps)  # the same steps without the profiler
         sync(device)
         step_ms = (time.perf_counter() - t0) / steps * 1e3
-    busy, top, evs = None, [], []
+        prompts = list(ids)
+        engine.prefill(prompts)  # warm: this shape's kernels compiled and tuned
+        sync(device)
+        t0 = time.perf_counter()
+        engine.prefill(prompts)
+        sync(device)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        with profile(activities=acts) as pprof:
+            engine.prefill(prompts)
+            sync(device)
+    profile_prefill(pprof, device, batch, prompt, prefill_ms)
+    busy, top, launches = None, [], None
     if OUT:
         (OUT / f"profile_b{batch}.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total"
                                                                             if device.type == "cuda" else
                                                                             "self_cpu_time_total", row_limit=60))
     if device.type == "cuda":
-        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        intervals = sorted((e.time_range.start, e.time_range.end) for e in evs)
-        covered, end = 0.0, -1.0
-        for s, e in intervals:  # union of kernel intervals (us)
-            if e > end:
-                covered += e - max(s, end)
-                end = e
-        span = (intervals[-1][1] - intervals[0][0]) if intervals else 0
-        busy = covered / span if span else None
-        by = {}
-        for e in evs:
-            by.setdefault(e.name, [0, 0.0])
-            by[e.name][0] += 1
-            by[e.name][1] += e.time_range.end - e.time_range.start
-        top = sorted(((n[:80], c // steps, t / steps) for n, (c, t) in by.items()), key=lambda r: -r[2])[:12]
-    launches = len(evs) / steps if device.type == "cuda" else None
+        top, busy, n = kernel_summary(prof, steps)
+        launches = n / steps
     emit({"kind": "profile", "batch": batch, "prompt": prompt, "compile": compile, "kernels_per_step": launches,
           "step_ms": step_ms, "profiled_wall_ms_per_step": wall / steps * 1e3, "gpu_busy_share": busy,
-          "top_kernels_per_step_us": [[n, c, round(t, 1)] for n, c, t in top]})
+          "top_kernels_per_step_us": top})
+
+
+def kernel_summary(prof, steps: int = 1) -> tuple[list, float | None, int]:
+    """(top kernels [name, count, us] per step, GPU busy share of the kernels' span, kernels) of a CUDA profile."""
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in evs)
+    covered, end = 0.0, -1.0
+    for s, e in intervals:  # union of kernel intervals (us)
+        if e > end:
+            covered += e - max(s, end)
+            end = e
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 0
+    by = {}
+    for e in evs:
+        by.setdefault(e.name, [0, 0.0])
+        by[e.name][0] += 1
+        by[e.name][1] += e.time_range.end - e.time_range.start
+    top = sorted(([n[:80], c // steps, round(t / steps, 1)] for n, (c, t) in by.items()), key=lambda r: -r[2])[:12]
+    return top, (covered / span if span else None), len(evs)
+
+
+def profile_prefill(prof, device: torch.device, batch: int, prompt: int, prefill_ms: float) -> None:
+    """Where a packed prefill's time goes: its kernels, the GPU's busy share, and the host ops that cost most."""
+    if OUT:
+        (OUT / f"profile_prefill_b{batch}.txt").write_text(prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=60))
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    row = {"kind": "profile_prefill", "batch": batch, "prompt": prompt, "prefill_ms": prefill_ms,
+           "top_host_ops_us": [[e.key[:60], e.count, round(e.self_cpu_time_total, 1)] for e in host]}
+    if device.type == "cuda":
+        top, busy, n = kernel_summary(prof)
+        row |= {"kernels": n, "gpu_busy_share": busy, "top_kernels_us": top}
+    emit(row)
 
 
 def print_tables() -> None:
     if not OUT or not (OUT / "decode.jsonl").exists():
         return
     rows = [json.loads(line) for line in (OUT / "decode.jsonl").read_text().splitlines()]
-    print("\n| batch x (prompt + new) | hylight tok/s | decode-only tok/s | hylight via HF loop | MiniMax HF | "
+    print("\n| variant | batch x (prompt + new) | hylight tok/s | decode-only tok/s | hylight via HF loop | MiniMax HF | "
           "speedup vs MiniMax | bound tok/s | share of bound |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["kind"] == "table":
-            print(f"| {r['batch']} x ({r['prompt']} + {r['new']}) | {r['hylight_tok_s']:,.0f} | "
+            variant = ",".join(k for k in ("compile", "stacked_projections", "router_reduction") if r.get(k)) or "-"
+            print(f"| {variant} | {r['batch']} x ({r['prompt']} + {r['new']}) | {r['hylight_tok_s']:,.0f} | "
                   f"{r['hylight_decode_tok_s']:,.0f} | {r['hylight_hf_loop_tok_s']:,.0f} | "
                   f"{r.get('minimax_hf_tok_s', float('nan')):,.0f} | {r.get('speedup_vs_minimax_hf', float('nan')):.2f}x"
                   f" | {r.get('bound_tok_s', float('nan')):,.0f} | {r.get('share_of_bound', float('nan')):.2f} |")
     for r in rows:
-        if r["kind"] in ("check", "profile", "longctx", "env"):
+        if r["kind"] in ("check", "profile", "profile_prefill", "longctx", "env"):
             print(json.dumps(r))
 
 

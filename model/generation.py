@@ -168,6 +168,11 @@ class DecodeEngine:
         self.spec, self.batch, self.capacity = spec, batch, capacity
         self.device = param.device
         self.cache = StaticHybridCache(model.config, batch, capacity, self.device, param.dtype)
+        # one matrix-vector product per attention layer for its input projections (HYLIGHT_DECODE_STACKED=0: the
+        # layers' own two or three, for comparison)
+        self.stacked = os.environ.get("HYLIGHT_DECODE_STACKED", "1") != "0"
+        if self.stacked:
+            self.cache.load_decode_projections(model)
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.out = torch.full((batch, capacity), spec.pad, dtype=torch.long, device=self.device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -235,6 +240,8 @@ class DecodeEngine:
     def prefill(self, prompts: list[torch.Tensor]) -> None:
         """Pack the prompts (1-D token tensors, each >= 1 token) along one row, fill the cache, choose token 0."""
         copies, lengths = self.spec.copies, [int(p.numel()) for p in prompts]
+        if self.stacked:  # the weights as they are now (a policy trains between calls)
+            self.cache.load_decode_projections(self.model)
         self.cache.begin_prefill(lengths, copies)
         ends = torch.tensor(lengths).cumsum(0)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)  # host bounds: no device read

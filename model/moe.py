@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,19 @@ def top_k_by_argmax(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     return probs.gather(-1, top_i), top_i
 
 
+# A compiled step with at most this many tokens (a small decode batch) computes the router logits as a reduction
+# torch.compile generates (one small Triton kernel), not a cuBLAS matrix-vector product: for E = 8 rows of the gate
+# the product's launch and latency (~3.7 us on an H100, 16 a step for gpu-300m) is most of its cost.
+REDUCE_ROUTER_MAX_TOKENS = 4 if os.environ.get("HYLIGHT_DECODE_ROUTER_REDUCE", "1") != "0" else 0
+
+
+def router_logits_by_reduction(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, d] @ weight[E, d]^T as a multiply and a sum in fp32 or wider (what a GEMM accumulates in), rounded to
+    x's dtype as the GEMM's output is."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return (x[:, None, :].to(acc) * weight.to(acc)).sum(-1).to(x.dtype)
+
+
 class TopKRouter(nn.Module):
     """Linear gate W_g and the top-k selection of eq. 1."""
 
@@ -66,7 +80,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, d] -> logits [N, E], probs [N, E] (fp32 or wider), top-k weights [N, k] (sum 1), indices."""
-        logits = F.linear(x, self.weight)
+        if x.shape[0] <= REDUCE_ROUTER_MAX_TOKENS and torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            logits = router_logits_by_reduction(x, self.weight)
+        else:
+            logits = F.linear(x, self.weight)
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         if torch.is_grad_enabled() or self.top_k > 4:
             top_w, top_i = torch.topk(probs, self.top_k, dim=-1)

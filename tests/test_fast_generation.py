@@ -274,3 +274,84 @@ def test_generated_ids_can_feed_a_training_forward():
 
 def test_batches_are_bucketed_to_powers_of_two():
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 32, 33, 256)] == [1, 2, 4, 8, 32, 64, 256]
+
+
+def test_a_decode_step_reads_each_layers_projections_as_one_product_with_the_same_logits(monkeypatch):
+    """The stacked projections (one matrix-vector product per attention layer) give the layers' own logits, and the
+    step really reads them: a zeroed stack changes the logits."""
+    model = _model("hybrid", dtype=torch.float64)
+    prompts = [torch.randint(3, 512, (n,)) for n in (9, 4, 13)]
+    spec = GenerationSpec(max_new_tokens=8, pad=PAD)
+    logits = {}
+    for stacked in ("1", "0"):
+        monkeypatch.setenv("HYLIGHT_DECODE_STACKED", stacked)
+        with torch.inference_mode():
+            engine = DecodeEngine(model, 4, 32, spec, cuda_graph=False)
+            assert bool(engine.cache.decode_proj) == (stacked == "1")
+            engine.prefill(prompts)
+            logits[stacked] = engine._logits()
+    assert set(engine.cache.decode_proj) == set() and len(logits) == 2
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-10, atol=1e-10)
+    monkeypatch.setenv("HYLIGHT_DECODE_STACKED", "1")
+    with torch.inference_mode():
+        engine = DecodeEngine(model, 4, 32, spec, cuda_graph=False)
+        engine.prefill(prompts)
+        for w in engine.cache.decode_proj.values():
+            w.zero_()
+        assert not torch.allclose(engine._logits(), logits["0"])
+
+
+def test_a_model_trained_between_calls_decodes_with_its_new_weights():
+    """The stacked projections are copies: each call reloads them, so a policy updated in place between two
+    generate calls (GRPO, rejection sampling rounds) decodes with its new weights, as a fresh model would."""
+    model = _model("hybrid")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    ids, mask = _left_padded([7, 3, 5], seed=8)
+    model.generate(input_ids=ids, attention_mask=mask, **kw)  # builds the engine and its stacked weights
+    engine = next(iter(engines_of(model).values()))
+    with torch.no_grad():  # an in-place update of every attention input projection (addresses unchanged)
+        g = torch.Generator().manual_seed(3)
+        for layer in model.model.layers:
+            for w in layer.attn.decode_projection_weights():
+                w.add_(torch.randn(w.shape, generator=g) * 0.5)
+    after = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert next(iter(engines_of(model).values())) is engine  # the same engine served the second call
+    fresh = copy.deepcopy(model)
+    assert torch.equal(after, fresh.generate(input_ids=ids, attention_mask=mask, fast_decode=False, **kw))
+
+
+def test_the_small_batch_router_reduction_equals_the_gate_product():
+    from model.moe import router_logits_by_reduction
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(3, 256, generator=g).to(dtype)
+        w = (torch.randn(8, 256, generator=g) / 16).to(dtype)
+        ours = router_logits_by_reduction(x, w)
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours.double(), (x.double() @ w.double().T).to(dtype).double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tokens, reduced", [(1, True), (4, True), (8, False)])
+def test_a_compiled_small_batch_step_routes_without_a_gemm(tokens, reduced):
+    """Under torch.compile, no gradients and <= 4 tokens (a decode step), the router's logits are a reduction the
+    compiler fuses, not a matrix product; the same logits and choices either way."""
+    from model.moe import TopKRouter
+
+    router = TopKRouter(64, 8, 2)
+    torch.nn.init.normal_(router.weight, std=0.1)
+    x = torch.randn(tokens, 64)
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    with torch.no_grad():
+        ref = router(x)
+        torch._dynamo.reset()
+        ours = torch.compile(router, backend=record, fullgraph=True)(x)
+    products = {t for t in graphs[0] if "linear" in t or "matmul" in t or ".mm" in t}
+    assert bool(products) != reduced, graphs[0]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
