@@ -113,7 +113,10 @@ class SandboxUnavailable(RuntimeError):
             "sandbox: refusing to run untrusted code without " + "; ".join(missing) + ". Run as root on a Linux "
             "machine that has them, or accept weaker containment explicitly with "
             f"{CONTAINMENT_ENV}=best_effort (each check's reason then names what was in force)")
-        self.missing = missing
+        self.missing = list(missing)
+
+    def __reduce__(self):  # rebuilt from the list, not the message (a Ray worker's error reaches the driver pickled)
+        return type(self), (self.missing,)
 
 
 @dataclass
@@ -316,21 +319,48 @@ def _rmdir_quiet(d: Path) -> None:
 
 
 class _MemoryCgroup(_RunCgroup):
-    """A per-run memory cgroup (v1 ``memory`` hierarchy, under this process's own) capping the whole run's memory,
-    tmpfs pages included, if writable. RLIMIT_AS alone caps each process, so N processes could hold N times it.
-    ``hit_limit``: the OOM killer acted in the run (``oom_kill N`` in memory.oom_control)."""
+    """A per-run memory limit for the whole run, tmpfs pages included, if the kernel lets this process set one.
+    RLIMIT_AS alone caps each process, so N processes could hold N times it.
+
+    - cgroup v1: a run directory in the ``memory`` hierarchy, under this process's own; ``hit_limit``: ``oom_kill N``
+      in memory.oom_control.
+    - cgroup v2 (one unified tree; a process belongs to one directory of it): ``memory.max`` on the run's pids
+      directory (``shared``: joined and removed once, as the pids cgroup), swap off there (``memory.swap.max`` 0)
+      so swap is no way around it; ``hit_limit``: ``oom_kill N`` in memory.events."""
 
     EVENTS = ("memory.oom_control", "oom_kill")
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(self, limit: int | None, pids: _PidsCgroup | None = None) -> None:
         super().__init__()
-        root = Path("/sys/fs/cgroup/memory")
-        if limit is None or not (root / "memory.limit_in_bytes").exists():
+        self.shared = False
+        if limit is None:
             return
-        own = next((line.split(":", 2)[2] for line in _read(Path("/proc/self/cgroup")).splitlines()
-                    if line.split(":", 2)[1:2] == ["memory"]), "/")
-        # swap too, where it is accounted (memsw): not a way around the limit
-        self._make(root / own.lstrip("/"), {"memory.limit_in_bytes": limit}, {"memory.memsw.limit_in_bytes": limit})
+        root = Path("/sys/fs/cgroup/memory")
+        if (root / "memory.limit_in_bytes").exists():
+            own = next((line.split(":", 2)[2] for line in _read(Path("/proc/self/cgroup")).splitlines()
+                        if line.split(":", 2)[1:2] == ["memory"]), "/")
+            # swap too, where it is accounted (memsw): not a way around the limit
+            self._make(root / own.lstrip("/"), {"memory.limit_in_bytes": limit},
+                       {"memory.memsw.limit_in_bytes": limit})
+            return
+        unified = pids.dir if pids is not None else None
+        if unified is None or not (unified / "memory.max").exists():
+            return  # no v2 memory controller delegated to the run's directory
+        try:
+            (unified / "memory.max").write_text(str(limit))
+            if (unified / "memory.swap.max").exists():
+                (unified / "memory.swap.max").write_text("0")
+        except OSError:
+            return
+        self.dir, self.shared, self.EVENTS = unified, True, ("memory.events", "oom_kill")
+
+    @property
+    def procs_file(self) -> str | None:
+        return None if self.shared else super().procs_file  # the pids directory's, joined already
+
+    def remove(self) -> None:
+        if not self.shared:
+            super().remove()
 
 
 def _hidden_paths(lim: SandboxLimits) -> list[str]:
@@ -422,10 +452,10 @@ def run_python(code: str, tests: list[str] | tuple[str, ...] = (), limits: Sandb
     nproc = None
     if process_limit == "rlimit":  # RLIMIT_NPROC counts every process of the uid, not of this run
         nproc = lim.max_processes + (0 if drop_uid is not None else _user_process_count(os.getuid()))
-    memory = _MemoryCgroup(lim.memory_bytes if lim.use_cgroup else None)
+    memory = _MemoryCgroup(lim.memory_bytes if lim.use_cgroup else None, cgroup)
     missing = [what for asked, have, what in (
         (lim.use_cgroup, cgroup.dir, "a writable pids cgroup (v1 /sys/fs/cgroup/pids, or v2 with the pids controller)"),
-        (lim.use_cgroup, memory.dir, "a writable memory cgroup (v1 /sys/fs/cgroup/memory)"),
+        (lim.use_cgroup, memory.dir, "a writable memory cgroup (v1 /sys/fs/cgroup/memory, or v2 with the memory controller)"),
         (lim.private_filesystem, root, "root (for the mount and PID namespaces)")) if asked and not have]
     if missing and lim.containment == "require":
         cgroup.remove()

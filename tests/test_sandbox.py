@@ -330,8 +330,10 @@ def test_missing_containment_is_refused_by_name_unless_weaker_is_accepted(monkey
     is refused before any code runs, naming what is missing; HYLIGHT_SANDBOX_CONTAINMENT=best_effort accepts it."""
     from posttrain import sandbox
 
-    class Unwritable(sandbox._MemoryCgroup):
-        def __init__(self, limit):
+    real = sandbox._MemoryCgroup
+
+    class Unwritable(real):
+        def __init__(self, limit, pids=None):
             super().__init__(None)
 
     monkeypatch.setattr(sandbox, "_MemoryCgroup", Unwritable)
@@ -344,10 +346,24 @@ def test_missing_containment_is_refused_by_name_unless_weaker_is_accepted(monkey
     r = run_python(SQUARE, SQUARE_TESTS)
     assert (r.status, r.tests_passed, r.memory_limit) == ("ok", 3, "rlimit")
     monkeypatch.setenv(sandbox.CONTAINMENT_ENV, "require")
-    monkeypatch.setattr(sandbox, "_MemoryCgroup", sandbox._MemoryCgroup.__mro__[1])
+    monkeypatch.setattr(sandbox, "_MemoryCgroup", real)
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
     with pytest.raises(sandbox.SandboxUnavailable, match=r"root \(for the mount and PID namespaces\)"):
         run_python(SQUARE, SQUARE_TESTS)
     monkeypatch.setenv(sandbox.CONTAINMENT_ENV, "sometimes")
     with pytest.raises(ValueError, match="HYLIGHT_SANDBOX_CONTAINMENT='sometimes'"):
         SandboxLimits()
+
+
+def test_the_refusal_survives_pickling_with_its_message():
+    """A Ray stage's error reaches the driver pickled: the message must come back as written, not re-joined from
+    its own characters (an H100 run printed "s; a; n; d; b; o; x" before __reduce__)."""
+    import pickle
+
+    from posttrain import sandbox
+
+    e = sandbox.SandboxUnavailable(["a writable memory cgroup", "root"])
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is sandbox.SandboxUnavailable
+    assert str(back) == str(e) and back.missing == e.missing
+    assert "without a writable memory cgroup; root." in str(back)
