@@ -51,6 +51,7 @@ from posttrain.policy import CHECKPOINT_EVERY_HELP
 from posttrain.prompts import PROMPTS_TYPE, read_pool, split_group
 from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE, pairwise_accuracy
 from posttrain.rewards import RewardComponents
+from posttrain.sandbox import containment_record, record_sandbox
 from pretrain.stage import CHECKPOINT_TYPE
 
 PAIRS_DIR = "pairs"
@@ -261,6 +262,7 @@ def trainer_class() -> type:
 
 
 def run(params: DPOParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
     start = time.monotonic()
     import torch
     from datasets import Dataset
@@ -435,6 +437,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
               "train_seconds": round(train_seconds, 2), "stage_seconds": round(seconds, 2),
               "notes": {"eval_preference_accuracy": "held-out pairs whose implicit reward beta*(log pi - log pi_ref) "
                                                     "is higher for chosen; ties 1/2 (0.5 at step 0, pi = pi_ref)"}}
+    report["sandbox"] = record_sandbox(ctx)
     write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "dpo")
     ctx.progress(f"held-out preference accuracy {acc0:.3f} -> {acc1:.3f}, pass rate {pass_before:.3f} -> "

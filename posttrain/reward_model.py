@@ -51,6 +51,7 @@ from posttrain.policy import (
 )
 from posttrain.preference_pairs import PreferencePair, build_pairs, chat_messages, pair_file_problems
 from posttrain.prompts import POOLS, PROMPTS_TYPE, read_pool
+from posttrain.sandbox import containment_record, record_sandbox
 from pretrain.stage import CHECKPOINT_TYPE
 
 REWARD_MODEL_TYPE = "reward_model"
@@ -188,6 +189,7 @@ def trainer_class() -> type:
 
 
 def run(params: RewardModelParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
     start = time.monotonic()
     import torch
     from datasets import Dataset
@@ -316,6 +318,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
                         "eval_preference_accuracy_untrained": "the same before training (pretrained backbone, "
                                                               "random score head)",
                         "eval_preference_accuracy_longer_wins": "trivial baseline: the longer response (tokens) wins"}}
+    report["sandbox"] = record_sandbox(ctx)
     write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "reward_model")
     ctx.progress(f"held-out preference accuracy {after:.3f} (untrained {before:.3f}, longer-wins baseline "

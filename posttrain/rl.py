@@ -53,6 +53,7 @@ from posttrain.policy import CHECKPOINT_EVERY_HELP
 from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, read_pool
 from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE
 from posttrain.rewards import RewardHierarchy, RewardWeights
+from posttrain.sandbox import containment_record, record_sandbox
 from pretrain.stage import CHECKPOINT_TYPE
 
 REPORT_FILE = "rl_report.json"
@@ -213,6 +214,7 @@ def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None
 
 
 def run(params: GRPOParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
     start = time.monotonic()
     import torch
 
@@ -374,6 +376,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
                                             "TRL's rollout generate (HylightGRPOTrainer._generate_single_turn)",
             "eval_pass_rate": "greedy responses to the first eval_prompts eval-pool prompts, exact checkers"},
     }
+    report["sandbox"] = record_sandbox(ctx)
     _write_json(ctx.out_dir / REPORT_FILE, report)
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "grpo")
     ctx.progress(f"done in {seconds:.1f} s (selection {selection_seconds:.1f} s, training {train_seconds:.1f} s)")

@@ -42,8 +42,8 @@ included. A memory cgroup caps the whole run's memory, tmpfs pages included: RLI
 
 What a machine without these gets, reported in the same fields rather than refused: not root, or no mount
 namespace, leaves the host's filesystem (``filesystem="shared"``: world-readable files are readable, and
-``/tmp`` writes outlive the run) and process table. No writable memory cgroup (v1 ``memory`` hierarchy) leaves
-RLIMIT_AS per process (``memory_limit="rlimit"``). The "guard" network mode blocks Python's socket module but not
+``/tmp`` writes outlive the run) and process table. No writable memory cgroup (v1 ``memory`` hierarchy, or v2
+with the memory controller) leaves RLIMIT_AS per process (``memory_limit="rlimit"``). The "guard" network mode blocks Python's socket module but not
 libc called through ctypes. ``SandboxLimits(private_filesystem=False, use_cgroup=False, network="guard")`` runs
 those fallbacks on purpose.
 """
@@ -103,6 +103,42 @@ def _default_containment() -> Literal["require", "best_effort"]:
     if value not in ("require", "best_effort"):
         raise ValueError(f"{CONTAINMENT_ENV}={value!r}: use require (the default) or best_effort")
     return value  # type: ignore[return-value]
+
+
+# what this process's runs had since the last containment_record(): field -> values seen, and how many runs
+_SEEN: dict[str, set[str]] = {}
+_RUNS = [0]
+_SEEN_LOCK = threading.Lock()
+_RECORDED = ("filesystem", "pid_namespace", "memory_limit", "process_limit", "network_mode")
+
+
+def containment_record(reset: bool = True) -> dict[str, str]:
+    """The containment the sandbox's runs in this process had since the last call (``reset``): the mode asked for
+    (``HYLIGHT_SANDBOX_CONTAINMENT``), the number of runs, and each recorded field's values across them
+    (``filesystem: "private"``, or ``"private,shared"`` if some ran weaker). Stages that check code put it in their
+    report and their MLflow tags, so a ``best_effort`` run is visible beside the numbers it produced."""
+    with _SEEN_LOCK:
+        out = {"containment": _default_containment(), "runs": str(_RUNS[0])}
+        out |= {f: ",".join(sorted(_SEEN[f])) for f in _RECORDED if f in _SEEN}
+        if reset:
+            _SEEN.clear()
+            _RUNS[0] = 0
+    return out
+
+
+def record_sandbox(ctx) -> dict[str, str]:
+    """End of a stage that checked code: its ``containment_record()`` as MLflow tags (``hylight.sandbox.*``) and
+    returned for the stage's report."""
+    record = containment_record()
+    ctx.set_tags({f"hylight.sandbox.{k}": v for k, v in record.items()})
+    return record
+
+
+def _note_containment(result: SandboxResult) -> None:
+    with _SEEN_LOCK:
+        _RUNS[0] += 1
+        for f in _RECORDED:
+            _SEEN.setdefault(f, set()).add(str(getattr(result, f)).lower())
 
 
 class SandboxUnavailable(RuntimeError):
@@ -583,10 +619,12 @@ def _result(events: list[dict], cases: list[SandboxCase], returncode: int | None
         status, error = "error", f"the sandboxed interpreter ended early (exit code {returncode})"
     else:
         status = "ok"
-    return SandboxResult(
+    result = SandboxResult(
         status=status, tests_total=len(cases), tests_passed=sum(e is None for e in errors), test_errors=errors,
         error=error, stdout=out.text(), stderr_tail=stderr[-2000:], output_truncated=out.truncated or err.truncated,
         network_mode=str(start.get("network", "unknown")), process_limit=process_limit, memory_limit=memory_limit,
         filesystem=str(start.get("filesystem", "shared")), pid_namespace=start.get("pid_namespace") is True,
         uid=start.get("uid"), returncode=returncode, wall_seconds=round(wall, 3), peak_processes=peak,
         leftover_processes=leftover)
+    _note_containment(result)
+    return result

@@ -77,6 +77,7 @@ from posttrain.preference_pairs import chat_messages, reference_response
 from posttrain.prompts import PROMPTS_TYPE, read_pool
 from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE
 from posttrain.rewards import RewardComponents, RewardHierarchy
+from posttrain.sandbox import containment_record, record_sandbox
 from posttrain.verifiable import CHECKERS
 from pretrain.stage import CHECKPOINT_TYPE
 
@@ -398,6 +399,7 @@ def trainer_class() -> type:
 
 
 def run(params: SFTParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
     start = time.monotonic()
     import torch
     from datasets import Dataset
@@ -523,6 +525,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                            "seconds": round(train_seconds, 2)},
               "stage_seconds": round(seconds, 2),
               "embeddings": "mean-pooled last hidden state of the policy itself (no separate encoder)"}
+    report["sandbox"] = record_sandbox(ctx)
     write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "sft")
     ctx.progress(f"done in {seconds:.1f} s: {steps} steps, loss {final_loss:.4f}, eval_pass_rate {before:.3f} -> "

@@ -57,6 +57,7 @@ from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from pipeline.user_jsonl import jsonl_file_problems
 from posttrain.prompts import PROMPTS_TYPE
+from posttrain.sandbox import containment_record, record_sandbox
 from pretrain.eval_metrics import (
     choice_scores,
     min_detectable_accuracy_difference,
@@ -548,6 +549,7 @@ def _pass_rate(checkpoint: Path, params: EvalParams, ctx: StageContext) -> dict[
 
 # --- the stage ----------------------------------------------------------------------------------------------------
 def run(params: EvalParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
     start = time.monotonic()
     checkpoint = ctx.input("checkpoint").path
     held = heldout_documents(checkpoint, ctx.input("mixture").path, ctx.input("documents").path)
@@ -621,6 +623,7 @@ def run(params: EvalParams, ctx: StageContext) -> None:
     report = {"trained_length": T, "context_lengths": lengths, "held_out": held.info, "params": params.model_dump(),
               "metrics": summary, "niah": niah, "copy_probe": copy, "multi_round_niah": mr, "loss_by_position": loss,
               "multiple_choice": mc, "pass_rate": passes}
+    timing["sandbox"] = record_sandbox(ctx)
     _write_json(ctx.out_dir / REPORT_FILE, report)
     _write_json(ctx.out_dir / TIMING_FILE, timing)
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "eval")

@@ -353,5 +353,5 @@ def test_a_compiled_small_batch_step_routes_without_a_gemm(tokens, reduced):
         ours = torch.compile(router, backend=record, fullgraph=True)(x)
     products = {t for t in graphs[0] if "linear" in t or "matmul" in t or ".mm" in t}
     assert bool(products) != reduced, graphs[0]
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -367,3 +367,54 @@ def test_the_refusal_survives_pickling_with_its_message():
     assert type(back) is sandbox.SandboxUnavailable
     assert str(back) == str(e) and back.missing == e.missing
     assert "without a writable memory cgroup; root." in str(back)
+
+
+_CHILD_REFUSAL = r'''
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+# this user namespace may create no PID namespace: what the sandbox's child meets on a host that forbids them
+open("/proc/sys/user/max_pid_namespaces", "w").write("0")
+from posttrain.sandbox import SandboxLimits, SandboxUnavailable, run_python
+marker = os.path.join(sys.argv[1], "ran")
+code = f"open({marker!r}, 'w').write('x')\ndef f(x):\n    return x\n"
+out = {}
+try:
+    run_python(code, ["assert f(1) == 1"], SandboxLimits(use_cgroup=False, drop_privileges=False, containment="require"))
+    out["require"] = "ran"
+except SandboxUnavailable as e:
+    out["require"] = e.missing
+out["ran_under_require"] = os.path.exists(marker)
+r = run_python(code, ["assert f(1) == 1"], SandboxLimits(use_cgroup=False, drop_privileges=False, containment="best_effort"))
+out["best_effort"] = [r.status, r.tests_passed, r.pid_namespace, os.path.exists(marker)]
+print(json.dumps(out))
+'''
+
+
+@needs_root
+def test_the_child_refuses_when_it_cannot_create_a_namespace_and_runs_nothing(tmp_path):
+    """The parent finds root and goes on; the child then fails to create its PID namespace (a user namespace whose
+    max_pid_namespaces is 0). Under "require" the child reports what is missing and the code never runs; under
+    best_effort it runs and the result says there was no PID namespace."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here")
+    visible = Path("/var/tmp") / f"hylight-child-refusal-{os.getpid()}"  # not under the sandbox's private /tmp
+    visible.mkdir(mode=0o777, exist_ok=True)
+    try:
+        proc = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", _CHILD_REFUSAL,
+                               str(visible), str(Path(__file__).resolve().parents[1])],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0 and "max_pid_namespaces" in proc.stderr:
+            pytest.skip(f"cannot limit PID namespaces in a user namespace here: {proc.stderr[-300:]}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(visible, ignore_errors=True)
+    assert out["require"] == ["a PID namespace"], out
+    assert out["ran_under_require"] is False
+    assert out["best_effort"] == ["ok", 1, False, True], out  # it ran, and its result says without a PID namespace

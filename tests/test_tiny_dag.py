@@ -292,3 +292,19 @@ def test_a_forced_rerun_that_reproduces_its_payload_keeps_its_digest_and_its_dep
     assert plan.returncode == 0, plan.stderr[-3000:]
     states = {n: s["state"] for n, s in json.loads((tmp_path / "plan.json").read_text())["stages"].items()}
     assert set(states.values()) == {"cached"}, states
+
+
+def test_tiny_dag_records_the_sandbox_containment_of_every_stage_that_checked_code(tiny):
+    """Stages that run model-written code in the sandbox say, in MLflow and in their report, what contained it
+    (issue 23: a best_effort run must be visible beside its numbers)."""
+    first = tiny["first"]
+    c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
+    for stage, record in (("reward_model", "report.json"), ("sft_short", "report.json"), ("grpo", "report.json"),
+                          ("eval_grpo", "timing.json")):
+        tags = c.get_run(first["stages"][stage]["run_id"]).data.tags
+        assert tags["hylight.sandbox.containment"] == "require", (stage, tags)
+        assert int(tags["hylight.sandbox.runs"]) > 0, (stage, tags)
+        assert tags["hylight.sandbox.filesystem"] == "private" and tags["hylight.sandbox.memory_limit"] == "cgroup"
+        saved = json.loads((Path(first["stages"][stage]["artifact"]) / record).read_text())["sandbox"]
+        assert saved == {k.removeprefix("hylight.sandbox."): v for k, v in tags.items()
+                         if k.startswith("hylight.sandbox.")}
