@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from model import HybridForCausalLM, config_for, modeling
 from model.configuration import SOFTMAX
-from pretrain.data import IGNORE_INDEX, PackedRows, make_batch, unigram_loss
+from pretrain.packed_data import IGNORE_INDEX, PackedRows, make_batch, unigram_loss
 
 # --- residual-layout monkeypatches (controls, not model changes) -----------------------------------------------
 

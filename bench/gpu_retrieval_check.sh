@@ -5,7 +5,7 @@
 #
 # 1. the gpu-recipe's data stages (bench/run_gpu_dag.sh with --stage mix: ingest .. mix and the tokenizer) in the
 #    artifact root that a later `KEEP_WORK=1 bash bench/run_gpu_dag.sh` resumes (they are then cache hits);
-# 2. the mixture packed into $SEQ-token rows (pretrain/data.py, as the pretrain stage packs it);
+# 2. the mixture packed into $SEQ-token rows (pretrain/packed_data.py, as the pretrain stage packs it);
 # 3. bench/retrieval_data_check.py for each config of STREAM_A and STREAM_B (';'-separated "label args..."), the two
 #    streams side by side on the one GPU, each config in turn, every config stopped at the call's deadline.
 # $OUT gets: check.jsonl (one final JSON line per finished config), check.log (every probe line, labelled),
@@ -32,7 +32,7 @@ if [ ! -f "$WORK/data.ok" ]; then
     python3 - "$WORK" "$SEQ" <<'EOF' || { echo "packing failed" | tee -a "$OUT/check.log"; exit 2; }
 import json, sys, time
 from pathlib import Path
-from pretrain.data import build_packed_dataset
+from pretrain.packed_data import build_packed_dataset
 work, seq = Path(sys.argv[1]), int(sys.argv[2])
 stages = json.loads((work / "report.json").read_text())["stages"]
 art = {k: stages[k]["artifact"] for k in ("mix", "quality", "tokenizer")}

@@ -1,4 +1,4 @@
-"""Ablation of the §5.4.2 GRPO modifications: the ``grpo`` stage (posttrain/rl.py) run once with the report's recipe
+"""Ablation of the §5.4.2 GRPO modifications: the ``grpo`` stage (posttrain/grpo.py) run once with the report's recipe
 and once with each modification switched off in turn (plus CISPO and no KL), on the same policy, prompts, reward and
 seed. Writes a markdown table: final reward_mean, kl, clip_fraction, eval_pass_rate before/after, seconds.
 
@@ -37,7 +37,7 @@ def _value(text: str):  # noqa: ANN202
 
 def main() -> None:
     from pipeline.stage import Artifact, StageContext
-    from posttrain.rl import GRPOParams, run
+    from posttrain.grpo import GRPOParams, run
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path)

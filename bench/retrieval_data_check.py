@@ -14,7 +14,7 @@ repeated once, the loss on the repeat. It needs no corpus text.
 
     python bench/retrieval_data_check.py --tokenizer DIR --data PACKED_DIR --kinds repeat --steps 300
 
-``--data`` is a packed dataset (``pretrain/data.py``; its train rows give the context text, its eval rows the
+``--data`` is a packed dataset (``pretrain/packed_data.py``; its train rows give the context text, its eval rows the
 probe's haystacks). Prints one line per probe and a final JSON line (also appended to ``--out``).
 
 To try a pretraining mixture rather than the samples alone: ``--text-share F`` makes that share of the rows packed
@@ -68,7 +68,7 @@ def main() -> None:
     from data.retrieval import RetrievalMaker
     from model.modeling import HybridForCausalLM
     from model.sizes import config_for
-    from pretrain.data import PackedRows, loss_mask
+    from pretrain.packed_data import PackedRows, loss_mask
     from pretrain.probe import RetrievalProbe
     from pretrain.retrieval_rows import TrainingText
 

@@ -137,7 +137,7 @@ def stage_modules():  # every built-in stage kind's module imports (a package th
 
 def posttrain_imports():  # TRL and datasets come from the archive; pyarrow, accelerate from the image
     import datasets, trl  # noqa: F401
-    import posttrain.sft, posttrain.dpo, posttrain.rl, posttrain.reward_model  # noqa: F401
+    import posttrain.sft, posttrain.dpo, posttrain.grpo, posttrain.reward_model  # noqa: F401
     print("  trl", trl.__version__, "datasets", datasets.__version__)
 
 def pretrain_imports():

@@ -46,6 +46,7 @@ from pydantic import Field, field_validator
 from data.documents import QUALITY_CATEGORY as CATEGORY
 from data.documents import QUALITY_DIMENSIONS as DIMENSIONS  # the score dimensions, in this order everywhere
 from data.documents import SCORE_MAX, SCORE_MIN
+from data.reward_scoring import REWARD_MODEL_DIR
 from pipeline.stage import (
     MANIFEST_NAME,
     StageParams,
@@ -571,8 +572,6 @@ class CausalLMLabeler:
 
 def reward_model_directory(path: Path) -> Path:
     """``path`` itself when it holds a config.json, else a reward_model artifact's ``reward_model/``."""
-    from posttrain.reward_model import REWARD_MODEL_DIR
-
     for candidate in (path, path / REWARD_MODEL_DIR):
         if (candidate / "config.json").is_file():
             return candidate
@@ -598,9 +597,7 @@ class RewardModelLabeler:
     def __init__(self, params: RewardModelLabelerParams, taxonomy: Sequence[str]) -> None:
         import torch
 
-        from posttrain.reward_model import (
-            RewardModelScorer,  # imports model: hylight_hybrid loads in a fresh worker
-        )
+        from data.reward_scoring import RewardModelScorer
 
         self.params = params
         self.taxonomy = tuple(taxonomy)

@@ -379,3 +379,14 @@ class MoEFeedForward(nn.Module):
             routed=routed,
             dropped=dropped,
         )
+
+
+def make_dropless(model: nn.Module) -> nn.Module:
+    """``model`` with MoE token dropping off, in place: post-training's log-probs and rewards must not depend on
+    what else is in the batch (a capacity drop does). The config flag is read by each MoE layer at construction,
+    so the built layers are switched too."""
+    model.config.moe_token_drop = False
+    for m in model.modules():
+        if hasattr(m, "token_drop"):
+            m.token_drop = False
+    return model

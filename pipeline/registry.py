@@ -28,13 +28,13 @@ BUILTIN_STAGES: dict[str, str] = {
     "tokenizer": "data.tokenizer",
     "pretrain": "pretrain.stage",
     "long_context": "pretrain.long_context",
-    "eval": "pretrain.evaluation",
+    "eval": "evaluation.eval",
     "prompts": "posttrain.prompts",
     "reward_model": "posttrain.reward_model",
     "dpo": "posttrain.dpo",
     "sft": "posttrain.sft",
-    "grpo": "posttrain.rl",
-    "compare": "pretrain.compare",
+    "grpo": "posttrain.grpo",
+    "compare": "evaluation.compare",
 }
 
 
@@ -66,7 +66,7 @@ def resolve(uses: str) -> StageKind:
 
 
 # Top-level packages of this project: their modules count as a stage's code when a stage imports them.
-PROJECT_PACKAGES = ("pipeline", "data", "model", "kernels", "pretrain", "posttrain")
+PROJECT_PACKAGES = ("pipeline", "data", "model", "kernels", "pretrain", "posttrain", "evaluation")
 
 
 def _module_source(name: str) -> str:

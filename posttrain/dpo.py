@@ -45,11 +45,12 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from data.reward_scoring import REWARD_MODEL_DIR
 from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from posttrain.policy import CHECKPOINT_EVERY_HELP
 from posttrain.prompts import PROMPTS_TYPE, read_pool, split_group
-from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE, pairwise_accuracy
+from posttrain.reward_model import REWARD_MODEL_TYPE, pairwise_accuracy
 from posttrain.rewards import RewardComponents
 from posttrain.sandbox import containment_record, record_sandbox
 from pretrain.stage import CHECKPOINT_TYPE

@@ -1,302 +1,403 @@
-"""Online RL (§5.4.2): the modified GRPO on TRL's ``GRPOTrainer``, and the moderate-pass-rate prompt selection.
+"""Stage ``grpo``: online reinforcement learning (report §5.4.2; Table 7 stage V) with the modified GRPO of
+:mod:`posttrain.grpo_trainer` on TRL's ``GRPOTrainer`` (artifact type ``checkpoint``).
 
-TRL does the rollout (generation, rewards, group-normalised advantages, reference log-probs, batching, multi-
-iteration reuse, logging). This module changes only:
-  - ``_generate_and_score_completions``: §5.4.2 (c) balanced advantages on top of TRL's group advantages, and the
-    interface metrics ``reward_mean`` / ``response_length``;
-  - ``_generate_single_turn``: run in eval mode (dropless MoE routing), and timed, for the metric
-    ``generation_tokens_per_second`` (generated tokens up to each completion's first EOS / wall seconds of TRL's
-    rollout generation, this process);
-  - ``_compute_loss``: the loss of ``posttrain.grpo_loss.grpo_loss`` — (a) the extra clip of large-ratio
-    negative-advantage tokens, (b) the stop-gradient KL term, CISPO as ``loss_type="cispo"`` — and the metrics
-    ``kl`` and ``clip_fraction``; the MoE balance term is the model's own (``posttrain.moe_loss``), not TRL's.
-Entry points for a stage: ``select_prompts_by_pass_rate`` and ``train_grpo``.
+Inputs: ``checkpoint`` (the policy: a DPO, SFT or pretraining checkpoint with ``model/``), ``prompts`` (the prompts
+stage's ``rl`` pool: verifiable prompts SFT never saw; its ``eval`` pool gives ``eval_pass_rate``), optionally
+``reward_model`` (the helpfulness RM of §5.2).
+
+1. **Rewards** (§5.2 hierarchy, :class:`posttrain.rewards.RewardHierarchy`): one TRL reward function returning each
+   completion's ``total`` — the exact checker's correctness first (a correct answer always outranks a wrong one),
+   then the constraint rules and the RM's score. The components' batch means are logged as ``reward_correctness``,
+   ``reward_constraints`` and (with an RM) ``reward_rm``.
+2. **Prompt selection** (§5.4.2 "prioritizes prompts with moderate success rates"): ``selection_k`` samples per
+   prompt; a pass is a total ≥ the correctness weight C, i.e. a correct response; prompts with a pass rate in
+   ``[pass_rate_lo, pass_rate_hi]`` are kept, the others counted as too easy / too hard. A weak policy (the tiny
+   random model passes nothing) would leave no prompt: below ``min_prompts`` kept the stage fails with the counts,
+   unless ``keep_unsolved`` is set, which trains on the too-hard prompts too (logged as ``prompts_kept_unsolved``).
+   On those, every group's correctness is 0 and only the secondary terms (constraint rules, RM) vary: GRPO then
+   learns format and length, not correctness — said in the report file.
+3. **Training**: :func:`posttrain.grpo_trainer.train_grpo` with the §5.4.2 switches as params. TRL's logs are relayed per
+   optimizer step as ``loss``, ``kl``, ``clip_fraction`` (every step) and ``reward_mean``, ``response_length``,
+   ``generation_tokens_per_second`` and the reward components (the steps that generate a rollout: every
+   ``num_iterations`` steps; TRL reuses a rollout for ``num_iterations`` optimizer steps, the off-policy steps
+   where the IS-ratio clipping (a) acts).
+4. ``eval_pass_rate``: greedy responses to the held-out ``eval`` pool, exact checkers, at step 0 (the input
+   policy), every ``eval_every`` steps and at the last step. Plot ``plots/rl_curves.png``: reward and pass rate.
+
+Output: ``model/`` + ``minimax/`` + ``packing.json`` (:func:`posttrain.policy.save_policy`, the layout of every
+training stage), ``rl_report.json`` (prompt accounting, selection pass rates, metrics by step, times, params).
+
+Defaults are sized for the tiny CPU DAG (a few prompts, 4 generations of 16 tokens, 4 steps); docs/notes/rl.md gives
+GPU-size settings.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import random
+import shutil
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import torch
-from trl import GRPOConfig, GRPOTrainer
+from pydantic import Field, model_validator
 
-from posttrain.grpo_loss import balanced_advantages, grpo_loss
-from posttrain.moe_loss import ModelBalanceLoss
-from posttrain.policy import train_from_checkpoint
+from data.reward_scoring import REWARD_MODEL_DIR
+from pipeline.artifacts import write_text_atomic
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from posttrain.grpo_trainer import GENERATION_THROUGHPUT_METRIC, INTERFACE_METRICS
+from posttrain.policy import CHECKPOINT_EVERY_HELP
+from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, read_pool
+from posttrain.reward_model import REWARD_MODEL_TYPE
+from posttrain.rewards import RewardHierarchy, RewardWeights
+from posttrain.sandbox import containment_record, record_sandbox
+from pretrain.stage import CHECKPOINT_TYPE
 
-RewardFunc = Callable[..., list[float]]  # TRL's signature: f(prompts, completions, completion_ids, **columns)
-
-# The interface metrics (issue 12): names a stage and MLflow read.
-INTERFACE_METRICS = ("reward_mean", "kl", "clip_fraction", "response_length")
-# Logged with the rollout metrics (steps that generate), by HylightGRPOTrainer._generate_single_turn.
-GENERATION_THROUGHPUT_METRIC = "generation_tokens_per_second"
-
-
-@dataclass
-class HylightGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` plus the §5.4.2 switches. Defaults are the report's recipe (all three on) with TRL's token-level
-    "dapo" aggregation; ``loss_type="cispo"`` swaps the clipped objective for CISPO (cap ``epsilon_high``, as in TRL;
-    TRL recommends 5.0 there)."""
-
-    clip_large_ratio_negative_advantage: bool = field(default=True, metadata={
-        "help": "§5.4.2 (a): drop tokens with a negative advantage and IS ratio > large_ratio_threshold."})
-    large_ratio_threshold: float | None = field(default=None, metadata={
-        "help": "The ratio above which (a) drops negative-advantage tokens; None: 1 + epsilon_high (the clip edge)."})
-    kl_estimator: str = field(default="stop_gradient", metadata={
-        "help": "§5.4.2 (b): 'stop_gradient' = sg(π_θ - π_ref)·log π_θ; 'k3' = TRL's estimator. Needs beta != 0."})
-    balance_advantages: bool = field(default=True, metadata={
-        "help": "§5.4.2 (c): equal total token-weighted advantage for positive and negative completions per group."})
-    beta: float = field(default=0.04, metadata={"help": "KL coefficient (GRPO, Shao et al. 2024: 0.04)."})
-    use_bias_correction_kl: bool = field(default=False, metadata={
-        "help": "TRL's IS-weighted KL (on by default in TRL 1.x): not wired into this loss, so off, and refused on "
-                "with beta != 0 (it was silently ignored before)."})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        problems = []
-        if self.loss_type not in ("dapo", "cispo"):
-            problems.append(f"loss_type={self.loss_type!r} (use 'dapo' for the clipped objective or 'cispo')")
-        if self.loss_type == "cispo" and (self.epsilon_high is None or self.epsilon_high <= 1.0):
-            problems.append(f"loss_type='cispo' with epsilon_high={self.epsilon_high} (CISPO reads epsilon_high as the "
-                            "absolute cap of the IS weight, as TRL does; set it above 1, e.g. 5.0)")
-        if self.kl_estimator not in ("stop_gradient", "k3"):
-            problems.append(f"kl_estimator={self.kl_estimator!r} (use 'stop_gradient' or 'k3')")
-        if self.use_bias_correction_kl and self.beta != 0.0:
-            problems.append(f"use_bias_correction_kl=True with beta={self.beta} (TRL's importance-weighted KL is not "
-                            "wired into this loss: the KL term is kl_estimator's, unweighted)")
-        if self.importance_sampling_level != "token":
-            problems.append(f"importance_sampling_level={self.importance_sampling_level!r} (only 'token')")
-        if self.use_vllm:
-            problems.append("use_vllm=True (vLLM IS correction is not wired into this loss)")
-        if self.delta is not None:
-            problems.append(f"delta={self.delta} (TRL's two-sided clip; use large_ratio_threshold, which is (a))")
-        if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
-            problems.append("top_entropy_quantile < 1 or off_policy_mask_threshold set (not wired into this loss)")
-        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
-            problems.append("an entropy bonus (entropy_coef / use_adaptive_entropy; not wired into this loss)")
-        if problems:
-            raise ValueError("HylightGRPOConfig: unsupported settings: " + "; ".join(problems))
-
-    @property
-    def negative_ratio_max(self) -> float | None:
-        """The (a) threshold passed to ``grpo_loss`` (None: (a) off)."""
-        if not self.clip_large_ratio_negative_advantage:
-            return None
-        eps_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
-        return self.large_ratio_threshold if self.large_ratio_threshold is not None else 1 + eps_high
+REPORT_FILE = "rl_report.json"
+COMPONENT_METRICS = {"correctness": "reward_correctness", "constraints": "reward_constraints",
+                     "helpfulness_rm": "reward_rm"}
+# TRL log key -> the stage's metric name (issue 12's interface names)
+RELAYED = {"loss": "loss", **{m: m for m in INTERFACE_METRICS}, GENERATION_THROUGHPUT_METRIC:
+           GENERATION_THROUGHPUT_METRIC, **{m: m for m in COMPONENT_METRICS.values()}, "entropy": "entropy",
+           "policy_loss": "policy_loss", "kl_loss": "kl_loss", "grad_norm": "grad_norm",
+           "learning_rate": "learning_rate"}
 
 
-class HylightGRPOTrainer(ModelBalanceLoss, GRPOTrainer):
-    """TRL's ``GRPOTrainer`` with the §5.4.2 loss and the model's own MoE balance loss (§2.1; posttrain/moe_loss.py).
-    Takes a ``HylightGRPOConfig``."""
+class GRPOParams(StageParams):
+    seed: int = Field(0, description="Seed of prompt subsampling, selection sampling and training.")
+    max_prompts: int = Field(16, ge=1, description=(
+        "RL-pool prompts considered (a seeded sample; the rest are counted as over_max_prompts). Tiny-DAG size."))
+    eval_prompts: int | None = Field(None, ge=1, description=(
+        "First N records of the eval pool for eval_pass_rate; None = all (the same set every stage scores)."))
+    eval_max_new_tokens: int = Field(24, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
+    eval_every: int = Field(0, ge=0, description="Steps between eval_pass_rate measurements (0: first and last only).")
+    # prompt selection (§5.4.2: moderate success rates)
+    selection_k: int = Field(4, ge=1, description="Samples per prompt in the selection pass.")
+    pass_rate_lo: float = Field(0.1, ge=0, le=1, description="Keep prompts whose pass rate is at least this...")
+    pass_rate_hi: float = Field(0.9, ge=0, le=1, description="...and at most this.")
+    min_prompts: int = Field(1, ge=1, description="Fewer prompts selected than this: fail, or see keep_unsolved.")
+    keep_unsolved: bool = Field(False, description=(
+        "Below min_prompts, train on the too-hard prompts too (logged; only the constraint/RM terms then vary "
+        "within a group). Set for a random tiny policy, which solves nothing."))
+    # rollout and optimisation
+    num_generations: int = Field(4, ge=2, description="Completions per prompt (the GRPO group).")
+    prompts_per_step: int = Field(2, ge=1, description="Prompts per rollout batch (x num_generations completions).")
+    max_completion_length: int = Field(16, ge=1, description="Generated tokens per completion (tiny-DAG size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts and the selection pass.")
+    num_iterations: int = Field(2, ge=1, description=(
+        "Optimizer steps per rollout (GRPO's mu): steps after the first are off-policy, where (a) acts."))
+    max_steps: int = Field(4, ge=1, description="Optimizer steps.")
+    checkpoint_every: int = Field(10, ge=0, description=CHECKPOINT_EVERY_HELP)
+    learning_rate: float = Field(1e-5, gt=0, description="Peak AdamW learning rate (TRL's default schedule).")
+    # the §5.4.2 switches (posttrain/grpo_trainer.py, docs/notes/grpo.md)
+    loss_type: Literal["dapo", "cispo"] = Field("dapo", description=(
+        "'dapo': the clipped IS objective, token-level; 'cispo': clipped IS-weight policy optimisation."))
+    epsilon: float = Field(0.2, gt=0, description="Lower clip edge 1 - epsilon (and upper, unless epsilon_high).")
+    epsilon_high: float | None = Field(None, description=(
+        "Upper clip edge 1 + epsilon_high (dapo); CISPO's absolute IS-weight cap (None: 5.0 with cispo)."))
+    clip_large_ratio_negative_advantage: bool = Field(True, description=(
+        "§5.4.2 (a): drop tokens with a negative advantage and an IS ratio above the clip edge."))
+    kl_estimator: Literal["stop_gradient", "k3"] = Field("stop_gradient", description="§5.4.2 (b): the KL term.")
+    beta: float = Field(0.04, ge=0, description="KL coefficient (0: no reference model, no KL term).")
+    balance_advantages: bool = Field(True, description="§5.4.2 (c): balance positive and negative advantages.")
+    # reward weights (§5.2 hierarchy; correctness/2 must exceed 2*rm + constraints)
+    weight_correctness: float = Field(8.0, gt=0)
+    weight_rm: float = Field(1.0, ge=0)
+    weight_constraints: float = Field(1.0, ge=0)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = kwargs.get("args")
-        if not isinstance(config, HylightGRPOConfig):
-            raise TypeError(f"HylightGRPOTrainer needs args=HylightGRPOConfig(...); got {type(config).__name__}")
-        super().__init__(*args, **kwargs)
+    @model_validator(mode="after")
+    def _check(self) -> GRPOParams:
+        if self.pass_rate_lo > self.pass_rate_hi:
+            raise ValueError(f"pass_rate_lo={self.pass_rate_lo} > pass_rate_hi={self.pass_rate_hi}")
+        if self.loss_type == "cispo" and self.epsilon_high is not None and self.epsilon_high <= 1:
+            raise ValueError(f"loss_type cispo reads epsilon_high as the absolute cap of the IS weight; "
+                             f"{self.epsilon_high} <= 1 (use e.g. 5.0, or leave it unset)")
+        RewardWeights(self.weight_correctness, self.weight_rm, self.weight_constraints)  # the hierarchy holds
+        return self
 
-    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        mode = "train" if self.model.training else "eval"
-        # Generate in eval mode: the MoE routes without capacity drop there whatever the config, so a rollout's
-        # tokens never depend on the other sequences of its batch (the decode cache works in either mode).
-        self.model.eval()
-        start = time.perf_counter()
+
+# --- rewards for TRL ----------------------------------------------------------------------------------------------
+def _text(x: Any) -> str:
+    """A prompt or completion as TRL hands it: a string, or (conversational) a list of messages -> the last one's
+    content."""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and x and isinstance(x[-1], dict):
+        return str(x[-1].get("content", ""))
+    raise TypeError(f"grpo reward: cannot read a prompt/completion of type {type(x).__name__}")
+
+
+class HierarchyReward:
+    """A TRL reward function (``f(prompts, completions, completion_ids, **kw) -> list[float]``) scoring each
+    completion with the §5.2 hierarchy's ``total``. Prompts are looked up by text in the records given (their
+    checker and reference); the components' means go to TRL's ``log_metric`` when TRL passes it."""
+
+    __name__ = "hierarchy"  # TRL names the per-function reward metric after it: rewards/hierarchy/mean
+
+    def __init__(self, records: Sequence[dict[str, Any]], hierarchy: RewardHierarchy) -> None:
+        self.by_prompt: dict[str, dict[str, Any]] = {}
+        for r in records:
+            if r["prompt"] in self.by_prompt and self.by_prompt[r["prompt"]] is not r:
+                raise ValueError(f"grpo: two prompt records share one prompt text (ids {self.by_prompt[r['prompt']].get('id')}"
+                                 f", {r.get('id')}); the prompts stage deduplicates: is the pool edited by hand?")
+            self.by_prompt[r["prompt"]] = r
+        self.hierarchy = hierarchy
+        self.last: list[Any] = []  # the components of the last call (tests, debugging)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None,
+                 log_metric: Any = None, **_: Any) -> list[float]:
+        texts = [_text(p) for p in prompts]
+        missing = sorted({t for t in texts if t not in self.by_prompt})
+        if missing:
+            raise KeyError(f"grpo reward: {len(missing)} prompts have no record (first: {missing[0][:80]!r})")
+        comps = self.hierarchy.score([self.by_prompt[t] for t in texts], [_text(c) for c in completions])
+        self.last = comps
+        if log_metric is not None:
+            for attr, name in COMPONENT_METRICS.items():
+                values = [getattr(c, attr) for c in comps if getattr(c, attr) is not None]
+                if values:
+                    log_metric(name, sum(values) / len(values))
+        return [c.total for c in comps]
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    """A prompt as TRL's conversational format (TRL applies the tokenizer's chat template)."""
+    return [{"role": "user", "content": prompt}]
+
+
+# --- selection ----------------------------------------------------------------------------------------------------
+def resolve_selection(records: Sequence[dict[str, Any]], pass_rates: Sequence[float], lo: float, hi: float,
+                      min_prompts: int, keep_unsolved: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The records to train on and the count of each outcome (``selected``, ``too_easy``, ``too_hard``,
+    ``kept_unsolved``; they sum to ``len(records)``). Fewer than ``min_prompts`` selected: ``keep_unsolved`` adds the
+    too-hard ones back, else a ValueError says what happened and what to change."""
+    selected = [r for r, p in zip(records, pass_rates, strict=True) if lo <= p <= hi]
+    too_hard = [r for r, p in zip(records, pass_rates, strict=True) if p < lo]
+    counts = {"selected": len(selected), "too_easy": sum(p > hi for p in pass_rates), "too_hard": len(too_hard),
+              "kept_unsolved": 0}
+    if len(selected) >= min_prompts:
+        return selected, counts
+    if keep_unsolved and len(selected) + len(too_hard) >= min_prompts:
+        counts["kept_unsolved"], counts["too_hard"] = len(too_hard), 0
+        return selected + too_hard, counts
+    raise ValueError(
+        f"grpo: {len(selected)} of {len(records)} prompts have a pass rate in [{lo}, {hi}] (too easy: "
+        f"{counts['too_easy']}, too hard: {counts['too_hard']}), fewer than min_prompts={min_prompts}. Give a "
+        "stronger policy or more rl prompts (max_prompts), widen [pass_rate_lo, pass_rate_hi], or set "
+        "keep_unsolved: true to train on unsolved prompts (then only the constraint/RM reward terms vary)")
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+def _write_json(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
+
+
+def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name in ("reward_mean", "reward_correctness", "reward_constraints", "reward_rm"):
+        if series.get(name):
+            a.plot(*zip(*series[name], strict=True), marker="o", label=name)
+    a.set(xlabel="step", ylabel="reward", title="rollout rewards")
+    a.legend(fontsize=8)
+    if series.get("eval_pass_rate"):
+        b.plot(*zip(*series["eval_pass_rate"], strict=True), marker="o")
+    b.set(xlabel="step", ylabel="eval_pass_rate", ylim=(-0.05, 1.05), title="held-out pass rate (greedy)")
+    ctx.log_figure(fig, "rl_curves.png")
+
+
+def run(params: GRPOParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
+    start = time.monotonic()
+    import torch
+
+    from posttrain.grpo_trainer import HylightGRPOConfig, select_prompts_by_pass_rate, train_grpo
+    from posttrain.policy import (
+        MODEL_DIR,
+        NO_ACTIVATION_CHECKPOINTING,
+        SamplingStats,
+        last_checkpoint,
+        load_policy,
+        pass_rate,
+        save_policy,
+        trainer_checkpointing,
+        trainer_log_relay,
+    )
+
+    checkpoint = ctx.input("checkpoint").path
+    prompts_dir = ctx.input("prompts").path
+    rm_art = ctx.inputs.get("reward_model")
+    rm_dir = rm_art.path / REWARD_MODEL_DIR if rm_art is not None and not isinstance(rm_art, list) else None
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda") if on_gpu else torch.device("cpu")
+
+    # prompts: every rl-pool record is used, or dropped with a counted reason
+    pool = read_pool(prompts_dir, "rl", "grpo")
+    dropped: dict[str, int] = defaultdict(int)
+    verifiable = [r for r in pool if r.get("checker")]
+    dropped["no_checker"] = len(pool) - len(verifiable)
+    rng = random.Random(params.seed)
+    considered = sorted(rng.sample(range(len(verifiable)), min(params.max_prompts, len(verifiable))))
+    records = [verifiable[i] for i in considered]
+    dropped["over_max_prompts"] = len(verifiable) - len(records)
+    eval_pool = read_pool(prompts_dir, "eval", "grpo")
+    eval_records = eval_pool[:params.eval_prompts]
+    if not records or not eval_records:
+        raise ValueError(f"grpo: {len(records)} verifiable rl prompts and {len(eval_records)} eval prompts in "
+                         f"{prompts_dir / POOLS_DIR}; both must be non-empty (prompts stage: verifiable counts, "
+                         "rl_fraction, eval_fraction)")
+    ctx.set_rows("rl_pool_prompts", len(pool))
+    ctx.set_rows("eval_prompts", len(eval_records))
+
+    policy, tok = load_policy(checkpoint, device=device)  # fp32 master weights; bf16 autocast on GPU (TRL)
+    weights = RewardWeights(params.weight_correctness, params.weight_rm, params.weight_constraints)
+    reward = HierarchyReward(records, RewardHierarchy(weights, reward_model_dir=rm_dir))
+    eval_stats = SamplingStats()
+
+    def eval_pass_rate(model: Any) -> float:
+        was = model.training
+        model.eval()
         try:
-            completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+            rate, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
+                                stats=eval_stats)
         finally:
-            self.model.train(mode == "train")
-        seconds = time.perf_counter() - start
-        tokens = sum(len(ids) for ids in completion_ids)  # TRL cut each completion after its first EOS
-        self._metrics[mode][GENERATION_THROUGHPUT_METRIC].append(tokens / seconds if seconds > 0 else 0.0)
-        return completion_ids, logprobs
+            model.train(was)
+        return rate
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        output = super()._generate_and_score_completions(inputs)
-        mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode]
-        metrics["reward_mean"].append(metrics["reward"][-1])
-        metrics["response_length"].append(metrics["completions/mean_length"][-1])
-        if self.args.balance_advantages:
-            mask = output["completion_mask"]
-            if "tool_mask" in output:
-                mask = mask * output["tool_mask"]
-            # Groups may span processes: balance on the gathered batch, then keep this process's slice (TRL's
-            # process_slice in _generate_and_score_completions).
-            local = output["advantages"]
-            all_adv = self.accelerator.gather(local)
-            all_tokens = self.accelerator.gather(mask.sum(dim=1))
-            num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-            balanced = balanced_advantages(all_adv, all_tokens, num_generations)
-            start = self.accelerator.process_index * local.shape[0]
-            output["advantages"] = balanced[start : start + local.shape[0]]
-            logged = self._logs["advantages"]  # TRL's completions table: show the advantages actually used
-            for _ in range(min(len(logged), balanced.numel())):
-                logged.pop()
-            logged.extend(balanced.tolist())
-        return output
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
-    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        # no aux loss here: ModelBalanceLoss.compute_loss adds the model's own MoE balance loss around this
-        logp, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1),
-            completion_ids.size(1), compute_entropy=True)
-        # Without a stale policy (num_iterations == 1, aligned steps) TRL leaves old log-probs out: r = 1.
-        old_logp = inputs.get("old_per_token_logps")
-        old_logp = logp.detach() if old_logp is None else old_logp
+    def log(metrics: dict[str, float], step: int) -> None:
+        ctx.log_metrics(metrics, step=step)
+        for k, v in metrics.items():
+            series[k].append((step, float(v)))
 
-        mode = "train" if self.model.training else "eval"
-        # TRL's "dapo"/"cispo" normaliser: active tokens of the global accumulated batch, per optimizer step.
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        out = grpo_loss(
-            logp, old_logp, inputs["advantages"], mask,
-            objective="cispo" if self.loss_type == "cispo" else "clipped_is",
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-            ratio_max_negative=self.args.negative_ratio_max, cispo_ratio_max=self.epsilon_high,
-            ref_logp=inputs.get("ref_per_token_logps"), beta=self.beta, kl_estimator=self.args.kl_estimator,
-            normalizer=normalizer)
-        loss = out.loss
+    before = eval_pass_rate(policy)
+    log({"eval_pass_rate": before}, 0)
+    ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(eval_records)} held-out prompts")
 
-        def token_mean(x: torch.Tensor) -> float:  # over all processes' masked tokens
-            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)]), "sum")
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
+    # §5.4.2 prompt selection by a sampling pass
+    t0 = time.monotonic()
+    sel = select_prompts_by_pass_rate(policy, tok, [chat(r["prompt"]) for r in records], [reward],
+                                      k=params.selection_k, lo=params.pass_rate_lo, hi=params.pass_rate_hi,
+                                      pass_threshold=weights.correctness, max_new_tokens=params.max_completion_length,
+                                      temperature=params.temperature, seed=params.seed)
+    selection_seconds = time.monotonic() - t0
+    train_records, counts = resolve_selection(records, sel.pass_rates, params.pass_rate_lo, params.pass_rate_hi,
+                                              params.min_prompts, params.keep_unsolved)
+    counts_log = {f"prompts_{k}": v for k, v in counts.items()} | {f"prompts_dropped_{k}": v
+                                                                   for k, v in dropped.items()}
+    ctx.log_metrics(counts_log)
+    for k, v in counts_log.items():
+        ctx.set_rows(k, v)
+    assert sum(counts.values()) + sum(dropped.values()) == len(pool), (counts, dropped, len(pool))
+    ctx.progress(f"selection ({params.selection_k} samples/prompt, {selection_seconds:.1f} s): {counts}; "
+                 f"dropped before selection: {dict(dropped)}")
 
-        tokens = mask.sum().to(logp.dtype)
-        metrics = self._metrics[mode]
-        metrics["clip_fraction"].append(_reduce_mean(self, out.clip_fraction, tokens))
-        metrics["kl"].append(_reduce_mean(self, out.kl, tokens))
-        metrics["policy_loss"].append(self.accelerator.gather(out.policy_loss).mean().item())
-        if self.beta != 0.0:
-            metrics["kl_loss"].append(self.accelerator.gather(out.kl_loss).mean().item())
-        metrics["entropy"].append(token_mean(entropies.detach()))
-        return loss
+    def pass_rate_every(state: Any, model: Any) -> None:
+        if params.eval_every and state.global_step % params.eval_every == 0 and state.global_step < state.max_steps:
+            log({"eval_pass_rate": eval_pass_rate(model)}, state.global_step)
 
+    def restore(metrics: dict[str, float], step: int) -> None:  # a resumed attempt's earlier steps, not re-logged
+        for k, v in metrics.items():
+            series[k].append((step, v))
 
-def _reduce_mean(trainer: GRPOTrainer, value: torch.Tensor, weight: torch.Tensor) -> float:
-    """A per-process token mean combined over processes, weighted by each process's token count."""
-    totals = trainer.accelerator.reduce(torch.stack([value * weight, weight]), "sum")
-    return (totals[0] / totals[1].clamp(min=1.0)).item()
+    relay = trainer_log_relay(ctx, RELAYED, log=log, shown=("loss", "reward_mean", "kl", "clip_fraction"),
+                              on_step_end=pass_rate_every, restore=restore)
 
+    eps_high = params.epsilon_high if params.epsilon_high is not None else (5.0 if params.loss_type == "cispo"
+                                                                              else params.epsilon)
+    config = HylightGRPOConfig(
+        max_steps=params.max_steps, learning_rate=params.learning_rate, **trainer_checkpointing(ctx, params.checkpoint_every),
+        per_device_train_batch_size=params.prompts_per_step * params.num_generations,
+        num_generations=params.num_generations, max_completion_length=params.max_completion_length,
+        temperature=params.temperature, num_iterations=params.num_iterations, loss_type=params.loss_type,
+        epsilon=params.epsilon, epsilon_high=eps_high, beta=params.beta, kl_estimator=params.kl_estimator,
+        clip_large_ratio_negative_advantage=params.clip_large_ratio_negative_advantage,
+        balance_advantages=params.balance_advantages, seed=params.seed, logging_steps=1,
+        report_to="none", disable_tqdm=True, use_cpu=not on_gpu, bf16=on_gpu,  # the stage's GPU when it has one
+        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, dataloader_num_workers=0)
+    t0 = time.monotonic()
+    result = train_grpo(policy, tok, [chat(r["prompt"]) for r in train_records], [reward], config,
+                        ctx.work_dir / "grpo", callbacks=[relay],
+                        resume_from_checkpoint=last_checkpoint(ctx, config))
+    train_seconds = time.monotonic() - t0
+    steps = result["steps"]
 
-@dataclass
-class PromptSelection:
-    """What ``select_prompts_by_pass_rate`` kept and dropped, with every prompt's measured pass rate."""
+    trained, _ = load_policy(result["policy_dir"], device=device)
+    after = eval_pass_rate(trained)
+    log({"eval_pass_rate": after}, steps)
+    ctx.progress(f"eval_pass_rate after {steps} steps: {after:.3f} (before {before:.3f})")
 
-    kept: list[Any]
-    pass_rates: list[float]  # one per input prompt, in input order
-    dropped_too_easy: int  # pass rate > hi
-    dropped_too_hard: int  # pass rate < lo
+    tmp = ctx.out_dir / ".policy.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(trained, checkpoint / MODEL_DIR, checkpoint, tmp)
+    for child in tmp.iterdir():
+        dest = ctx.out_dir / child.name
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(child, dest)
+    tmp.rmdir()
+    _plot(ctx, series)
 
+    def last(name: str) -> float:
+        return series[name][-1][1] if series.get(name) else math.nan
 
-def _prompt_text(tokenizer: Any, prompt: Any) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-
-
-@torch.no_grad()
-def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs: Sequence[RewardFunc],
-                                *, k: int = 8, lo: float = 0.1, hi: float = 0.9, pass_threshold: float = 1.0,
-                                max_new_tokens: int = 256, temperature: float = 1.0, batch_size: int = 8,
-                                seed: int = 0) -> PromptSelection:
-    """§5.4.2: "prioritizes prompts with moderate success rates": sample ``k`` completions per prompt, score them
-    with the summed ``reward_funcs`` (TRL's signature), count a pass when the reward ≥ ``pass_threshold``, and keep
-    the prompts whose pass rate lies in [lo, hi]. A prompt every sample solves (or none does) gives GRPO a group of
-    equal rewards, hence zero advantages and no gradient."""
-    if not 0.0 <= lo <= hi <= 1.0 or k < 1:
-        raise ValueError(f"select_prompts_by_pass_rate: need 0 <= lo <= hi <= 1 and k >= 1; got lo={lo}, hi={hi}, "
-                         f"k={k}")
-    if tokenizer.pad_token_id is None:
-        raise ValueError("select_prompts_by_pass_rate: the tokenizer has no pad token (batched sampling pads left)")
-    # stop where TRL's rollout stops: the tokenizer's eos and the generation config's (e.g. a chat end-of-turn)
-    eos_cfg = getattr(model.generation_config, "eos_token_id", None)
-    stops = [tokenizer.eos_token_id] + [t for t in ([eos_cfg] if isinstance(eos_cfg, int) else eos_cfg or [])
-                                        if t != tokenizer.eos_token_id]
-    was_training, side = model.training, tokenizer.padding_side
-    model.eval()
-    tokenizer.padding_side = "left"
-    rates: list[float] = []
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for start in range(0, len(prompts), batch_size):
-                chunk = list(prompts[start : start + batch_size])
-                texts = [_prompt_text(tokenizer, p) for p in chunk]
-                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-                out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                     max_new_tokens=max_new_tokens, num_return_sequences=k,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
-                completions = out[:, enc["input_ids"].shape[1] :]
-                for i, prompt in enumerate(chunk):
-                    ids = []
-                    for row in completions[i * k : (i + 1) * k].tolist():  # up to and including the first EOS
-                        end = next((j for j, t in enumerate(row) if t in stops), None)
-                        ids.append(row[: end + 1] if end is not None else row)
-                    texts_i = tokenizer.batch_decode(ids, skip_special_tokens=True)
-                    total = [0.0] * k
-                    if not isinstance(prompt, str):  # conversational, as TRL hands completions of chat prompts
-                        texts_i = [[{"role": "assistant", "content": t}] for t in texts_i]
-                    for f in reward_funcs:
-                        values = f(prompts=[prompt] * k, completions=texts_i, completion_ids=ids)
-                        total = [t + (0.0 if v is None else float(v)) for t, v in zip(total, values, strict=True)]
-                    rates.append(sum(t >= pass_threshold for t in total) / k)
-    finally:
-        model.train(was_training)
-        tokenizer.padding_side = side
-    kept = [p for p, r in zip(prompts, rates, strict=True) if lo <= r <= hi]
-    return PromptSelection(kept=kept, pass_rates=rates, dropped_too_easy=sum(r > hi for r in rates),
-                           dropped_too_hard=sum(r < lo for r in rates))
-
-
-def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs: Sequence[RewardFunc],
-               config: HylightGRPOConfig, output_dir: str | Path,
-               callbacks: Sequence[Any] = (), resume_from_checkpoint: str | None = None) -> dict[str, Any]:
-    """Run the §5.4.2 GRPO on ``prompts`` and save the policy to ``output_dir/policy``.
-
-    ``model``: a saved model directory or a ``PreTrainedModel``; with beta != 0 TRL builds the reference policy
-    from the model's directory, so an in-memory model is first saved to ``output_dir/initial_policy`` (the
-    trainer then trains the copy loaded from there). Returns the policy path, step count, training loss, the last
-    logged value of each interface metric and its per-log history. ``callbacks`` (transformers
-    ``TrainerCallback``s, e.g. MLflow's) see every TRL log, the interface metrics among them."""
-    from datasets import Dataset
-    from transformers import PreTrainedModel
-
-    import model as _hylight_model  # noqa: F401  (registers HybridForCausalLM with the Auto classes)
-
-    output_dir = Path(output_dir)
-    if isinstance(model, PreTrainedModel) and config.beta != 0.0:
-        init_dir = output_dir / "initial_policy"
-        model.save_pretrained(init_dir)
-        model = str(init_dir)
-    trainer = HylightGRPOTrainer(model=model, reward_funcs=list(reward_funcs), args=config,
-                                 train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
-                                 processing_class=tokenizer, callbacks=list(callbacks) or None)
-    if config.disable_tqdm:  # no bar and no printed log dicts: the caller relays logs through its callbacks
-        from transformers import PrinterCallback
-
-        trainer.remove_callback(PrinterCallback)
-    result = train_from_checkpoint(trainer, resume_from_checkpoint)
-    policy_dir = output_dir / "policy"
-    trainer.save_model(str(policy_dir))
-    history = [h for h in trainer.state.log_history if "reward_mean" in h or "clip_fraction" in h]
-    series = {name: [h[name] for h in history if h.get(name) is not None] for name in INTERFACE_METRICS}
-    missing = [name for name, values in series.items() if not values]
-    if missing:
-        raise RuntimeError(f"train_grpo: metrics {missing} were never logged (logging_steps={config.logging_steps}, "
-                           f"steps={trainer.state.global_step}); set logging_steps <= max_steps")
-    return {
-        "policy_dir": str(policy_dir),
-        "steps": trainer.state.global_step,
-        "train_loss": result.training_loss,
-        "metrics": {name: values[-1] for name, values in series.items()},
-        "history": series,
+    gen = [v for _, v in series.get(GENERATION_THROUGHPUT_METRIC, [])]
+    seconds = time.monotonic() - start
+    summary = {"eval_pass_rate": after, "eval_pass_rate_before": before, "loss": last("loss"),
+               "reward_mean": last("reward_mean"), "kl": last("kl"), "clip_fraction": last("clip_fraction"),
+               "response_length": last("response_length"),
+               "generation_tokens_per_second_mean": sum(gen) / len(gen) if gen else math.nan,
+               "eval_tokens_per_second": eval_stats.tokens_per_second, "train_prompts": len(train_records),
+               "steps": steps, "selection_seconds": selection_seconds, "train_seconds": train_seconds,
+               "stage_seconds": seconds}
+    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+    report = {
+        "params": params.model_dump(), "steps": steps, "summary": summary,
+        "prompts": {"rl_pool": len(pool), "dropped_before_selection": dict(dropped), "selection": counts,
+                    "pass_rates": {r.get("id", str(i)): p for i, (r, p) in enumerate(zip(records, sel.pass_rates,
+                                                                                          strict=True))},
+                    "trained_on": [r.get("id") for r in train_records], "eval_scored": len(eval_records),
+                    "eval_not_scored": len(eval_pool) - len(eval_records)},
+        "metrics_by_step": {k: v for k, v in series.items()},
+        "reward_weights": {"correctness": weights.correctness, "rm": weights.helpfulness_rm,
+                           "constraints": weights.constraints, "pass_threshold": weights.correctness},
+        "reward_model": str(rm_dir) if rm_dir else None,
+        "notes": {
+            "kept_unsolved": "prompts no selection sample solved, trained on because keep_unsolved is set: their "
+                             "groups' correctness is all 0, so only the constraint/RM terms give advantages",
+            "generation_tokens_per_second": "generated tokens (to each completion's first EOS) / wall seconds of "
+                                            "TRL's rollout generate (HylightGRPOTrainer._generate_single_turn)",
+            "eval_pass_rate": "greedy responses to the first eval_prompts eval-pool prompts, exact checkers"},
     }
+    report["sandbox"] = record_sandbox(ctx)
+    _write_json(ctx.out_dir / REPORT_FILE, report)
+    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "grpo")
+    ctx.progress(f"done in {seconds:.1f} s (selection {selection_seconds:.1f} s, training {train_seconds:.1f} s)")
+
+
+STAGE = StageKind(
+    # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
+    records=("rl_report.json", "plots/*"),
+    name="grpo",
+    params=GRPOParams,
+    run=run,
+    produces=CHECKPOINT_TYPE,
+    inputs={
+        "checkpoint": InputSpec(CHECKPOINT_TYPE, doc="the policy to train (DPO, SFT or pretraining checkpoint)"),
+        "prompts": InputSpec(PROMPTS_TYPE, doc="the prompts stage: rl pool (training) and eval pool (pass rate)"),
+        "reward_model": InputSpec(REWARD_MODEL_TYPE, required=False,
+                                  doc="the §5.2 helpfulness reward model (the reward_rm term)"),
+    },
+    doc="§5.4.2 online RL (Table 7 stage V): the modified GRPO on TRL (IS-ratio clipping of negative-advantage "
+        "tokens, stop-gradient KL, balanced advantages; CISPO as loss_type) on rl-pool prompts of moderate pass "
+        "rate, rewarded by the §5.2 hierarchy (exact checkers first, constraint rules, optional RM); logs loss, "
+        "reward_mean, kl, clip_fraction, response_length, generation_tokens_per_second and eval_pass_rate.",
+)

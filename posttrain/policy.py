@@ -65,15 +65,6 @@ class SamplingStats:
             self.decoded_tokens += g.new_tokens
 
 
-def make_dropless(model: Any) -> Any:
-    """``model`` with MoE token dropping off, in place: post-training's log-probs and rewards must not depend on
-    what else is in the batch (a capacity drop does). The config flag is read by each MoE layer at construction,
-    so the built layers are switched too."""
-    model.config.moe_token_drop = False
-    for m in model.modules():
-        if hasattr(m, "token_drop"):
-            m.token_drop = False
-    return model
 
 
 def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -> tuple[Any, Any]:
@@ -83,6 +74,7 @@ def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -
 
     import model as _registers  # noqa: F401  (hylight_hybrid with the Auto classes)
     from model import HybridForCausalLM
+    from model.moe import make_dropless
 
     path = Path(checkpoint)
     model_dir = path / MODEL_DIR if (path / MODEL_DIR / "config.json").is_file() else path

@@ -25,7 +25,7 @@ checker: chosen must be judged correct, rejected incorrect, else the prompt is s
 * **user** pairs: JSONL, one ``{"prompt": str, "chosen": str, "rejected": str}`` a line (optional ``id``), checked
   with ``file:line`` errors.
 
-Every pair is a user turn + an assistant turn in the tokenizer's chat template (:func:`chat_messages`). Held-out
+Every pair is a user turn + an assistant turn in the tokenizer's chat template (``data.reward_scoring.chat_messages``). Held-out
 split: a seeded hash of the pair's group (the prompt's split group from :func:`posttrain.prompts.split_group`, so
 the prompts of one code template or one retrieval document are never on both sides; a user pair's prompt text).
 """
@@ -66,11 +66,6 @@ class PreferencePair:
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def chat_messages(prompt: str, response: str) -> list[dict[str, str]]:
-    """The conversation a reward model scores: one user turn and the assistant's response."""
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
 # --- verifiable prompts -------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class RewardHierarchy:
         ``reward_model_dir`` via RewardModelScorer; neither: no helpfulness_rm component)."""
         self.weights, self.limits = weights, limits
         if scorer is None and reward_model_dir is not None:
-            from posttrain.reward_model import RewardModelScorer
+            from data.reward_scoring import RewardModelScorer
 
             scorer = RewardModelScorer(reward_model_dir)
         self.scorer = scorer

@@ -58,6 +58,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from data.documents import unit_hash
+from data.reward_scoring import REWARD_MODEL_DIR, chat_messages
 from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 from posttrain.policy import (
@@ -73,9 +74,9 @@ from posttrain.policy import (
     trainer_checkpointing,
     trainer_log_relay,
 )
-from posttrain.preference_pairs import chat_messages, reference_response
+from posttrain.preference_pairs import reference_response
 from posttrain.prompts import PROMPTS_TYPE, read_pool
-from posttrain.reward_model import REWARD_MODEL_DIR, REWARD_MODEL_TYPE
+from posttrain.reward_model import REWARD_MODEL_TYPE
 from posttrain.rewards import RewardComponents, RewardHierarchy
 from posttrain.sandbox import containment_record, record_sandbox
 from posttrain.verifiable import CHECKERS

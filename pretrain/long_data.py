@@ -33,7 +33,7 @@ import numpy as np
 
 from data.documents import JsonlGzWriter, read_jsonl_gz
 from data.retrieval import word_starts as word_start_tokens  # noqa: F401  (one definition, re-exported for long_mix)
-from pretrain.data import TOKEN_DTYPE
+from pretrain.packed_data import TOKEN_DTYPE
 
 SEPARATOR_TEXT = "\n\n"  # between the documents of a long document
 NEEDLE_TEMPLATE = " The access code of {name} is {number}."
@@ -271,7 +271,7 @@ def build_long_data(mixture_dir: str | Path, documents_dir: str | Path, tokenize
                     eval_lengths: Sequence[int], progress: Any = None) -> dict[str, Any]:
     """Tokenize the mixture's documents once and assemble the long documents, in ``out_dir`` (a fresh directory).
 
-    The held-out documents are the pretraining run's (``pretrain/data.py`` chooses them from ``held_out_seed`` and
+    The held-out documents are the pretraining run's (``pretrain/packed_data.py`` chooses them from ``held_out_seed`` and
     their number; the checkpoint's ``packing.json`` records both): the long documents are made of the documents it
     trained on (sample_count > 0, not held out), and each phase's eval rows of held-out documents assembled to the
     phase length. Returns (and writes to ``long_data.json``) the counts.
@@ -280,7 +280,7 @@ def build_long_data(mixture_dir: str | Path, documents_dir: str | Path, tokenize
 
     from data.mix import iter_mixture
     from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-    from pretrain.data import _choose_eval, _Progress, _read_mixture, _tokenize_used
+    from pretrain.packed_data import _choose_eval, _Progress, _read_mixture, _tokenize_used
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

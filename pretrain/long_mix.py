@@ -13,7 +13,7 @@ Medium, long and QA samples are never cut by a row end (a sample longer than the
 windows of that length, each one segment); a row takes such samples while one fits and its source is behind its
 cumulative target by at least half the sample, then the rest of the row is filled with short documents, which
 are cut at the row end and continue in the next row (as pretraining packs). Realised token shares therefore
-follow the targets within about one sample. The rows are written in the format of ``pretrain/data.py``
+follow the targets within about one sample. The rows are written in the format of ``pretrain/packed_data.py``
 (``packing.json``, ``train_tokens.npy``, segment files), plus ``train_no_loss.npy``: positions whose label does not
 count (a QA sample's context and question; padding).
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.data import (
+from pretrain.packed_data import (
     EVAL_IDS_FILE,
     FORMAT_VERSION,
     INFO_FILE,

@@ -5,11 +5,11 @@ The ``eval`` stage measures retrieval once, at the end; learning to copy is a ph
 
 * ``copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` tokens drawn uniformly from the
   distinct ordinary tokens of the held-out text: tokens a model trained on this corpus has met, in an order no
-  text has; ``pretrain/eval_tasks.build_copy_trials``), and ``copy_loss_gain``, the first copy's mean loss minus
+  text has; ``evaluation/tasks.build_copy_trials``), and ``copy_loss_gain``, the first copy's mean loss minus
   the second's (nats); the eval stage's default ``copy_pool``. ``copy_pool="vocab"`` draws from the whole ordinary
   vocabulary instead: on a small corpus many of a 32K vocabulary's tokens are never a training target, and a model
   that copies every token it has met can still score 0 there;
-* ``niah_choice_accuracy``: vanilla NIAH prompts of the training length (``pretrain/eval_tasks``: the needle in
+* ``niah_choice_accuracy``: vanilla NIAH prompts of the training length (``evaluation/tasks``: the needle in
   a haystack of held-out rows, one prompt per depth from 0 to 1) scored as a forced choice between the needle's
   number and ``distractors`` numbers the prompt never held (teacher-forced log-likelihood of each as the answer;
   chance is 1 / (1 + distractors)), and ``niah_answer_margin`` (nats: the needle's number minus the distractors'
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.eval_tasks import (
+from evaluation.tasks import (
     TokenStream,
     build_copy_trials,
     build_niah_trials,
@@ -38,7 +38,7 @@ from pretrain.eval_tasks import (
 
 DISTRACTORS = 3  # wrong numbers per NIAH prompt: chance is 1 / (1 + DISTRACTORS)
 CHANCE = 1.0 / (1 + DISTRACTORS)
-# the eval stage's names (pretrain/evaluation.py), so a training curve and an eval report read alike
+# the eval stage's names (evaluation/eval.py), so a training curve and an eval report read alike
 PROBE_METRICS = ("copy_accuracy", "copy_loss_gain", "niah_choice_accuracy", "niah_answer_margin")
 
 

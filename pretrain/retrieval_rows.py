@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from data.retrieval import KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker
-from pretrain.data import (
+from pretrain.packed_data import (
     INFO_FILE,
     TOKEN_DTYPE,
     UNIGRAM_FILE,

@@ -388,7 +388,7 @@ def shard_batch(
     rank: int,
     world: int,
 ) -> SequenceShard:
-    """Rank ``rank``'s contiguous slice of a batch laid out as ``pretrain.data.make_batch`` makes it (labels
+    """Rank ``rank``'s contiguous slice of a batch laid out as ``pretrain.packed_data.make_batch`` makes it (labels
     unshifted, as for ``HybridForCausalLM``; packed rows [1, N] with ``cu_seqlens``, or B rows without)."""
     batch, total = input_ids.shape
     if total % world:

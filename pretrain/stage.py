@@ -1,7 +1,7 @@
 """Stage ``pretrain``: train the hybrid lightning/softmax MoE (``model/``) on the mixture (artifact ``checkpoint``).
 
 Inputs: the ``mixture`` (how many times each document is trained on), the ``scored_documents`` it was planned
-from (the texts) and the ``tokenizer``. The stage packs the mixture into rows (``pretrain/data.py``), launches the
+from (the texts) and the ``tokenizer``. The stage packs the mixture into rows (``pretrain/packed_data.py``), launches the
 training processes (``pretrain/train.py``: one process for a CPU or one GPU, ``pretrain/local_ranks.py`` with one
 rank per GPU for several; the stage's ``resources.gpus`` decides) under ``pipeline.launch.run_process_tree`` (nothing
 outlives a cancelled stage), or, when the stage spans nodes or was not given the resources itself (``resources.nodes > 1``,
@@ -407,7 +407,7 @@ def _pythonpath() -> str:
 
 
 def run(params: PretrainParams, ctx: StageContext) -> None:
-    from pretrain.data import build_packed_dataset
+    from pretrain.packed_data import build_packed_dataset
     from pretrain.train import TrainConfig
 
     check_rank_layout(params, ctx.resources, "pretrain")

@@ -2,7 +2,7 @@
 
 ``python -m pretrain.train --config CONFIG.json`` is what the ``pretrain`` stage launches (one process on a CPU or
 one GPU, ``pretrain/local_ranks.py`` for several GPUs of one node); a Ray Train worker of a multi-node stage calls
-the same :func:`run_rank`; :func:`train` is the body. It reads packed rows (``pretrain/data.py``),
+the same :func:`run_rank`; :func:`train` is the body. It reads packed rows (``pretrain/packed_data.py``),
 builds the ``model/`` hybrid with DeepNorm init, swaps its MoE layers for DeepSpeed-MoE ones with the global router
 (``pretrain/moe.py``), and trains with ``deepspeed.initialize`` (ZeRO stage 1 or 2, torch AdamW with the report's
 β = (0.9, 0.95) and weight decay 0.1, gradient clipping, bf16 on GPU / fp32 on CPU), under the WSD learning-rate
@@ -553,9 +553,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     import deepspeed
     import torch.distributed as dist
 
-    from pretrain.data import PackedRows, RowLoader, make_batch, unigram_loss
     from pretrain.loss import install_loss
     from pretrain.moe import install_deepspeed_moe
+    from pretrain.packed_data import PackedRows, RowLoader, make_batch, unigram_loss
     from pretrain.schedules import BatchSizeSchedule, WSDSchedule
     from pretrain.sequence_parallel import (
         apply_sequence_parallel,

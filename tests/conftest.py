@@ -87,7 +87,7 @@ UNIT_SECONDS = {
     "test_pretrain.shared": 264, "test_sequence_parallel_stage.shared": 238, "test_long_context.shared": 145,
     "test_quality.shared": 117, "test_orchestrator.shared": 101, "test_reward_model.shared": 71,
     "test_eval.shared": 59, "test_shards.shared": 46, "test_cluster.shared": 36, "test_sequence_parallel.shared": 31,
-    "test_dedup.shared": 21, "test_pretrain_data.shared": 17, "test_rl.shared": 14, "test_mix.shared": 14,
+    "test_dedup.shared": 21, "test_pretrain_data.shared": 17, "test_grpo_stage.shared": 14, "test_mix.shared": 14,
     "test_dpo.shared": 13, "test_posttrain_resume.shared": 60, "test_posttrain_moe_loss.shared": 30,
     "tests/test_loopback.py::test_a_local_training_process_group_listens_on_loopback_only[2]": 25,
     "tests/test_lightning_triton.py::test_segmented_fast_decays_match_reference_with_and_without_the_state_horizon": 21,

@@ -1,4 +1,4 @@
-"""The ``compare`` stage (pretrain/compare.py): the side-by-side table of pretrained-and-evaluated variants, its power
+"""The ``compare`` stage (evaluation/compare.py): the side-by-side table of pretrained-and-evaluated variants, its power
 analysis, the fairness check and the errors, on hand-written eval reports and checkpoint manifests (with real model
 configs) whose expected cells are written out here."""
 
@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.stage import Artifact, StageContext
-from pretrain.compare import (
+from evaluation.compare import (
     COMPARISON_JSON,
     COMPARISON_MD,
     CompareParams,
@@ -24,6 +23,7 @@ from pretrain.compare import (
     pair_reports,
     run,
 )
+from pipeline.stage import Artifact, StageContext
 
 PRETRAIN_PARAMS = {"size": "tiny", "model_overrides": {"attention_pattern": "hybrid"}, "seq_len": 256,
                    "train_tokens": 20480, "seed": 0, "peak_lr": 0.003, "lightning_impl": "auto", "log_every": 5}
@@ -32,7 +32,7 @@ INPUTS = {"mixture": ["mix-digest"], "documents": ["docs-digest"], "tokenizer": 
 
 
 def _report(niah: float, cloze_acc_norm: float, cloze_lan2: float, eval_loss_256: float) -> dict[str, Any]:
-    """An eval report.json as pretrain/evaluation.py writes it (the fields compare reads)."""
+    """An eval report.json as evaluation/eval.py writes it (the fields compare reads)."""
     return {
         "trained_length": 256, "context_lengths": [256, 512],
         "metrics": {"niah_accuracy": niah, "niah_accuracy_2x": 0.0, "multi_round_niah_recall": 0.0,

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.stage import Artifact, StageContext
-from pretrain.eval_metrics import (
+from evaluation.eval import EvalParams, heldout_documents
+from evaluation.metrics import (
     choice_scores,
     log_acc_norm2,
     min_detectable_accuracy_difference,
@@ -28,7 +28,7 @@ from pretrain.eval_metrics import (
     niah_correct,
     recall,
 )
-from pretrain.eval_tasks import (
+from evaluation.tasks import (
     NEEDLE,
     QUESTION,
     MCItem,
@@ -43,7 +43,7 @@ from pretrain.eval_tasks import (
     niah_prompt,
     read_lm_eval_jsonl,
 )
-from pretrain.evaluation import EvalParams, heldout_documents
+from pipeline.stage import Artifact, StageContext
 from tests.pretrain_fixtures import PretrainInputs
 
 
@@ -181,7 +181,7 @@ class _InductionOracle:
 
 
 def test_copy_probe_credits_a_copying_model_on_the_second_copy_only(tmp_path: Path) -> None:
-    from pretrain.evaluation import _copy_probe
+    from evaluation.eval import _copy_probe
 
     ctx = StageContext(tmp_path / "out", {}, stage_name="eval")
     got = _copy_probe(_InductionOracle(vocab=5000), EvalParams(copy_trials=4, copy_tokens=32, copy_pool="vocab"), ctx)
@@ -193,8 +193,8 @@ def test_copy_probe_credits_a_copying_model_on_the_second_copy_only(tmp_path: Pa
 
 
 def test_copy_probe_draws_from_the_held_out_texts_tokens_by_default(tmp_path: Path) -> None:
-    from pretrain.eval_tasks import TokenStream
-    from pretrain.evaluation import _copy_probe
+    from evaluation.eval import _copy_probe
+    from evaluation.tasks import TokenStream
 
     ctx = StageContext(tmp_path / "out", {}, stage_name="eval")
     held = np.asarray([0, 7, 9, 11, 7, 13, 200, 4999, 9, 0], np.int64)  # 0 is BOS, not an ordinary id here
@@ -421,7 +421,7 @@ def test_tiny_dag_binds_eval_to_pretrain_mix_and_quality_and_checks_task_files(t
 
 
 def test_task_file_content_is_part_of_the_cache_key(tmp_path: Path) -> None:
-    from pretrain.evaluation import STAGE
+    from evaluation.eval import STAGE
 
     path = _write(tmp_path / "t.jsonl", [GOOD])
     params = EvalParams(task_files=[str(path)])
@@ -432,8 +432,8 @@ def test_task_file_content_is_part_of_the_cache_key(tmp_path: Path) -> None:
 
 def test_heldout_documents_are_exactly_the_pretrain_stages_held_out_set(inputs: PretrainInputs, tmp_path: Path) -> None:
     """12 documents are never sampled; asking for 20 takes 8 out of training. The eval stage recomputes the same set
-    pretrain/data.py recorded (eval_documents.json), from the mixture and packing.json alone."""
-    from pretrain.data import build_packed_dataset
+    pretrain/packed_data.py recorded (eval_documents.json), from the mixture and packing.json alone."""
+    from pretrain.packed_data import build_packed_dataset
 
     packed = tmp_path / "packed"
     info = build_packed_dataset(inputs.mixture.path, inputs.documents.path, inputs.tokenizer.path, packed,
@@ -448,7 +448,7 @@ def test_heldout_documents_are_exactly_the_pretrain_stages_held_out_set(inputs: 
 
 def test_heldout_documents_refuse_a_mixture_the_checkpoint_was_not_trained_on(inputs: PretrainInputs,
                                                                                tmp_path: Path) -> None:
-    from pretrain.data import build_packed_dataset
+    from pretrain.packed_data import build_packed_dataset
 
     packed = tmp_path / "packed"
     build_packed_dataset(inputs.mixture.path, inputs.documents.path, inputs.tokenizer.path, packed, seq_len=128,
@@ -469,7 +469,7 @@ def test_heldout_documents_refuse_a_mixture_the_checkpoint_was_not_trained_on(in
 def test_heldout_documents_of_a_continued_checkpoint_are_pretrains(inputs: PretrainInputs, tmp_path: Path) -> None:
     """long_context and post-training checkpoints carry pretrain's held-out fields beside their own `eval` block:
     the eval stage finds pretrain's held-out documents through them, and refuses a record that does not match."""
-    from pretrain.data import build_packed_dataset
+    from pretrain.packed_data import build_packed_dataset
 
     packed = tmp_path / "packed"
     build_packed_dataset(inputs.mixture.path, inputs.documents.path, inputs.tokenizer.path, packed, seq_len=128,
@@ -510,8 +510,8 @@ class EvalRun:
 
 @pytest.fixture(scope="module")
 def evaluated(inputs: PretrainInputs, tmp_path_factory: pytest.TempPathFactory) -> EvalRun:
+    from evaluation.eval import run
     from pipeline.stage import Resources
-    from pretrain.evaluation import run
     from pretrain.stage import PretrainParams
     from pretrain.stage import run as pretrain
 
@@ -659,7 +659,7 @@ def test_stage_niah_answers_are_greedy_decoding_with_and_without_the_recurrent_c
 def test_stage_choice_logliks_equal_an_unpadded_forward_per_choice(evaluated: EvalRun) -> None:
     import torch
 
-    from pretrain.evaluation import Scorer
+    from evaluation.eval import Scorer
 
     scorer = Scorer(evaluated.checkpoint)
     item = MCItem("The capital of France is", ["Paris", "a big yellow banana", "x"], 0)

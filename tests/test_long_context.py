@@ -231,10 +231,10 @@ def test_long_qa_plants_the_fact_at_a_word_boundary_near_the_depth_and_only_the_
 
 
 def test_long_qa_labels_through_the_packed_rows_are_the_answer_tokens(tokenizer, tmp_path: Path) -> None:
-    """A QA sample written in a phase's rows (pretrain/long_mix.py) and read back by pretrain/data.py's make_batch:
+    """A QA sample written in a phase's rows (pretrain/long_mix.py) and read back by pretrain/packed_data.py's make_batch:
     labels count at the answer and its EOS and nowhere else in the sample; other samples keep every label."""
-    from pretrain.data import PackedRows, make_batch
     from pretrain.long_mix import PhaseSources, QAQueue, write_phase_rows
+    from pretrain.packed_data import PackedRows, make_batch
 
     L = 256
     ctx_tokens = np.asarray(tokenizer.encode(" ".join(["alpha beta gamma."] * 200), add_special_tokens=False).ids,
@@ -370,7 +370,7 @@ def test_stage_minimax_export_loads_in_transformers_with_the_new_rope_base(exten
 
     import model  # noqa: F401  (registers hylight_hybrid)
     from model.hf_minimax import max_relative_error
-    from pretrain.data import PackedRows
+    from pretrain.packed_data import PackedRows
     from tests.test_pretrain import MINIMAX_LOGITS  # transformers' MiniMax in an interpreter without hylight
 
     ours = AutoModelForCausalLM.from_pretrained(extended.out / "model").eval()
@@ -531,7 +531,7 @@ torch.manual_seed(0)
 layer, rotary = SoftmaxAttention(cfg, 0), RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
 
 
-def step(n):  # one row that is one document, as pretrain/data.py's make_batch passes it: cu_seqlens [0, n]
+def step(n):  # one row that is one document, as pretrain/packed_data.py's make_batch passes it: cu_seqlens [0, n]
     layout = SequenceLayout.build(1, n, 0, torch.device("cpu"), None, None, torch.tensor([0, n], dtype=torch.int32))
     assert layout.softmax_by_documents and layout.softmax_mask is None
     x = torch.randn(1, n, cfg.hidden_size, requires_grad=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.moe import MoEFeedForward, balance_loss, slots_per_expert
-from tests.test_grpo import tiny_policy  # noqa: F401  (a fixture: the tiny model and tokenizer GRPO's tests use)
+from tests.test_grpo_trainer import tiny_policy  # noqa: F401  (a fixture: the tiny model and tokenizer GRPO's tests use)
 
 COEF = 0.5  # large, so that the balance term stands far above float noise in the task loss
 
@@ -155,7 +155,7 @@ def test_dpo_stage_trainer_optimises_the_models_own_balance_loss_once(tiny, tmp_
 def test_grpo_trainer_optimises_the_models_own_balance_loss_once_scaled_for_accumulation(tiny, tmp_path):
     from datasets import Dataset
 
-    from posttrain.grpo import HylightGRPOConfig, HylightGRPOTrainer
+    from posttrain.grpo_trainer import HylightGRPOConfig, HylightGRPOTrainer
 
     tokenizer, path = tiny
     base = _policy(path, 0.0)

@@ -87,7 +87,7 @@ def test_dpo_killed_after_its_final_checkpoint_loads_it_and_trains_no_further_st
 
 @pytest.mark.slow
 def test_grpo_killed_after_its_final_checkpoint_loads_it_and_trains_no_further_step(tiny, tmp_path, capfd) -> None:
-    from posttrain.rl import GRPOParams, run
+    from posttrain.grpo import GRPOParams, run
 
     params = GRPOParams(max_prompts=8, eval_prompts=8, keep_unsolved=True, max_steps=4, checkpoint_every=2,
                         num_iterations=2, learning_rate=1e-3)
@@ -107,7 +107,8 @@ def test_sft_killed_after_its_final_checkpoint_loads_it_and_trains_no_further_st
 @pytest.mark.slow
 def test_reward_model_killed_after_its_final_checkpoint_loads_it_and_trains_no_further_step(tiny, tmp_path,
                                                                                            capfd) -> None:
-    from posttrain.reward_model import REPORT_FILE, REWARD_MODEL_DIR, RewardModelParams, run
+    from data.reward_scoring import REWARD_MODEL_DIR
+    from posttrain.reward_model import REPORT_FILE, RewardModelParams, run
 
     params = RewardModelParams(max_steps=2, checkpoint_every=1, batch_pairs=1, max_length=192, eval_every=2)
     rerun = _run_then_rerun(run, params, tiny, tmp_path, "reward_model", capfd)

@@ -451,7 +451,7 @@ def _eval_loss_of(model: torch.nn.Module, data_dir: Path, max_rows: int, micro_r
     """pretrain/train.py:evaluate's measure, from a loaded model: mean label-position CE over packed eval rows."""
     import torch.nn.functional as F
 
-    from pretrain.data import PackedRows, make_batch
+    from pretrain.packed_data import PackedRows, make_batch
 
     rows = PackedRows(data_dir, "eval")
     n = min(len(rows), max_rows)
@@ -491,7 +491,7 @@ def test_stage_exports_model_and_minimax_checkpoints_with_the_same_logits(traine
 
     import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
     from model.hf_minimax import max_relative_error
-    from pretrain.data import PackedRows
+    from pretrain.packed_data import PackedRows
 
     ours = AutoModelForCausalLM.from_pretrained(trained.out / "model").eval()
     assert type(ours) is HybridForCausalLM
@@ -754,7 +754,7 @@ def test_two_process_stage_trains_with_expert_parallelism_and_exports_every_expe
     from transformers import AutoModelForCausalLM
 
     from model.hf_minimax import max_relative_error
-    from pretrain.data import PackedRows
+    from pretrain.packed_data import PackedRows
     from pretrain.stage import PretrainParams, run
 
     ctx = _context(tmp_path, stage_inputs, cpus=1)

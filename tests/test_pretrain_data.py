@@ -1,4 +1,4 @@
-"""Packed pretraining data (pretrain/data.py): every document exactly sample_count times (§4.1.3.2), row and
+"""Packed pretraining data (pretrain/packed_data.py): every document exactly sample_count times (§4.1.3.2), row and
 segment boundaries (§3.2 varlen packing), held-out eval documents, determinism, resumable row order, batch
 labels, bounded memory, token-count checks, the unigram baseline."""
 
@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, pre_tokenizers, trainers
 from data.documents import DocumentWriter, unit_hash
 from data.mix import MANIFEST_FILE
 from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tokenizer
-from pretrain.data import (
+from pretrain.packed_data import (
     EVAL_IDS_FILE,
     FORMAT_VERSION,
     INFO_FILE,

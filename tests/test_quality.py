@@ -429,7 +429,7 @@ def test_reward_model_labeler_labels_each_document_by_its_rewards_percentile(tin
         RewardModelLabelerParams,
         mid_rank_percentiles,
     )
-    from posttrain.reward_model import RewardModelScorer
+    from data.reward_scoring import RewardModelScorer
 
     docs = [LabelDoc(d["id"], d["text"][:1500], d["domain"]) for d in _subset(corpus, 5)]
     params = RewardModelLabelerParams(kind="reward_model", model_path=str(tiny_reward_model), doc_tokens=48,

@@ -15,8 +15,8 @@ import torch
 from tokenizers import Tokenizer
 
 from data.retrieval import KINDS, TEMPLATES, RetrievalMaker, make_key
-from pretrain import eval_tasks
-from pretrain.data import PackedRows, build_packed_dataset, loss_mask, make_batch
+from evaluation import tasks as eval_tasks
+from pretrain.packed_data import PackedRows, build_packed_dataset, loss_mask, make_batch
 from pretrain.retrieval_rows import (
     RETRIEVAL_FILE,
     add_retrieval_rows,

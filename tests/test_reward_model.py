@@ -299,7 +299,8 @@ def test_stage_report_counts_pairs_by_source_and_kind_and_matches_the_pair_files
 def test_saved_reward_model_loads_with_auto_and_reproduces_the_reported_accuracy(trained: StageContext) -> None:
     from transformers import AutoModelForSequenceClassification
 
-    from posttrain.reward_model import RewardModelScorer, pairwise_accuracy
+    from data.reward_scoring import RewardModelScorer
+    from posttrain.reward_model import pairwise_accuracy
 
     rm_dir = trained.out_dir / "reward_model"
     assert isinstance(AutoModelForSequenceClassification.from_pretrained(rm_dir), HybridForSequenceClassification)
@@ -314,7 +315,7 @@ def test_saved_reward_model_loads_with_auto_and_reproduces_the_reported_accuracy
 def test_the_reward_model_trains_and_scores_dropless(trained: StageContext) -> None:
     """A capacity drop would make a pair's scores depend on the rest of its batch; pretraining's checkpoint (the
     reward model's backbone) drops tokens by default."""
-    from posttrain.reward_model import RewardModelScorer
+    from data.reward_scoring import RewardModelScorer
 
     rm_dir = trained.out_dir / "reward_model"
     assert json.loads((rm_dir / "config.json").read_text())["moe_token_drop"] is False
@@ -337,14 +338,14 @@ def test_every_post_training_trainer_turns_off_trl_activation_checkpointing():
     from trl import DPOConfig, GRPOConfig, RewardConfig, SFTConfig
 
     import posttrain.dpo
+    import posttrain.grpo
     import posttrain.reward_model
-    import posttrain.rl
     import posttrain.sft
     from posttrain.policy import NO_ACTIVATION_CHECKPOINTING
 
     assert NO_ACTIVATION_CHECKPOINTING is False
     for config in (DPOConfig, GRPOConfig, RewardConfig, SFTConfig):  # why the stages must say so
         assert config.__dataclass_fields__["gradient_checkpointing"].default is True, config.__name__
-    for module in (posttrain.dpo, posttrain.reward_model, posttrain.rl, posttrain.sft):
+    for module in (posttrain.dpo, posttrain.reward_model, posttrain.grpo, posttrain.sft):
         source = inspect.getsource(module)
         assert "gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING" in source, module.__name__

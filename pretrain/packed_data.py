@@ -318,7 +318,7 @@ def _pack_split(out_dir: Path, split: str, order: np.ndarray, table: _MixtureTab
     with _atomic_write(out_dir / split_file(split, "tokens")) as f:
         _npy_header(f, TOKEN_DTYPE, (rows, seq_len))
         if order.size and unique is None:
-            raise RuntimeError(f"packing {split}: no tokens were written for its documents (a bug in pretrain/data.py)")
+            raise RuntimeError(f"packing {split}: no tokens were written for its documents (a bug in pretrain/packed_data.py)")
         for first in range(0, order.size, 65536):
             for d in order[first:first + 65536].tolist():
                 off, n = int(offsets[d]), int(table.tokens[d])
@@ -334,7 +334,7 @@ def _pack_split(out_dir: Path, split: str, order: np.ndarray, table: _MixtureTab
         if fill:
             flush(f, fill, -(-fill // seq_len) * seq_len)
     if written != rows:
-        raise RuntimeError(f"packing {split}: wrote {written} rows, planned {rows} (a bug in pretrain/data.py)")
+        raise RuntimeError(f"packing {split}: wrote {written} rows, planned {rows} (a bug in pretrain/packed_data.py)")
     _save_npy(out_dir / split_file(split, "segment_starts"), starts)
     _save_npy(out_dir / split_file(split, "segment_index"), index)
     info = SplitInfo(**stats, documents=int(np.unique(order).size), document_instances=int(order.size))
@@ -414,9 +414,9 @@ def build_packed_dataset(mixture_dir: str | Path, documents_dir: str | Path, tok
         held_out_training_tokens=int((table.tokens * table.counts)[held_out].sum()))
     if info.train.tokens + info.held_out_training_tokens != info.mixture_tokens:
         raise RuntimeError(f"packing lost tokens: {info.train.tokens} trained + {info.held_out_training_tokens} "
-                           f"held out != {info.mixture_tokens} in the mixture (a bug in pretrain/data.py)")
+                           f"held out != {info.mixture_tokens} in the mixture (a bug in pretrain/packed_data.py)")
     if int(unigram.sum()) != info.train.tokens:
-        raise RuntimeError("unigram counts do not cover the training tokens (a bug in pretrain/data.py)")
+        raise RuntimeError("unigram counts do not cover the training tokens (a bug in pretrain/packed_data.py)")
     _save_npy(out_dir / UNIGRAM_FILE, unigram)
     eval_ids = [{"id": table.ids[i], "held_out_from_training": bool(held_out[i])} for i in eval_idx]
     with _atomic_write(out_dir / EVAL_IDS_FILE) as f:

@@ -2,7 +2,7 @@
 
 Inputs: the ``checkpoint`` (``model/`` + tokenizer + ``packing.json`` from ``pretrain``), and the ``mixture`` and
 ``scored_documents`` it was trained from. The held-out text is exactly the pretrain stage's held-out set: the
-documents ``pretrain/data.py`` chose for ``eval_loss`` (documents the mixture never samples first, else ones it took
+documents ``pretrain/packed_data.py`` chose for ``eval_loss`` (documents the mixture never samples first, else ones it took
 out of training), recomputed from the mixture with the seed and count in ``packing.json`` and checked against the
 document and token counts recorded there. Every haystack, filler turn, loss window and built multiple-choice item comes
 from those documents only.
@@ -28,7 +28,7 @@ What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_
 * extrapolation: next-token loss by position on held-out windows of the longest context (``[BOS]`` + held-out
   tokens), ``eval_loss_at_<L>`` = mean loss of the tokens at positions [previous length, L) (the first from 1), so
   ``eval_loss_at_<2T>`` is the loss on positions the model never trained on; plot ``plots/loss_by_position.png``;
-* multiple choice (``pretrain/eval_tasks.py``): cloze and next-sentence tasks built from the held-out text and every
+* multiple choice (``evaluation/tasks.py``): cloze and next-sentence tasks built from the held-out text and every
   lm-eval JSONL file in ``task_files``; per task ``mc_acc.<task>``, ``mc_acc_norm.<task>``, ``mc_log_acc_norm2.<task>``
   (§4.1.3.1), ``mc_items.<task>`` and the power analysis (``mc_min_items.<task>``: test size that detects an accuracy
   gain of ``mde``; ``mc_mde.<task>``: the gain this task's size detects); ``mc_acc_norm`` / ``mc_log_acc_norm2`` are
@@ -53,19 +53,14 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
-from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
-from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
-from pipeline.user_jsonl import jsonl_file_problems
-from posttrain.prompts import PROMPTS_TYPE
-from posttrain.sandbox import containment_record, record_sandbox
-from pretrain.eval_metrics import (
+from evaluation.metrics import (
     choice_scores,
     min_detectable_accuracy_difference,
     min_samples_for_accuracy_difference,
     niah_correct,
     recall,
 )
-from pretrain.eval_tasks import (
+from evaluation.tasks import (
     MCItem,
     MCTask,
     TokenStream,
@@ -80,6 +75,11 @@ from pretrain.eval_tasks import (
     niah_distractors,
     read_lm_eval_jsonl,
 )
+from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
+from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
+from pipeline.user_jsonl import jsonl_file_problems
+from posttrain.prompts import PROMPTS_TYPE
+from posttrain.sandbox import containment_record, record_sandbox
 from pretrain.stage import CHECKPOINT_TYPE
 
 EVAL_REPORT_TYPE = "eval_report"
@@ -159,7 +159,7 @@ class HeldOut:
 def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldOut:
     """The documents the checkpoint's pretrain stage held out, with their texts (module docstring)."""
     from data.documents import iter_documents
-    from pretrain.data import INFO_FILE, _choose_eval, _read_mixture
+    from pretrain.packed_data import INFO_FILE, _choose_eval, _read_mixture
 
     packing_file = checkpoint / INFO_FILE
     if not packing_file.is_file():

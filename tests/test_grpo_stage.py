@@ -1,4 +1,4 @@
-"""posttrain.rl (stage ``grpo``, §5.4.2): the TRL reward function is the §5.2 hierarchy's total with the components'
+"""posttrain.grpo (stage ``grpo``, §5.4.2): the TRL reward function is the §5.2 hierarchy's total with the components'
 means logged; prompt selection keeps moderate pass rates and either fails with the counts or keeps unsolved prompts
 when told to; the stage end to end on the tiny fixture (with a reward model from the reward_model stage) logs every
 interface metric at its steps, accounts for every prompt and writes a checkpoint that loads as a policy."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.grpo import GRPOParams, HierarchyReward, resolve_selection
 from posttrain.rewards import RewardHierarchy, RewardWeights
-from posttrain.rl import GRPOParams, HierarchyReward, resolve_selection
 from posttrain.verifiable import ANSWER_INSTRUCTION
 
 RECORD = {"id": "r1", "prompt": f"Compute 40 + 2. {ANSWER_INSTRUCTION}", "checker": "exact_number",
@@ -94,9 +94,9 @@ def test_params_refuse_an_inverted_band_and_a_cispo_cap_below_one() -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory):
     from pipeline.stage import Artifact, StageContext
+    from posttrain.grpo import run
     from posttrain.reward_model import RewardModelParams
     from posttrain.reward_model import run as run_rm
-    from posttrain.rl import run
     from tests.posttrain_fixtures import build_posttrain_inputs
 
     root = tmp_path_factory.mktemp("rl")

@@ -213,7 +213,7 @@ def tiny_policy(tmp_path_factory):
 
 
 def _config(tokenizer, out, **kw):
-    from posttrain.grpo import HylightGRPOConfig
+    from posttrain.grpo_trainer import HylightGRPOConfig
 
     # an EOS bias at sampling time (a transformers generation option) gives completions of different lengths,
     # which the balanced advantages (c) weigh
@@ -229,7 +229,7 @@ def test_train_grpo_logs_the_interface_metrics_and_moves_the_weights(tiny_policy
     from safetensors.torch import load_file
     from transformers import TrainerCallback
 
-    from posttrain.grpo import INTERFACE_METRICS, train_grpo
+    from posttrain.grpo_trainer import INTERFACE_METRICS, train_grpo
 
     tokenizer, path = tiny_policy
     seen = []
@@ -262,7 +262,7 @@ def test_train_grpo_logs_the_interface_metrics_and_moves_the_weights(tiny_policy
 def test_each_switch_changes_its_term_on_one_real_batch(tiny_policy, tmp_path):
     from trl import GRPOTrainer
 
-    from posttrain.grpo import HylightGRPOTrainer
+    from posttrain.grpo_trainer import HylightGRPOTrainer
 
     tokenizer, path = tiny_policy
     from datasets import Dataset
@@ -340,7 +340,7 @@ def test_each_switch_changes_its_term_on_one_real_batch(tiny_policy, tmp_path):
 @pytest.mark.slow
 def test_select_prompts_by_pass_rate_keeps_moderate_prompts_and_counts_the_dropped(tiny_policy):
     from model.modeling import HybridForCausalLM
-    from posttrain.grpo import select_prompts_by_pass_rate
+    from posttrain.grpo_trainer import select_prompts_by_pass_rate
 
     tokenizer, path = tiny_policy
     model = HybridForCausalLM.from_pretrained(path)
@@ -394,7 +394,7 @@ def test_a_log_ratio_past_float32_exp_range_gives_a_finite_loss_and_gradient(adv
 def test_trls_importance_weighted_kl_is_off_and_refused_rather_than_ignored(tmp_path):
     """TRL 1.x turns use_bias_correction_kl on by default; this loss does not weight its KL term by the IS ratio,
     so the config defaults it off and refuses it on (with a KL term), instead of ignoring it silently."""
-    from posttrain.grpo import HylightGRPOConfig
+    from posttrain.grpo_trainer import HylightGRPOConfig
 
     assert HylightGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none").use_bias_correction_kl is False
     for estimator in ("k3", "stop_gradient"):

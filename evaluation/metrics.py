@@ -1,6 +1,6 @@
 """Scores of the ``eval`` stage: NIAH answers, multiple-choice metrics (acc, acc_norm, log acc_norm²) and the power
 analysis of §4.1.3.1. Plain Python and numpy; the model-side numbers (log-likelihoods, generations) come from
-``pretrain/evaluation.py``.
+``evaluation/eval.py``.
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ from typing import Any
 
 from pydantic import Field
 
+from evaluation.eval import EVAL_REPORT_TYPE, REPORT_FILE, _write_json
+from evaluation.metrics import min_samples_for_accuracy_difference, min_samples_for_mean_difference
 from pipeline.artifacts import write_text_atomic
 from pipeline.stage import Artifact, InputSpec, StageContext, StageKind, StageParams, metric_key
-from pretrain.eval_metrics import min_samples_for_accuracy_difference, min_samples_for_mean_difference
-from pretrain.evaluation import EVAL_REPORT_TYPE, REPORT_FILE, _write_json
 from pretrain.stage import CHECKPOINT_TYPE, LOSS_CURVE_FILE
 
 COMPARISON_TYPE = "comparison"
@@ -38,7 +38,7 @@ COMPARISON_JSON = "comparison.json"
 COMPARISON_MD = "comparison.md"
 PLOT_NAME = "comparison.png"
 
-# eval metrics every variant must have (pretrain/evaluation.py's summary); MC ones are checked per task
+# eval metrics every variant must have (evaluation/eval.py's summary); MC ones are checked per task
 REQUIRED_EVAL_METRICS = ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x")
 REQUIRED_PRETRAIN_METRICS = ("eval_loss", "tokens")
 # pretrain params that change how a run is carried out, not what it learns: they may differ between variants

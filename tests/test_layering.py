@@ -1,0 +1,105 @@
+"""The layout is the architecture: every project import (at module level or inside a function) points down.
+
+    pipeline, kernels  <  model  <  data  <  pretrain  <  posttrain  <  evaluation
+
+``pipeline`` knows Ray, the cache and MLflow and finds stage modules by name (``pipeline/registry.py``), never by
+import; ``model`` and ``kernels`` are libraries (no DeepSpeed, Ray, MLflow or pipeline); ``kernels`` imports only
+itself. Two modules of ``evaluation`` rank with ``data``: ``evaluation.tasks`` (the eval sets, built from held-out
+text) and ``evaluation.metrics`` (scoring), which pretraining's in-training probe uses so that a training curve and an
+eval report measure the same thing; they in turn import nothing above ``data``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK = {"pipeline": 0, "kernels": 0, "model": 1, "data": 2, "pretrain": 3, "posttrain": 4, "evaluation": 5}
+MODULE_RANK = {"evaluation.tasks": 2, "evaluation.metrics": 2}
+LIBRARY_FORBIDDEN = ("deepspeed", "ray", "mlflow", "pipeline")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in RANK:
+        for f in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            out[name] = f
+    return out
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) of every absolute import in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.module, node.lineno, id(node) in top)]
+            out += [(f"{node.module}.{a.name}", node.lineno, id(node) in top) for a in node.names]
+    return out
+
+
+def _rank(module: str) -> int | None:
+    for name, rank in MODULE_RANK.items():
+        if module == name or module.startswith(name + "."):
+            return rank
+    return RANK.get(module.split(".")[0])
+
+
+def _project_target(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_every_project_import_points_down_the_layers() -> None:
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        for imported, line, _ in _imports(path):
+            target = _project_target(imported, modules)
+            if target is None or target.split(".")[0] == name.split(".")[0] and target not in MODULE_RANK \
+                    and name not in MODULE_RANK:
+                continue  # not ours, or within one package (the two evaluation leaves are checked like packages)
+            if _rank(target) > _rank(name):
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {name} imports {target}")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_the_libraries_import_no_distributed_tracking_or_pipeline_code() -> None:
+    found = []
+    for name, path in _modules().items():
+        if name.split(".")[0] not in ("model", "kernels"):
+            continue
+        for imported, line, _ in _imports(path):
+            root = imported.split(".")[0]
+            if root in LIBRARY_FORBIDDEN or name.startswith("kernels") and root in ("model",):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {imported}")
+    assert not found, "model/ and kernels/ are libraries:\n" + "\n".join(sorted(set(found)))
+
+
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch) -> None:
+    """The check itself: a model module that imports pipeline, or a pretrain module that imports posttrain, is
+    reported (so an empty report means something)."""
+    fake = tmp_path
+    for pkg in RANK:
+        (fake / pkg).mkdir()
+        (fake / pkg / "__init__.py").write_text("")
+    (fake / "model" / "bad.py").write_text("def f():\n    from pipeline import stage\n")
+    (fake / "pretrain" / "up.py").write_text("from posttrain.sft import run\n")
+    (fake / "posttrain" / "sft.py").write_text("")
+    (fake / "evaluation" / "tasks.py").write_text("from pretrain import up\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake)
+    for test, needle in ((test_every_project_import_points_down_the_layers, "pretrain.up imports posttrain.sft"),
+                         (test_every_project_import_points_down_the_layers, "evaluation.tasks imports pretrain.up"),
+                         (test_the_libraries_import_no_distributed_tracking_or_pipeline_code, "pipeline")):
+        try:
+            test()
+        except AssertionError as e:
+            assert needle in str(e), str(e)
+        else:
+            raise AssertionError(f"{test.__name__} missed: {needle}")
