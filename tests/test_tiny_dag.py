@@ -299,8 +299,8 @@ def test_tiny_dag_records_the_sandbox_containment_of_every_stage_that_checked_co
     (issue 23: a best_effort run must be visible beside its numbers)."""
     first = tiny["first"]
     c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
-    for stage, record in (("reward_model", "report.json"), ("sft_short", "report.json"), ("grpo", "report.json"),
-                          ("eval_grpo", "timing.json")):
+    for stage, record in (("reward_model", "reward_report.json"), ("sft_short", "sft_report.json"),
+                          ("grpo", "rl_report.json"), ("eval_grpo", "timing.json")):
         tags = c.get_run(first["stages"][stage]["run_id"]).data.tags
         assert tags["hylight.sandbox.containment"] == "require", (stage, tags)
         assert int(tags["hylight.sandbox.runs"]) > 0, (stage, tags)
