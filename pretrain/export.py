@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from data.tokenizer import special_token_ids
+
 MODEL_DIR = "model"  # HybridForCausalLM (model_type hylight_hybrid; `import model` registers it)
 MINIMAX_DIR = "minimax"  # transformers MiniMaxForCausalLM, no remote code
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -39,7 +41,6 @@ def write_checkpoint_dirs(model: Any, tokenizer_dir: str | Path, out: Path) -> N
     from transformers import AutoConfig, GenerationConfig
 
     from model.hf_minimax import save_as_minimax
-    from pretrain.train import special_token_ids
 
     ids = special_token_ids(tokenizer_dir)
     model.config.use_cache = True

@@ -46,8 +46,9 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
-from data.tokenizer import TOKENIZER_TYPE
+from data.tokenizer import TOKENIZER_TYPE, special_token_ids
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from pretrain.sequence_parallel_checks import sequence_parallel_problems
 from pretrain.stage import (
     CHECKPOINT_TYPE,
     PretrainParams,
@@ -55,7 +56,6 @@ from pretrain.stage import (
     _Relay,
     launch_ranks,
     retrieval_problems,
-    sequence_parallel_problems,
     sequence_parallel_rank_problems,
     write_loss_curve,
 )
@@ -290,7 +290,6 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
     from pretrain.long_data import LongData, TokenSampleWriter, build_long_data
     from pretrain.long_mix import SOURCES, corpus_shares, phase_sources, write_phase_rows
     from pretrain.retrieval_rows import add_retrieval_rows, read_retrieval, retrieval_metrics
-    from pretrain.train import special_token_ids
 
     problems = long_context_resource_problems(params, ctx.resources)  # also without spec validation
     if problems:

@@ -52,6 +52,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.tokenizer import special_token_ids
+from pretrain.export import export_checkpoint
+from pretrain.sequence_parallel_checks import sequence_parallel_problems
+
 METRIC_PREFIX = "@@hylight "
 CHECKPOINT_DIR = "deepspeed"
 TRAIN_LOG = "train_log.jsonl"
@@ -259,22 +263,6 @@ def _loopback_store(rank: int, world: int) -> Any:
     sock.listen(128)
     return dist.TCPStore(host, port, world, is_master=True, timeout=default_pg_timeout, multi_tenant=True,
                          master_listen_fd=sock.detach())
-
-
-def special_token_ids(tokenizer_dir: str | Path) -> dict[str, Any]:
-    """vocab size and the bos/eos/pad/end-of-turn ids of the trained tokenizer (data/tokenizer.py names them)."""
-    from tokenizers import Tokenizer
-
-    from data.tokenizer import BOS_TOKEN, END_OF_TURN_TOKEN, EOS_TOKEN, PAD_TOKEN
-
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    ids = {name: tok.token_to_id(t) for name, t in
-           (("bos", BOS_TOKEN), ("eos", EOS_TOKEN), ("pad", PAD_TOKEN), ("end_of_turn", END_OF_TURN_TOKEN))}
-    missing = [n for n, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"tokenizer in {tokenizer_dir} has no {missing} special tokens; train it with the "
-                         "project's tokenizer stage (data/tokenizer.py)")
-    return {"vocab_size": tok.get_vocab_size(), **ids}
 
 
 def build_model(cfg: TrainConfig) -> Any:
@@ -563,7 +551,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         sequence_parallel_output,
         shard_batch,
     )
-    from pretrain.stage import sequence_parallel_problems
 
     rank, world, device = init_distributed()
     if cfg.expert_parallel_size < 1 or world % cfg.expert_parallel_size:
@@ -778,8 +765,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     uni = unigram_loss(eval_rows, np.load(Path(cfg.data_dir) / "unigram_counts.npy"))
     routed_all = _sum_over_ranks(routed_sum).cpu()
     dropped_all = _sum_over_ranks(dropped_sum).cpu()
-    from pretrain.export import export_checkpoint
-
     export_checkpoint(engine.module, model_config, cfg, rank)
     summary = {"eval_loss": eval_loss, "unigram_loss": uni, "steps": step, "tokens": tokens_seen,
                "skipped_steps": guard.skipped, "accepted_spikes": guard.accepted_spikes,
