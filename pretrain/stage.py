@@ -219,7 +219,7 @@ class _Relay:
         self.ctx, self.summary = ctx, {}
 
     def __call__(self, line: str) -> None:
-        from pretrain.train import METRIC_PREFIX
+        from pretrain.train import METRIC_PREFIX  # heavy: torch
 
         if not line.startswith(METRIC_PREFIX):
             if line.strip():
@@ -236,7 +236,7 @@ class _Relay:
 
 def _ray_train_rank(config: dict[str, str]) -> None:
     """What each Ray Train worker runs: the entry point of a CLI rank (``python -m pretrain.train``)."""
-    from pretrain.train import run_rank
+    from pretrain.train import run_rank  # heavy: torch
 
     run_rank(config["config"], events_path=config["events"])
 
@@ -377,8 +377,8 @@ def _pythonpath() -> str:
 
 
 def run(params: PretrainParams, ctx: StageContext) -> None:
-    from pretrain.packed_data import build_packed_dataset
-    from pretrain.train import TrainConfig
+    from pretrain.packed_data import build_packed_dataset  # heavy: torch
+    from pretrain.train import TrainConfig  # heavy: torch
 
     check_rank_layout(params, ctx.resources, "pretrain")
     mixture, documents, tokenizer = ctx.input("mixture"), ctx.input("documents"), ctx.input("tokenizer")
@@ -394,7 +394,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
         if params.retrieval_share:
             from tokenizers import Tokenizer
 
-            from pretrain.retrieval_rows import add_retrieval_rows, retrieval_rows_for
+            from pretrain.retrieval_rows import add_retrieval_rows, retrieval_rows_for  # heavy: torch
 
             add_retrieval_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")),
                                added_rows=retrieval_rows_for(info.train.rows, params.retrieval_share),
@@ -402,7 +402,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
                                min_tokens=params.retrieval_min_tokens, loss_on=params.retrieval_loss,
                                progress=ctx.progress)
         os.replace(tmp, data_dir)
-    from pretrain.retrieval_rows import read_retrieval, retrieval_metrics
+    from pretrain.retrieval_rows import read_retrieval, retrieval_metrics  # heavy: torch
 
     ctx.log_metrics(retrieval_metrics(read_retrieval(data_dir)))
     shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")
@@ -430,7 +430,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     write_loss_curve(ctx.out_dir, history)
     _plots(ctx, history)
     last = history[-1] if history else {}
-    from pretrain.probe import PROBE_METRICS, probe_history
+    from pretrain.probe import PROBE_METRICS, probe_history  # heavy: torch
 
     probes = probe_history(history)
     ctx.log_summary({
@@ -480,7 +480,7 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
         ax[1].set_ylabel("learning rate")
         ax[1].set_title("WSD schedule")
         ctx.log_figure(fig, "loss_curve.png")
-    from pretrain.probe import probe_figure
+    from pretrain.probe import probe_figure  # heavy: torch
 
     fig = probe_figure(history)
     if fig is not None:
