@@ -44,6 +44,7 @@ from data.retrieval import KINDS as RETRIEVAL_KINDS
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.artifacts import write_json_atomic
 from pipeline.stage import InputSpec, Resources, StageContext, StageKind, StageParams
+from pipeline.worker_env import launched_worker_env
 from pretrain.sequence_parallel_checks import sequence_parallel_problems
 
 CHECKPOINT_TYPE = "checkpoint"
@@ -284,8 +285,6 @@ def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: i
     from ray.train import RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
     from ray.train.torch import TorchTrainer
 
-    from pipeline.worker_env import launched_worker_env
-
     if not ray.is_initialized():
         raise RuntimeError(
             f"{ctx.stage_name}: with resources.nodes={resources.nodes}, or resources its own task was not given, the "
@@ -359,7 +358,7 @@ def launch_ranks(cfg: Any, layout: RankLayout, relay: _Relay, ctx: StageContext,
     when they are done; a failed rank raises."""
     from dataclasses import asdict
 
-    from pipeline.launch import run_process_tree
+    from pipeline.launch import run_process_tree  # looked up per call: tests replace it
 
     config_path = ctx.work_dir / config_name
     config_path.write_text(json.dumps(asdict(cfg), indent=2))
