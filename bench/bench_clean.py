@@ -46,8 +46,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.clean import REPORT_NAME, CleanParams, run  # noqa: E402
-from data.clean_filters import LocalFT176LID, lid_model_path  # noqa: E402
+from data.clean import REPORT_NAME, CleanParams, lid_model_path, run  # noqa: E402
+from data.clean_filters import LocalFT176LID  # noqa: E402
 from data.documents import DOCUMENTS_DIR, DocumentWriter, datatrove_reader, iter_documents  # noqa: E402
 from data.ingest import SAMPLE_CORPUS_DIR  # noqa: E402
 from pipeline.stage import Artifact, StageContext  # noqa: E402

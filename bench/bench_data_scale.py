@@ -102,9 +102,9 @@ def run_stage(kind_name: str, params: dict[str, Any], inputs: dict[str, str], ou
     import shutil
 
     from pipeline.registry import resolve
-    from pipeline.runner import apply_env_defaults
     from pipeline.shards import RayShardRunner
     from pipeline.stage import Artifact, Resources, StageContext, peak_rss_mib
+    from pipeline.worker_env import apply_env_defaults
 
     os.chdir(cwd)
     apply_env_defaults(gpus=0)
@@ -131,9 +131,9 @@ def tokenize_only(docs: str, tokenizer: str, tasks: int, cwd: str, scratch: str)
     import numpy as np
 
     from data.mix import read_scored_documents
-    from pipeline.runner import apply_env_defaults
     from pipeline.shards import RayShardRunner
     from pipeline.stage import Resources, StageContext, peak_rss_mib
+    from pipeline.worker_env import apply_env_defaults
 
     os.chdir(cwd)
     apply_env_defaults(gpus=0)

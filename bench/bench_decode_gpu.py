@@ -65,7 +65,7 @@ def section_check(model, device: torch.device) -> None:
     # split-K occupancy: achieved KV read bandwidth at batch 1 for several target program counts
     import triton.testing
 
-    import kernels.softmax_decode as sd
+    import kernels.softmax_decode_triton as sd
 
     default_programs = sd.MIN_PROGRAMS
     for s in (131072, 524288):

@@ -167,7 +167,8 @@ def true_pairs(docs: list[dict]) -> set[tuple[int, int]]:
 # --- the runs ----------------------------------------------------------------------------------------
 def run_hylight(docs_dir: Path, out: Path, **params) -> tuple[float, dict[str, list[str]]]:
     """Wall time of the stage and its clusters (representative -> all member ids, itself included)."""
-    from data.dedup import CLUSTERS_NAME, DedupParams, run
+    from data.dedup import CLUSTERS_NAME, run
+    from data.dedup_params import DedupParams
     from pipeline.stage import Artifact, StageContext
 
     shutil.rmtree(out, ignore_errors=True)

@@ -1,5 +1,5 @@
 """Batched generation throughput (tokens/s): our ``HybridForCausalLM.generate`` (lightning layers decode with an O(1)
-recurrent state, model/modeling.py HybridCache) vs transformers' ``MiniMaxForCausalLM.generate`` on the same weights
+recurrent state, model/cache.py HybridCache) vs transformers' ``MiniMaxForCausalLM.generate`` on the same weights
 (model/hf_minimax.py ``export_to_minimax``) — issue 12's "generation throughput during RL" target, the decode that
 GRPO rollouts (§5.4.2) spend their time in.
 

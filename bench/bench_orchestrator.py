@@ -193,7 +193,7 @@ def main() -> None:
     tmp = Path(args.root or tempfile.mkdtemp(prefix="hylight-bench-orch-"))
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["HYLIGHT_STATE_DIR"] = str(tmp / "state")
-    from pipeline.runner import apply_env_defaults
+    from pipeline.worker_env import apply_env_defaults
 
     apply_env_defaults()
     shapes = ("chain", "fan") if args.shape == "both" else (args.shape,)

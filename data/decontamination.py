@@ -30,16 +30,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import orjson
 
+from data.dedup_params import DedupParams
 from data.minhash import Shingler, jaccard, ngram_hashes
 from pipeline.stage import Artifact, StageContext
-
-if TYPE_CHECKING:
-    from data.dedup import DedupParams
 
 
 @dataclass

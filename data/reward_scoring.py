@@ -53,7 +53,7 @@ class RewardModelScorer:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
-        from model.moe import make_dropless
+        from model.moe import make_dropless  # heavy: transformers, torch
 
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():

@@ -203,6 +203,20 @@ def build_tokenizer(split_digits: int = 3) -> Any:
     return tok
 
 
+def special_token_ids(tokenizer_dir: str | Path) -> dict[str, Any]:
+    """vocab size and the bos/eos/pad/end-of-turn ids of a tokenizer this stage trained (``tokenizer_dir``)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    ids = {name: tok.token_to_id(t) for name, t in
+           (("bos", BOS_TOKEN), ("eos", EOS_TOKEN), ("pad", PAD_TOKEN), ("end_of_turn", END_OF_TURN_TOKEN))}
+    missing = [n for n, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"tokenizer in {tokenizer_dir} has no {missing} special tokens; train it with the "
+                         "project's tokenizer stage (data/tokenizer.py)")
+    return {"vocab_size": tok.get_vocab_size(), **ids}
+
+
 def run(params: TokenizerParams, ctx: StageContext) -> None:
     from tokenizers import pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

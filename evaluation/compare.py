@@ -92,8 +92,8 @@ def describe_pattern(pattern: list[str]) -> str:
 
 def load_variant(report: Artifact, checkpoint: Artifact) -> Variant:
     """A variant from an eval artifact and the checkpoint artifact it evaluated."""
-    from model.accounting import parameter_counts
-    from model.configuration import HybridConfig
+    from model.accounting import parameter_counts  # heavy: transformers, torch
+    from model.configuration import HybridConfig  # heavy: transformers, torch
 
     where = f"compare: checkpoint {checkpoint.path} (stage {checkpoint.manifest.get('stage', '?')!r})"
     config_file = checkpoint.path / "model" / "config.json"

@@ -159,7 +159,7 @@ class HeldOut:
 def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldOut:
     """The documents the checkpoint's pretrain stage held out, with their texts (module docstring)."""
     from data.documents import iter_documents
-    from pretrain.packed_data import INFO_FILE, _choose_eval, _read_mixture
+    from pretrain.packed_data import INFO_FILE, _choose_eval, _read_mixture  # heavy: torch
 
     packing_file = checkpoint / INFO_FILE
     if not packing_file.is_file():
@@ -519,7 +519,7 @@ def _pass_rate(checkpoint: Path, params: EvalParams, ctx: StageContext) -> dict[
     """``eval_pass_rate`` (issue 12): greedy responses of the checkpoint to the prompts stage's held-out `eval` pool,
     scored by the exact checkers; one row per prompt in ``pass_rate.jsonl``."""
     from posttrain.policy import SamplingStats, load_policy, pass_rate
-    from posttrain.prompts import read_pool
+    from posttrain.prompts import read_pool  # heavy: datatrove
 
     records = read_pool(ctx.input("prompts").path, "eval", "eval")
     if params.pass_rate_prompts:

@@ -24,10 +24,6 @@ import torch.nn.functional as F
 
 __all__ = ["moe_decode_ffn", "moe_decode_ffn_reference"]
 
-BLOCK_F = 8  # intermediate rows per program: 2 x 1536 / 8 = 384 programs at batch 1 for gpu-300m
-BLOCK_O = 4  # output features per program in the down projection: 256 programs per token for d = 1024
-BLOCK_K = 512  # reduction chunk
-
 
 def moe_decode_ffn_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_i: torch.Tensor,
                              top_w: torch.Tensor) -> torch.Tensor:
@@ -53,6 +49,6 @@ def moe_decode_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
     if not x.is_cuda and not _interpreting():
         raise RuntimeError("moe_decode_ffn: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
                            "kernels.moe_decode_triton is imported)")
-    from kernels.moe_decode_triton import moe_decode_ffn_triton
+    from kernels.moe_decode_triton import moe_decode_ffn_triton  # heavy and optional: triton
 
     return moe_decode_ffn_triton(x.contiguous(), gate_up, down, top_i.contiguous(), top_w.float().contiguous())

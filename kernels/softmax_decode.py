@@ -28,10 +28,6 @@ import torch.nn.functional as F
 
 __all__ = ["softmax_decode_attention", "softmax_decode_attention_reference"]
 
-BLOCK_N = 64  # keys per inner iteration
-MIN_PROGRAMS = 256  # split the keys until B x H_kv x splits reaches about this many programs (2 per H100 SM;
-# measured at batch 1, 128K and 512K keys: 256 and 512 read at 0.7 and 2.1 TB/s, 1024 and more slower)
-
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor) -> None:
     if q.dim() != 4 or q.shape[2] != 1:
@@ -72,15 +68,9 @@ def softmax_decode_attention(
         raise ValueError(f"softmax_decode_attention: impl must be 'auto', 'triton' or 'sdpa', got {impl!r}")
     use_triton = impl == "triton" or (impl == "auto" and q.is_cuda)
     if use_triton and q.dtype != torch.float64 and q.shape[-1] <= 256:
-        from kernels.softmax_decode_triton import split_k_decode_attention
+        from kernels.softmax_decode_triton import split_k_decode_attention  # heavy and optional: triton
 
         _check(q, k_cache, v_cache, lengths)
         return split_k_decode_attention(q, k_cache, v_cache, lengths)
     return softmax_decode_attention_reference(q, k_cache, v_cache, lengths)
 
-
-def split_count(batch: int, kv_heads: int, capacity: int) -> int:
-    """Chunks of the key axis per (row, KV head): enough programs to fill the GPU, each at least BLOCK_N keys."""
-    most = max(1, -(-capacity // BLOCK_N))
-    want = max(1, -(-MIN_PROGRAMS // (batch * kv_heads)))
-    return min(most, want)

@@ -5,9 +5,10 @@ so a saved directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` (
 
     configuration.py  HybridConfig (+ attention patterns, DeepNorm factors)
     moe.py            MoEFeedForward: top-k router, SwiGLU experts, capacity drop, aux loss
-    modeling.py       LightningAttention, SoftmaxAttention, HybridDecoderLayer, HybridCache, HybridForCausalLM,
+    modeling.py       LightningAttention, SoftmaxAttention, HybridDecoderLayer, HybridForCausalLM,
                       HybridForSequenceClassification (a score per sequence: reward models, §5.2)
-    generation.py     fast generate: StaticHybridCache, packed prefill, host-free decode step, CUDA graphs
+    cache.py          the decoding caches: HybridCache, StaticHybridCache (preallocated, for generation.py)
+    generation.py     fast generate: packed prefill, host-free decode step, CUDA graphs
     hf_minimax.py     export to / import from transformers' MiniMaxForCausalLM
     accounting.py     total/activated parameters, Table 1 FLOPs per token, MFU
     sizes.py          named sizes: tiny .. gpu-1b
@@ -15,8 +16,9 @@ so a saved directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` (
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from model.cache import HybridCache
 from model.configuration import HybridConfig
-from model.modeling import HybridCache, HybridForCausalLM, HybridForSequenceClassification, HybridModel
+from model.modeling import HybridForCausalLM, HybridForSequenceClassification, HybridModel
 from model.sizes import SIZES, config_for
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)

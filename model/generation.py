@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from model.modeling import StaticHybridCache
+from model.cache import StaticHybridCache
 
 CHECK_EVERY = 8  # decode steps between host reads of "every row finished"
 CAPACITY_ROUND = 256  # cache capacity (prompt + new tokens) is rounded up to this, so calls can share a graph

@@ -46,7 +46,7 @@ def config_for(name: str, **overrides) -> HybridConfig:
 
 
 def size_table() -> str:
-    from model.accounting import flops_per_token, parameter_counts
+    from model.accounting import flops_per_token, parameter_counts  # heavy: transformers, torch
 
     lines = [
         "| size | layers | d | total params | activated params | train GFLOPs/token @4096 |",

@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.runner import apply_env_defaults
+    from pipeline.worker_env import apply_env_defaults
 
     apply_env_defaults()  # defaults it fills in are not forwarded: each stage worker picks its own
     args = build_parser().parse_args(argv)

@@ -26,9 +26,10 @@ from pipeline import tracking
 from pipeline.artifacts import ArtifactCheck, ArtifactStore, cache_key, check_artifact, write_json_atomic
 from pipeline.launch import pid_alive, process_start_ticks, start_watchdog
 from pipeline.registry import code_digest
-from pipeline.runner import StageOutcome, StageTask, execute_stage, forwarded_env
+from pipeline.runner import StageOutcome, StageTask, execute_stage
 from pipeline.spec import ClusterCapacity, NodeCapacity, PipelineSpec, ResolvedStage
 from pipeline.stage import Artifact
+from pipeline.worker_env import forwarded_env
 
 # Ray listens on every interface by default; this makes all its listeners bind to 127.0.0.1
 # (measured: ENV-NOTES, "Keep Ray on loopback").

@@ -13,7 +13,7 @@ shard, each asking for one CPU, at most ``resources.tasks`` in flight, and waits
   (``ru_maxrss``) is that shard's alone; nothing it loads (a language model, an encoder) stays in a reused
   worker. Costs a worker start (~1-3 s here, more with torch) per shard.
 - **Same environment as the stage**: its working directory (relative paths in params) and the variables
-  ``hylight run`` forwards (pipeline.runner.launched_worker_env), no GPU.
+  ``hylight run`` forwards (pipeline.worker_env.launched_worker_env), no GPU.
 - **Failures**: a shard that raises fails the stage with the shard's number and the error; the other shards are
   cancelled. A cancelled stage (Ctrl-C: ``ray.cancel(force=True)``, recursive by default) takes its shards with it.
 
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pipeline.stage import ShardResult, ShardRunner, ShardStats, StageContext, peak_rss_mib
+from pipeline.worker_env import apply_env_defaults, launched_worker_env
 
 R = TypeVar("R")
 
@@ -65,8 +66,6 @@ def run_shard(ref: str, shard: Any, index: int, count: int, label: str, cwd: str
     os.chdir(cwd)
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
-    from pipeline.runner import apply_env_defaults
-
     apply_env_defaults(gpus=0, user_set=env)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
@@ -94,8 +93,6 @@ class RayShardRunner(ShardRunner):
     def map(self, fn: Callable[[Any, Callable[[str], None]], R], shards: list[Any], ctx: StageContext,
             what: str) -> list[ShardResult[R]]:
         import ray
-
-        from pipeline.runner import launched_worker_env
 
         ref, env, cwd = _function_ref(fn), launched_worker_env(1, 0), os.getcwd()
         label = f"{ctx.stage_name} {what}"

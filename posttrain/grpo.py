@@ -219,7 +219,11 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     start = time.monotonic()
     import torch
 
-    from posttrain.grpo_trainer import HylightGRPOConfig, select_prompts_by_pass_rate, train_grpo
+    from posttrain.grpo_trainer import (  # heavy: trl, torch
+        HylightGRPOConfig,
+        select_prompts_by_pass_rate,
+        train_grpo,
+    )
     from posttrain.policy import (
         MODEL_DIR,
         NO_ACTIVATION_CHECKPOINTING,

@@ -73,8 +73,8 @@ def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -
     from transformers import AutoTokenizer
 
     import model as _registers  # noqa: F401  (hylight_hybrid with the Auto classes)
-    from model import HybridForCausalLM
-    from model.moe import make_dropless
+    from model import HybridForCausalLM  # heavy: transformers, torch
+    from model.moe import make_dropless  # heavy: transformers, torch
 
     path = Path(checkpoint)
     model_dir = path / MODEL_DIR if (path / MODEL_DIR / "config.json").is_file() else path
@@ -322,7 +322,7 @@ def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[
 def save_policy(model: Any, tokenizer_dir: str | Path, base_checkpoint: str | Path, out: str | Path) -> None:
     """``out/model`` + ``out/minimax`` (pretrain/export.py's layout, tokenizer included) and the base checkpoint's
     ``packing.json`` (the eval stage's held-out documents are the pretraining run's)."""
-    from pretrain.export import write_checkpoint_dirs
+    from pretrain.export import write_checkpoint_dirs  # heavy: torch
 
     out = Path(out)
     write_checkpoint_dirs(model, tokenizer_dir, out)

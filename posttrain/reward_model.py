@@ -123,7 +123,7 @@ def trainer_class() -> type:
     place of TRL's (:mod:`posttrain.moe_loss`)."""
     from trl import RewardTrainer
 
-    from posttrain.moe_loss import model_balance_trainer
+    from posttrain.moe_loss import model_balance_trainer  # heavy: torch
 
     return model_balance_trainer(RewardTrainer)
 
@@ -141,7 +141,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
     from trl import RewardConfig
 
     import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
-    from model.moe import make_dropless
+    from model.moe import make_dropless  # heavy: transformers, torch
 
     model_dir = ctx.input("checkpoint").path / "model"
     if not (model_dir / "config.json").is_file():

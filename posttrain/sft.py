@@ -394,7 +394,7 @@ def trainer_class() -> type:
     place of TRL's (:mod:`posttrain.moe_loss`)."""
     from trl import SFTTrainer
 
-    from posttrain.moe_loss import model_balance_trainer
+    from posttrain.moe_loss import model_balance_trainer  # heavy: torch
 
     return model_balance_trainer(SFTTrainer)
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from data.tokenizer import special_token_ids
+
 MODEL_DIR = "model"  # HybridForCausalLM (model_type hylight_hybrid; `import model` registers it)
 MINIMAX_DIR = "minimax"  # transformers MiniMaxForCausalLM, no remote code
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -20,12 +22,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def export_checkpoint(module: torch.nn.Module, model_config: Any, cfg: Any, rank: int) -> None:
     """Write ``<export_dir>/model`` and ``<export_dir>/minimax``. A collective (experts are gathered over the
     expert-parallel group): every rank calls it; rank 0 writes."""
-    from pretrain.moe import export_model_state
+    from pretrain.moe import export_model_state  # heavy: deepspeed, transformers
 
     state = export_model_state(module)
     if rank != 0:
         return
-    from model import HybridForCausalLM
+    from model import HybridForCausalLM  # heavy: transformers, torch
 
     model_config.use_cache = True  # training turned it off; generation wants the O(1) lightning cache
     model = HybridForCausalLM(model_config)
@@ -38,8 +40,7 @@ def write_checkpoint_dirs(model: Any, tokenizer_dir: str | Path, out: Path) -> N
     and generation config (bos/pad, eos = [eos, end-of-turn]). Post-training stages write their policies with it."""
     from transformers import AutoConfig, GenerationConfig
 
-    from model.hf_minimax import save_as_minimax
-    from pretrain.train import special_token_ids
+    from model.hf_minimax import save_as_minimax  # heavy: transformers, torch
 
     ids = special_token_ids(tokenizer_dir)
     model.config.use_cache = True

@@ -46,8 +46,9 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
-from data.tokenizer import TOKENIZER_TYPE
+from data.tokenizer import TOKENIZER_TYPE, special_token_ids
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
+from pretrain.sequence_parallel_checks import sequence_parallel_problems
 from pretrain.stage import (
     CHECKPOINT_TYPE,
     PretrainParams,
@@ -55,7 +56,6 @@ from pretrain.stage import (
     _Relay,
     launch_ranks,
     retrieval_problems,
-    sequence_parallel_problems,
     sequence_parallel_rank_problems,
     write_loss_curve,
 )
@@ -211,7 +211,7 @@ class LongContextParams(StageParams):
     def weights_of_row(self, i: int, corpus: np.ndarray) -> Any:
         """Row ``j`` of the mixture's rows -> token shares [short, medium, long, qa] of phase ``i`` at the row's
         middle."""
-        from pretrain.long_mix import phase_weights
+        from pretrain.long_mix import phase_weights  # heavy: torch
 
         rows = self.phase_rows(i) - self.retrieval_rows(i)
         prev, goal = self.previous_weights(i, corpus), self.phases[i].weights
@@ -228,7 +228,7 @@ class _PhaseRelay(_Relay):
         self.phase, self.seq_len, self.step0, self.tokens0 = phase, seq_len, step0, tokens0
 
     def __call__(self, line: str) -> None:
-        from pretrain.train import METRIC_PREFIX
+        from pretrain.train import METRIC_PREFIX  # heavy: torch
 
         if line.startswith(METRIC_PREFIX):
             msg = json.loads(line[len(METRIC_PREFIX):])
@@ -287,10 +287,9 @@ def _history(export: Path) -> list[dict[str, Any]]:
 def run(params: LongContextParams, ctx: StageContext) -> None:
     from tokenizers import Tokenizer
 
-    from pretrain.long_data import LongData, TokenSampleWriter, build_long_data
-    from pretrain.long_mix import SOURCES, corpus_shares, phase_sources, write_phase_rows
-    from pretrain.retrieval_rows import add_retrieval_rows, read_retrieval, retrieval_metrics
-    from pretrain.train import special_token_ids
+    from pretrain.long_data import LongData, TokenSampleWriter, build_long_data  # heavy: torch
+    from pretrain.long_mix import SOURCES, corpus_shares, phase_sources, write_phase_rows  # heavy: torch
+    from pretrain.retrieval_rows import add_retrieval_rows, read_retrieval, retrieval_metrics  # heavy: torch
 
     problems = long_context_resource_problems(params, ctx.resources)  # also without spec validation
     if problems:
@@ -383,7 +382,7 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
 
 def _train_config(params: LongContextParams, i: int, *, data_dir: Path, tokenizer_dir: Path, resume_dir: Path,
                   export_dir: Path, init_from: Path) -> Any:
-    from pretrain.train import TrainConfig
+    from pretrain.train import TrainConfig  # heavy: torch
 
     p = params.phases[i]
     shared = {k: v for k, v in params.model_dump().items() if k in TrainConfig.__dataclass_fields__}
@@ -408,7 +407,7 @@ def _log_long_data(ctx: StageContext, stats: dict[str, Any]) -> None:
 
 
 def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[dict[str, Any]]) -> None:
-    from pretrain.retrieval_rows import RETRIEVAL_FILE
+    from pretrain.retrieval_rows import RETRIEVAL_FILE  # heavy: torch
 
     out, last = ctx.out_dir, len(phases) - 1
     history: list[dict[str, Any]] = []
@@ -449,7 +448,7 @@ def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[d
     ctx.log_artifact(out / "summary.json")
     # stepped metrics (eval_loss, ...) went out per phase; the summary only records them for `hylight status`
     ctx.summary.update({"eval_loss": f["eval_loss"], "unigram_loss": f["unigram_loss"]})
-    from pretrain.probe import PROBE_METRICS, probe_history
+    from pretrain.probe import PROBE_METRICS, probe_history  # heavy: torch
 
     probes = probe_history(history)
     ctx.log_summary({"loss": history[-1]["loss"] if history else float("nan"), "tokens": f["end_tokens"],
@@ -467,7 +466,7 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pretrain.long_mix import SOURCES, row_sources
+    from pretrain.long_mix import SOURCES, row_sources  # heavy: torch
 
     if history:
         fig, ax = plt.subplots(figsize=(8, 3.8))
@@ -482,7 +481,7 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
         ax.set_title("long-context extension: loss by phase")
         ax.legend()
         ctx.log_figure(fig, "loss_curve.png")
-    from pretrain.probe import probe_figure
+    from pretrain.probe import probe_figure  # heavy: torch
 
     fig = probe_figure(history, boundaries=[(p["end_step"], f"{p['seq_len']} tok") for p in phases])
     if fig is not None:

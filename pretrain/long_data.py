@@ -280,7 +280,7 @@ def build_long_data(mixture_dir: str | Path, documents_dir: str | Path, tokenize
 
     from data.mix import iter_mixture
     from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-    from pretrain.packed_data import _choose_eval, _Progress, _read_mixture, _tokenize_used
+    from pretrain.packed_data import _choose_eval, _Progress, _read_mixture, _tokenize_used  # heavy: torch
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -360,7 +360,7 @@ def phase_sources(data: Any, *, phase: int, seq_len: int, short_max: int, medium
     QA made from assembled documents that fit the phase; eval rows of held-out documents assembled to its length."""
     from functools import partial
 
-    from pretrain.long_data import make_long_qa, word_start_tokens
+    from pretrain.long_data import make_long_qa, word_start_tokens  # heavy: torch
 
     held = np.flatnonzero(data.counts > 0)
     corpus = np.repeat(held, data.counts[held])

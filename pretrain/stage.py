@@ -44,6 +44,8 @@ from data.retrieval import KINDS as RETRIEVAL_KINDS
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.artifacts import write_json_atomic
 from pipeline.stage import InputSpec, Resources, StageContext, StageKind, StageParams
+from pipeline.worker_env import launched_worker_env
+from pretrain.sequence_parallel_checks import sequence_parallel_problems
 
 CHECKPOINT_TYPE = "checkpoint"
 LOSS_CURVE_FILE = "loss_curve.json"
@@ -181,37 +183,6 @@ def retrieval_problems(params: Any, seq_lens: list[int]) -> list[str]:
     return problems
 
 
-MIN_TOKENS_PER_SEQUENCE_RANK = 16  # the smallest chunk of the Triton lightning kernel
-
-
-def sequence_parallel_problems(sequence_parallel: int, *, seq_lens: dict[str, int], expert_parallel_size: int,
-                               compile_: bool) -> list[str]:
-    """What is wrong with splitting rows over ``sequence_parallel`` ranks (nothing: []). ``seq_lens``: the row
-    lengths, by the field that sets each. Checked by the params of pretrain and long_context, and by every rank
-    (``pretrain/train.py``)."""
-    sp = sequence_parallel
-    if sp == 1:
-        return []
-    problems = []
-    for field_, n in seq_lens.items():
-        if n % sp:
-            problems.append(f"{field_}={n} is not divisible by sequence_parallel={sp}: each rank of a group holds an "
-                            f"equal slice of every row; make it a multiple of {sp}")
-        elif n // sp < MIN_TOKENS_PER_SEQUENCE_RANK:
-            problems.append(f"{field_}={n} over sequence_parallel={sp} leaves {n // sp} tokens per rank, fewer than "
-                            f"{MIN_TOKENS_PER_SEQUENCE_RANK} (one chunk of the lightning kernel); sequence parallelism "
-                            "is for rows too long for one GPU: lower sequence_parallel")
-    if expert_parallel_size > 1:
-        problems.append(f"sequence_parallel={sp} with expert_parallel_size={expert_parallel_size}: the two are not "
-                        "supported together (the expert all-to-all groups would cut across the sequence-parallel "
-                        "groups, untested); use one of them")
-    if compile_:
-        problems.append(f"compile: true with sequence_parallel={sp} is not supported: the sequence-parallel attention "
-                        "and MoE wrappers run collectives that the compiled layers have not been tested to trace; set "
-                        "compile: false")
-    return problems
-
-
 def ranks_per_node(processes: int | None, gpus: float) -> int:
     """Training ranks on each node: ``processes``, by default one per GPU (1 on a CPU)."""
     return processes or max(1, int(gpus))
@@ -249,7 +220,7 @@ class _Relay:
         self.ctx, self.summary = ctx, {}
 
     def __call__(self, line: str) -> None:
-        from pretrain.train import METRIC_PREFIX
+        from pretrain.train import METRIC_PREFIX  # heavy: torch
 
         if not line.startswith(METRIC_PREFIX):
             if line.strip():
@@ -266,7 +237,7 @@ class _Relay:
 
 def _ray_train_rank(config: dict[str, str]) -> None:
     """What each Ray Train worker runs: the entry point of a CLI rank (``python -m pretrain.train``)."""
-    from pretrain.train import run_rank
+    from pretrain.train import run_rank  # heavy: torch
 
     run_rank(config["config"], events_path=config["events"])
 
@@ -313,8 +284,6 @@ def _launch_ray_train(config_path: Path, resources: Resources, ranks_per_node: i
     import ray
     from ray.train import RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
     from ray.train.torch import TorchTrainer
-
-    from pipeline.runner import launched_worker_env
 
     if not ray.is_initialized():
         raise RuntimeError(
@@ -389,7 +358,7 @@ def launch_ranks(cfg: Any, layout: RankLayout, relay: _Relay, ctx: StageContext,
     when they are done; a failed rank raises."""
     from dataclasses import asdict
 
-    from pipeline.launch import run_process_tree
+    from pipeline.launch import run_process_tree  # looked up per call: tests replace it
 
     config_path = ctx.work_dir / config_name
     config_path.write_text(json.dumps(asdict(cfg), indent=2))
@@ -407,8 +376,8 @@ def _pythonpath() -> str:
 
 
 def run(params: PretrainParams, ctx: StageContext) -> None:
-    from pretrain.packed_data import build_packed_dataset
-    from pretrain.train import TrainConfig
+    from pretrain.packed_data import build_packed_dataset  # heavy: torch
+    from pretrain.train import TrainConfig  # heavy: torch
 
     check_rank_layout(params, ctx.resources, "pretrain")
     mixture, documents, tokenizer = ctx.input("mixture"), ctx.input("documents"), ctx.input("tokenizer")
@@ -424,7 +393,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
         if params.retrieval_share:
             from tokenizers import Tokenizer
 
-            from pretrain.retrieval_rows import add_retrieval_rows, retrieval_rows_for
+            from pretrain.retrieval_rows import add_retrieval_rows, retrieval_rows_for  # heavy: torch
 
             add_retrieval_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")),
                                added_rows=retrieval_rows_for(info.train.rows, params.retrieval_share),
@@ -432,7 +401,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
                                min_tokens=params.retrieval_min_tokens, loss_on=params.retrieval_loss,
                                progress=ctx.progress)
         os.replace(tmp, data_dir)
-    from pretrain.retrieval_rows import read_retrieval, retrieval_metrics
+    from pretrain.retrieval_rows import read_retrieval, retrieval_metrics  # heavy: torch
 
     ctx.log_metrics(retrieval_metrics(read_retrieval(data_dir)))
     shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")
@@ -460,7 +429,7 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
     write_loss_curve(ctx.out_dir, history)
     _plots(ctx, history)
     last = history[-1] if history else {}
-    from pretrain.probe import PROBE_METRICS, probe_history
+    from pretrain.probe import PROBE_METRICS, probe_history  # heavy: torch
 
     probes = probe_history(history)
     ctx.log_summary({
@@ -510,7 +479,7 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
         ax[1].set_ylabel("learning rate")
         ax[1].set_title("WSD schedule")
         ctx.log_figure(fig, "loss_curve.png")
-    from pretrain.probe import probe_figure
+    from pretrain.probe import probe_figure  # heavy: torch
 
     fig = probe_figure(history)
     if fig is not None:

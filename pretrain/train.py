@@ -52,6 +52,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.tokenizer import special_token_ids
+from pretrain.export import export_checkpoint
+from pretrain.sequence_parallel_checks import sequence_parallel_problems
+
 METRIC_PREFIX = "@@hylight "
 CHECKPOINT_DIR = "deepspeed"
 TRAIN_LOG = "train_log.jsonl"
@@ -261,25 +265,9 @@ def _loopback_store(rank: int, world: int) -> Any:
                          master_listen_fd=sock.detach())
 
 
-def special_token_ids(tokenizer_dir: str | Path) -> dict[str, Any]:
-    """vocab size and the bos/eos/pad/end-of-turn ids of the trained tokenizer (data/tokenizer.py names them)."""
-    from tokenizers import Tokenizer
-
-    from data.tokenizer import BOS_TOKEN, END_OF_TURN_TOKEN, EOS_TOKEN, PAD_TOKEN
-
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    ids = {name: tok.token_to_id(t) for name, t in
-           (("bos", BOS_TOKEN), ("eos", EOS_TOKEN), ("pad", PAD_TOKEN), ("end_of_turn", END_OF_TURN_TOKEN))}
-    missing = [n for n, i in ids.items() if i is None]
-    if missing:
-        raise ValueError(f"tokenizer in {tokenizer_dir} has no {missing} special tokens; train it with the "
-                         "project's tokenizer stage (data/tokenizer.py)")
-    return {"vocab_size": tok.get_vocab_size(), **ids}
-
-
 def build_model(cfg: TrainConfig) -> Any:
     import model  # noqa: F401  (registers the Auto classes)
-    from model import HybridForCausalLM, config_for
+    from model import HybridForCausalLM, config_for  # heavy: transformers, torch
 
     special = special_token_ids(cfg.tokenizer_dir)
     overrides = {
@@ -305,7 +293,7 @@ def build_model(cfg: TrainConfig) -> Any:
 
 def _model_from_checkpoint(cfg: TrainConfig, overrides: dict[str, Any]) -> Any:
     """The model saved in ``cfg.init_from`` (a checkpoint's ``model/``), its config updated by ``overrides``."""
-    from model import HybridConfig, HybridForCausalLM
+    from model import HybridConfig, HybridForCausalLM  # heavy: transformers, torch
 
     mc = HybridConfig.from_pretrained(cfg.init_from)
     if mc.vocab_size != overrides["vocab_size"]:
@@ -369,8 +357,8 @@ def compile_layers(model: torch.nn.Module, mode: str | None = None) -> None:
     """torch.compile the RMSNorms and the MoE feed-forwards in place: it fuses the fp32 norm arithmetic and the
     routing/dispatch elementwise work. The attention layers stay eager (their Triton and FlexAttention kernels
     are compiled already, and the packed-document bookkeeping around them does not lower in inductor)."""
-    from model.modeling import RMSNorm
-    from pretrain.moe import DeepSpeedMoEFeedForward
+    from model.modeling import RMSNorm  # heavy: transformers, torch
+    from pretrain.moe import DeepSpeedMoEFeedForward  # heavy: deepspeed, transformers
 
     for module in model.modules():
         if isinstance(module, RMSNorm | DeepSpeedMoEFeedForward):
@@ -553,17 +541,16 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     import deepspeed
     import torch.distributed as dist
 
-    from pretrain.loss import install_loss
-    from pretrain.moe import install_deepspeed_moe
-    from pretrain.packed_data import PackedRows, RowLoader, make_batch, unigram_loss
-    from pretrain.schedules import BatchSizeSchedule, WSDSchedule
-    from pretrain.sequence_parallel import (
+    from pretrain.loss import install_loss  # heavy: torch
+    from pretrain.moe import install_deepspeed_moe  # heavy: deepspeed, transformers
+    from pretrain.packed_data import PackedRows, RowLoader, make_batch, unigram_loss  # heavy: torch
+    from pretrain.schedules import BatchSizeSchedule, WSDSchedule  # heavy: matplotlib
+    from pretrain.sequence_parallel import (  # heavy: torch
         apply_sequence_parallel,
         loss_share,
         sequence_parallel_output,
         shard_batch,
     )
-    from pretrain.stage import sequence_parallel_problems
 
     rank, world, device = init_distributed()
     if cfg.expert_parallel_size < 1 or world % cfg.expert_parallel_size:
@@ -581,7 +568,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     tokens_per_row = cfg.seq_len
     probe = None
     if cfg.probe_every:
-        from pretrain.probe import RetrievalProbe
+        from pretrain.probe import RetrievalProbe  # heavy: torch
 
         if cfg.probe_every % cfg.log_every or grid.sequence_parallel > 1:
             raise ValueError(f"probe_every={cfg.probe_every} must be a multiple of log_every={cfg.log_every}, "
@@ -638,7 +625,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         emit("progress", {"message": f"resumed from step {step} ({tokens_seen:,} tokens) in {ckpt_dir}"}, rank)
 
     peak = measured_peak_flops(device)
-    from model.accounting import packed_flops
+    from model.accounting import packed_flops  # heavy: transformers, torch
 
     log_path = Path(cfg.export_dir) / TRAIN_LOG
     Path(cfg.export_dir).mkdir(parents=True, exist_ok=True)
@@ -778,8 +765,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     uni = unigram_loss(eval_rows, np.load(Path(cfg.data_dir) / "unigram_counts.npy"))
     routed_all = _sum_over_ranks(routed_sum).cpu()
     dropped_all = _sum_over_ranks(dropped_sum).cpu()
-    from pretrain.export import export_checkpoint
-
     export_checkpoint(engine.module, model_config, cfg, rank)
     summary = {"eval_loss": eval_loss, "unigram_loss": uni, "steps": step, "tokens": tokens_seen,
                "skipped_steps": guard.skipped, "accepted_spikes": guard.accepted_spikes,
@@ -804,7 +789,7 @@ def evaluate(engine: Any, eval_rows: Any, make_batch: Any, cfg: TrainConfig, dev
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from pretrain.sequence_parallel import (
+    from pretrain.sequence_parallel import (  # heavy: torch
         IGNORE_INDEX,
         sequence_parallel_output,
         shard_batch,

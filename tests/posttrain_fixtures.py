@@ -29,11 +29,11 @@ class PosttrainInputs:
 
 def build_posttrain_inputs(root: Path, *, documents: int = 80, prompts: dict | None = None,
                            open_ended: int = 40, seed: int = 0, **model_overrides) -> PosttrainInputs:
+    from data.tokenizer import special_token_ids
     from model import HybridForCausalLM, config_for
     from posttrain.prompts import PromptsParams
     from posttrain.prompts import run as run_prompts
     from pretrain.export import TOKENIZER_FILES
-    from pretrain.train import special_token_ids
 
     inputs = build_inputs(root / "in", documents=documents, max_chars=20000, vocab_size=512)
     ids = special_token_ids(inputs.tokenizer.path)

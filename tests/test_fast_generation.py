@@ -17,8 +17,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from model.cache import StaticHybridCache
 from model.generation import DecodeEngine, GenerationSpec, batch_bucket, engines_of, next_tokens
-from model.modeling import HybridForCausalLM, StaticHybridCache
+from model.modeling import HybridForCausalLM
 from model.sizes import config_for
 from tests.test_model_moe import _SYNCING_OPS, _RecordOps
 

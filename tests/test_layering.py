@@ -82,9 +82,72 @@ def test_the_libraries_import_no_distributed_tracking_or_pipeline_code() -> None
     assert not found, "model/ and kernels/ are libraries:\n" + "\n".join(sorted(set(found)))
 
 
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (at module level or inside a function); a package's own
+    ``__init__`` importing its submodules, or a submodule its package, is not an edge."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for imported, _, _ in _imports(path):
+            target = _project_target(imported, modules)
+            if target and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, successors = work[-1]
+            w = next(successors, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return sorted(out)
+
+
+def test_no_project_module_imports_itself_in_a_circle() -> None:
+    """No import cycle between modules, function-level imports included: a lazy import may avoid the cost of a
+    heavy or optional module, never hide a circle."""
+    cycles = _cycles(_import_graph(_modules()))
+    assert not cycles, "modules that import each other in a circle:\n" + "\n".join(
+        " <-> ".join(component) for component in cycles)
+
+
 def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch) -> None:
-    """The check itself: a model module that imports pipeline, or a pretrain module that imports posttrain, is
-    reported (so an empty report means something)."""
+    """The check itself: a model module that imports pipeline, a pretrain module that imports posttrain, or two
+    data modules that import each other (one of them inside a function), is reported (so an empty report means
+    something)."""
     fake = tmp_path
     for pkg in RANK:
         (fake / pkg).mkdir()
@@ -93,10 +156,13 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch) -> None:
     (fake / "pretrain" / "up.py").write_text("from posttrain.sft import run\n")
     (fake / "posttrain" / "sft.py").write_text("")
     (fake / "evaluation" / "tasks.py").write_text("from pretrain import up\n")
+    (fake / "data" / "one.py").write_text("from data.two import X\n")
+    (fake / "data" / "two.py").write_text("X = 1\n\n\ndef f():\n    from data import one\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake)
     for test, needle in ((test_every_project_import_points_down_the_layers, "pretrain.up imports posttrain.sft"),
                          (test_every_project_import_points_down_the_layers, "evaluation.tasks imports pretrain.up"),
-                         (test_the_libraries_import_no_distributed_tracking_or_pipeline_code, "pipeline")):
+                         (test_the_libraries_import_no_distributed_tracking_or_pipeline_code, "pipeline"),
+                         (test_no_project_module_imports_itself_in_a_circle, "data.one <-> data.two")):
         try:
             test()
         except AssertionError as e:

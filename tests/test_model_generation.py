@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.modeling import HybridCache, HybridForCausalLM
+from model.cache import HybridCache
+from model.modeling import HybridForCausalLM
 from model.sizes import config_for
 
 PATTERNS = {

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.lightning import lightning_decay_rates
+from model.cache import HybridCache
 from model.modeling import (
-    HybridCache,
     HybridForCausalLM,
     LightningAttention,
     RotaryEmbedding,

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import runner
+from pipeline import worker_env
 from pipeline.orchestrator import task_reserves_resources
-from pipeline.runner import StageTask, apply_env_defaults, execute_stage, forwarded_env
+from pipeline.runner import StageTask, execute_stage
 from pipeline.spec import ResourcesSpec
+from pipeline.worker_env import apply_env_defaults, forwarded_env
 from tests import stage_fixtures
 
 REPO = Path(__file__).parent.parent
@@ -33,7 +34,7 @@ def test_forwarded_variables_by_prefix_less_the_per_task_ones():
 
 def test_defaults_the_driver_filled_in_stay_on_the_driver(monkeypatch):
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    monkeypatch.setattr(runner, "_DEFAULTED", set())
+    monkeypatch.setattr(worker_env, "_DEFAULTED", set())
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
     apply_env_defaults()
     assert os.environ["DS_ACCELERATOR"] in ("cpu", "cuda")
@@ -98,7 +99,7 @@ def test_workers_a_stage_launches_get_the_forwarded_variables_and_their_own_thre
     assert seen["stage"] == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": user_accelerator or "cpu"}
     workers = seen["workers"]
     assert {k: workers[k] for k in sent} == sent
-    assert [workers[k] for k in runner.THREAD_VARS] == ["2"] * 4
+    assert [workers[k] for k in worker_env.THREAD_VARS] == ["2"] * 4
     assert workers["DS_ACCELERATOR"] == (user_accelerator or "cuda")  # the user's choice wins
     assert not {"CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT"} & set(workers)  # Ray Train sets those
 

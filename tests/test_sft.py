@@ -115,8 +115,8 @@ def test_sft_trainer_masks_all_but_the_assistant_tokens_and_their_end_marker(tmp
     from trl import SFTConfig, SFTTrainer
     from trl.chat_template_utils import is_chat_template_stop_token_trained
 
+    from data.tokenizer import special_token_ids
     from model import HybridForCausalLM, config_for
-    from pretrain.train import special_token_ids
     from tests.pretrain_fixtures import build_inputs
 
     inputs = build_inputs(tmp_path / "in", documents=20, vocab_size=512)

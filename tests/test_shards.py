@@ -116,7 +116,8 @@ def test_clean_writes_the_same_artifact_for_1_2_and_3_tasks(planted, tmp_path):
 
 
 def test_dedup_removes_duplicates_across_shards_and_writes_the_same_artifact_for_1_2_and_3_tasks(planted, tmp_path):
-    from data.dedup import STAGE, DedupParams
+    from data.dedup import STAGE
+    from data.dedup_params import DedupParams
 
     docs, copies = planted
     art = _artifact(tmp_path / "docs", docs)
@@ -142,7 +143,8 @@ def test_dedup_removes_duplicates_across_shards_and_writes_the_same_artifact_for
 
 
 def test_dedup_estimate_mode_writes_the_same_artifact_for_1_and_2_tasks(planted, tmp_path):
-    from data.dedup import STAGE, DedupParams
+    from data.dedup import STAGE
+    from data.dedup_params import DedupParams
 
     art = _artifact(tmp_path / "docs", planted[0])
     params = DedupParams(verify="estimate", bands=11, rows=11)
@@ -228,7 +230,8 @@ def test_a_stage_holding_every_cpu_runs_its_shard_tasks_without_deadlock(ray_2cp
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dedup_as_a_ray_stage_with_2_tasks_equals_the_one_task_artifact(ray_2cpus, planted, tmp_path):
-    from data.dedup import STAGE, DedupParams
+    from data.dedup import STAGE
+    from data.dedup_params import DedupParams
     from pipeline.runner import execute_stage
 
     ray = ray_2cpus

@@ -20,6 +20,7 @@ from kernels.softmax_varlen import (
     document_causal_attention,
     document_causal_attention_reference,
 )
+from model.cache import HybridCache
 from model.modeling import HybridForCausalLM, SequenceLayout
 from model.sizes import config_for
 
@@ -267,7 +268,7 @@ def test_packed_softmax_layer_refuses_a_kv_cache():
     layout = SequenceLayout.build(1, 8, 0, torch.device("cpu"), None, None, _cu([3, 5]))
     rope = model.model.rotary(layout.position_ids, torch.float32)
     with pytest.raises(ValueError, match="cannot use a KV cache"):
-        layer(torch.randn(1, 8, 64), layout, rope, modeling.HybridCache())
+        layer(torch.randn(1, 8, 64), layout, rope, HybridCache())
 
 
 # ---- memory -------------------------------------------------------------------------------------------------
