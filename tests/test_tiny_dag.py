@@ -295,16 +295,19 @@ def test_a_forced_rerun_that_reproduces_its_payload_keeps_its_digest_and_its_dep
 
 
 def test_tiny_dag_records_the_sandbox_containment_of_every_stage_that_checked_code(tiny):
-    """Stages that run model-written code in the sandbox say, in MLflow and in their report, what contained it
-    (issue 23: a best_effort run must be visible beside its numbers)."""
+    """Stages that may run model-written code in the sandbox say, in MLflow and in their report, what contained it
+    (issue 23: a best_effort run must be visible beside its numbers). reward_model runs every code prompt's
+    reference solution, so its record has runs and their fields; the tiny policy's responses hold no code block,
+    so sft_short, grpo and eval_grpo may record none."""
     first = tiny["first"]
     c = tracking.client(f"sqlite:///{tiny['root'] / 'mlflow.db'}")
     for stage, record in (("reward_model", "reward_report.json"), ("sft_short", "sft_report.json"),
                           ("grpo", "rl_report.json"), ("eval_grpo", "timing.json")):
         tags = c.get_run(first["stages"][stage]["run_id"]).data.tags
-        assert tags["hylight.sandbox.containment"] == "require", (stage, tags)
-        assert int(tags["hylight.sandbox.runs"]) > 0, (stage, tags)
-        assert tags["hylight.sandbox.filesystem"] == "private" and tags["hylight.sandbox.memory_limit"] == "cgroup"
+        ours = {k.removeprefix("hylight.sandbox."): v for k, v in tags.items() if k.startswith("hylight.sandbox.")}
+        assert ours["containment"] == "require" and int(ours["runs"]) >= 0, (stage, ours)
+        if int(ours["runs"]) > 0 or stage == "reward_model":
+            assert int(ours["runs"]) > 0, (stage, ours)
+            assert (ours["filesystem"], ours["pid_namespace"], ours["memory_limit"]) == ("private", "true", "cgroup")
         saved = json.loads((Path(first["stages"][stage]["artifact"]) / record).read_text())["sandbox"]
-        assert saved == {k.removeprefix("hylight.sandbox."): v for k, v in tags.items()
-                         if k.startswith("hylight.sandbox.")}
+        assert saved == ours, (stage, saved, ours)
