@@ -178,6 +178,8 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
 
 def section_table(model, theirs, device: torch.device, workloads: list[tuple[int, int, int]], bw: float,
                   slow_new_cap: int) -> list[dict]:
+    from model.generation import use_compile
+
     rows = []
     args = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     for batch, prompt, new in workloads:
@@ -195,7 +197,7 @@ def section_table(model, theirs, device: torch.device, workloads: list[tuple[int
         # the slow loops get fewer new tokens where they would take minutes; tok/s is per generated token
         slow_new = min(new, slow_new_cap)
         t_old, _ = timed(lambda: ours(slow_new, False), device, 1)
-        row = {"kind": "table", "compile": __import__("model.generation").generation.use_compile(device),
+        row = {"kind": "table", "compile": use_compile(device),
                "stacked_projections": os.environ.get("HYLIGHT_DECODE_STACKED", "1") != "0",
                "router_reduction": os.environ.get("HYLIGHT_DECODE_ROUTER_REDUCE", "1") != "0", "batch": batch, "prompt": prompt, "new": new, "hylight_tok_s": batch * new / t_fast,
                "hylight_decode_tok_s": batch * (new - 1) / st.decode_seconds, "prefill_s": st.prefill_seconds,

@@ -169,7 +169,7 @@ class SwiGLUExperts(nn.Module):
         """x [N, d]; top_i/top_w/keep [N, k] -> sum over kept slots of w * FFN_e(x) [N, d]."""
         path = self.path_for(x, top_i.shape[1])
         if path == "gemv":
-            from kernels.moe_decode import moe_decode_ffn  # heavy: torch
+            from kernels.moe_decode import moe_decode_ffn
 
             return moe_decode_ffn(x, self.gate_up_proj, self.down_proj, top_i, top_w.masked_fill(~keep, 0))
         if path == "dense":

@@ -28,7 +28,7 @@ def recorded_balance_losses(model: torch.nn.Module) -> Iterator[list[torch.Tenso
     (DDP, PEFT). A forward without statistics (a decode step) returns none and adds nothing. Every forward of
     that backbone counts, so a reference computed on the same backbone (PEFT DPO with adapters off) would count
     too. The stages' DPO reference is a separate model."""
-    from model.modeling import HybridModel  # heavy: transformers, torch
+    from model.modeling import HybridModel  # heavy: transformers
 
     backbones = [m for m in model.modules() if isinstance(m, HybridModel)]
     if len(backbones) != 1:

@@ -43,8 +43,8 @@ included. A memory cgroup caps the whole run's memory, tmpfs pages included: RLI
 What a machine without these gets, reported in the same fields rather than refused: not root, or no mount
 namespace, leaves the host's filesystem (``filesystem="shared"``: world-readable files are readable, and
 ``/tmp`` writes outlive the run) and process table. No writable memory cgroup (v1 ``memory`` hierarchy, or v2
-with the memory controller) leaves RLIMIT_AS per process (``memory_limit="rlimit"``). The "guard" network mode blocks Python's socket module but not
-libc called through ctypes. ``SandboxLimits(private_filesystem=False, use_cgroup=False, network="guard")`` runs
+with the memory controller) leaves RLIMIT_AS per process (``memory_limit="rlimit"``). The "guard" network mode
+blocks Python's socket module but not libc called through ctypes. ``SandboxLimits(private_filesystem=False, use_cgroup=False, network="guard")`` runs
 those fallbacks on purpose.
 """
 
@@ -112,17 +112,16 @@ _SEEN_LOCK = threading.Lock()
 _RECORDED = ("filesystem", "pid_namespace", "memory_limit", "process_limit", "network_mode")
 
 
-def containment_record(reset: bool = True) -> dict[str, str]:
-    """The containment the sandbox's runs in this process had since the last call (``reset``): the mode asked for
-    (``HYLIGHT_SANDBOX_CONTAINMENT``), the number of runs, and each recorded field's values across them
+def containment_record() -> dict[str, str]:
+    """The containment the sandbox's runs in this process had since the last call, which it then forgets: the mode
+    asked for (``HYLIGHT_SANDBOX_CONTAINMENT``), the number of runs, and each recorded field's values across them
     (``filesystem: "private"``, or ``"private,shared"`` if some ran weaker). Stages that check code put it in their
     report and their MLflow tags, so a ``best_effort`` run is visible beside the numbers it produced."""
     with _SEEN_LOCK:
         out = {"containment": _default_containment(), "runs": str(_RUNS[0])}
         out |= {f: ",".join(sorted(_SEEN[f])) for f in _RECORDED if f in _SEEN}
-        if reset:
-            _SEEN.clear()
-            _RUNS[0] = 0
+        _SEEN.clear()
+        _RUNS[0] = 0
     return out
 
 

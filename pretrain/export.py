@@ -27,7 +27,7 @@ def export_checkpoint(module: torch.nn.Module, model_config: Any, cfg: Any, rank
     state = export_model_state(module)
     if rank != 0:
         return
-    from model import HybridForCausalLM  # heavy: transformers, torch
+    from model import HybridForCausalLM  # heavy: transformers
 
     model_config.use_cache = True  # training turned it off; generation wants the O(1) lightning cache
     model = HybridForCausalLM(model_config)
@@ -40,7 +40,7 @@ def write_checkpoint_dirs(model: Any, tokenizer_dir: str | Path, out: Path) -> N
     and generation config (bos/pad, eos = [eos, end-of-turn]). Post-training stages write their policies with it."""
     from transformers import AutoConfig, GenerationConfig
 
-    from model.hf_minimax import save_as_minimax  # heavy: transformers, torch
+    from model.hf_minimax import save_as_minimax  # heavy: transformers
 
     ids = special_token_ids(tokenizer_dir)
     model.config.use_cache = True

@@ -501,7 +501,7 @@ def _global_aux_moe(sp: SequenceParallel, moe, forward, hidden, token_mask=None)
 def _is_moe_feed_forward(module: torch.nn.Module) -> bool:
     """Both MoE layers honour ``forward(hidden, token_mask) -> MoEOutput`` with router logits and slot counts,
     which is all the global balance loss reads. DeepSpeed is imported only for a model that has its layers."""
-    from model.moe import MoEFeedForward  # heavy: transformers, torch
+    from model.moe import MoEFeedForward  # heavy: transformers
 
     if isinstance(module, MoEFeedForward):
         return True
@@ -515,7 +515,7 @@ def apply_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup | N
     ``group`` (default: the world): lightning layers LASP+, softmax layers the K/V all-gather, MoE layers a
     global balance loss. Replaces the attention modules' ``attend`` seam and the MoE ``forward`` on the
     instances; the model's classes are untouched."""
-    from model.modeling import LightningAttention, SoftmaxAttention  # heavy: transformers, torch
+    from model.modeling import LightningAttention, SoftmaxAttention  # heavy: transformers
 
     if not dist.is_initialized():
         raise RuntimeError("apply_sequence_parallel: torch.distributed is not initialised (init_process_group first)")
@@ -581,7 +581,7 @@ def expected_step_bytes(config, layout: ShardLayout, batch: int, dtype: torch.dt
     (float32 for bf16 models): O(d²) per rank, independent of the sequence length. softmax: per layer K and V,
     forward and backward, 4 · N·B·H_kv·D·e_model: O(N). moe_aux: per layer 2 · (2E+1)·e_f32+.
     """
-    from model.configuration import LIGHTNING, SOFTMAX  # heavy: transformers, torch
+    from model.configuration import LIGHTNING, SOFTMAX  # heavy: transformers
 
     state_e = torch.empty((), dtype=compute_dtype(dtype)).element_size()
     model_e = torch.empty((), dtype=dtype).element_size()

@@ -267,7 +267,7 @@ def _loopback_store(rank: int, world: int) -> Any:
 
 def build_model(cfg: TrainConfig) -> Any:
     import model  # noqa: F401  (registers the Auto classes)
-    from model import HybridForCausalLM, config_for  # heavy: transformers, torch
+    from model import HybridForCausalLM, config_for  # heavy: transformers
 
     special = special_token_ids(cfg.tokenizer_dir)
     overrides = {
@@ -293,7 +293,7 @@ def build_model(cfg: TrainConfig) -> Any:
 
 def _model_from_checkpoint(cfg: TrainConfig, overrides: dict[str, Any]) -> Any:
     """The model saved in ``cfg.init_from`` (a checkpoint's ``model/``), its config updated by ``overrides``."""
-    from model import HybridConfig, HybridForCausalLM  # heavy: transformers, torch
+    from model import HybridConfig, HybridForCausalLM  # heavy: transformers
 
     mc = HybridConfig.from_pretrained(cfg.init_from)
     if mc.vocab_size != overrides["vocab_size"]:
@@ -357,7 +357,7 @@ def compile_layers(model: torch.nn.Module, mode: str | None = None) -> None:
     """torch.compile the RMSNorms and the MoE feed-forwards in place: it fuses the fp32 norm arithmetic and the
     routing/dispatch elementwise work. The attention layers stay eager (their Triton and FlexAttention kernels
     are compiled already, and the packed-document bookkeeping around them does not lower in inductor)."""
-    from model.modeling import RMSNorm  # heavy: transformers, torch
+    from model.modeling import RMSNorm  # heavy: transformers
     from pretrain.moe import DeepSpeedMoEFeedForward  # heavy: deepspeed, transformers
 
     for module in model.modules():
@@ -541,11 +541,11 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     import deepspeed
     import torch.distributed as dist
 
-    from pretrain.loss import install_loss  # heavy: torch
+    from pretrain.loss import install_loss
     from pretrain.moe import install_deepspeed_moe  # heavy: deepspeed, transformers
-    from pretrain.packed_data import PackedRows, RowLoader, make_batch, unigram_loss  # heavy: torch
+    from pretrain.packed_data import PackedRows, RowLoader, make_batch, unigram_loss
     from pretrain.schedules import BatchSizeSchedule, WSDSchedule  # heavy: matplotlib
-    from pretrain.sequence_parallel import (  # heavy: torch
+    from pretrain.sequence_parallel import (
         apply_sequence_parallel,
         loss_share,
         sequence_parallel_output,
@@ -568,7 +568,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     tokens_per_row = cfg.seq_len
     probe = None
     if cfg.probe_every:
-        from pretrain.probe import RetrievalProbe  # heavy: torch
+        from pretrain.probe import RetrievalProbe
 
         if cfg.probe_every % cfg.log_every or grid.sequence_parallel > 1:
             raise ValueError(f"probe_every={cfg.probe_every} must be a multiple of log_every={cfg.log_every}, "
@@ -625,7 +625,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         emit("progress", {"message": f"resumed from step {step} ({tokens_seen:,} tokens) in {ckpt_dir}"}, rank)
 
     peak = measured_peak_flops(device)
-    from model.accounting import packed_flops  # heavy: transformers, torch
+    from model.accounting import packed_flops  # heavy: transformers
 
     log_path = Path(cfg.export_dir) / TRAIN_LOG
     Path(cfg.export_dir).mkdir(parents=True, exist_ok=True)
@@ -789,7 +789,7 @@ def evaluate(engine: Any, eval_rows: Any, make_batch: Any, cfg: TrainConfig, dev
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from pretrain.sequence_parallel import (  # heavy: torch
+    from pretrain.sequence_parallel import (
         IGNORE_INDEX,
         sequence_parallel_output,
         shard_batch,
