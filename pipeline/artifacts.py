@@ -116,6 +116,30 @@ def write_jsonl_atomic(path: Path, rows: Iterable[Any]) -> None:
             f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
 
 
+def publish_dir(tmp: Path, dest: Path, *, replace: bool = True) -> None:
+    """Move a finished directory ``tmp`` (written in full beside ``dest``) onto ``dest``: its files are fsynced,
+    then one rename, then the parent's entry fsynced, so ``dest`` is whole or absent after a crash.
+
+    ``replace``: an existing ``dest`` (a previous attempt's) is removed first; else an existing ``dest`` is an
+    error. ``tmp`` and ``dest`` must be on one filesystem (a rename), e.g. siblings."""
+    tmp, dest = Path(tmp), Path(dest)
+    for path in sorted(tmp.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [tmp, *sorted(p for p in tmp.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        _fsync_dir(d)
+    if dest.exists() or dest.is_symlink():
+        if not replace:
+            raise FileExistsError(errno.EEXIST, "publish_dir: destination exists", str(dest))
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        else:
+            dest.unlink()
+    os.replace(tmp, dest)
+    _fsync_dir(dest.parent)
+
+
 # --- verification ---------------------------------------------------------------------------------
 def _sha256_and_sync(path: Path) -> str:
     """sha256 of a file just written, which is also flushed to disk (fsync works on a read-only fd on Linux)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import cli
-from pipeline.artifacts import QUARANTINE_DIR, ArtifactStore, ArtifactWriteError, check_artifact
+from pipeline.artifacts import QUARANTINE_DIR, ArtifactStore, ArtifactWriteError, check_artifact, publish_dir
 from pipeline.runner import StageTask, execute_stage
 from pipeline.stage import CHECKOUT_ROOT, MANIFEST_NAME, file_fingerprint
 
@@ -407,3 +407,25 @@ def test_a_report_write_that_fails_keeps_the_old_report_whole_and_names_it(tmp_p
     with pytest.raises(OSError, match="report.json"):
         artifacts.write_text_atomic(report, '{"new": 2}\n')
     assert report.read_text() == '{"old": 1}\n' and os.listdir(tmp_path) == ["report.json"]
+
+
+def test_publish_dir_replaces_a_previous_attempt_whole(tmp_path: Path) -> None:
+    """publish_dir moves the finished directory in one rename: the old contents are gone, nothing is left beside it,
+    and with replace=False an existing destination is refused and left as it was."""
+    dest = tmp_path / "model"
+    dest.mkdir()
+    (dest / "stale.bin").write_bytes(b"old")
+    tmp = tmp_path / ".model.tmp"
+    (tmp / "sub").mkdir(parents=True)
+    (tmp / "weights.bin").write_bytes(b"new")
+    (tmp / "sub" / "config.json").write_text("{}")
+    publish_dir(tmp, dest)
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*")) == ["sub", "sub/config.json", "weights.bin"]
+    assert (dest / "weights.bin").read_bytes() == b"new"
+    assert not tmp.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    other = tmp_path / ".other.tmp"
+    other.mkdir()
+    (other / "x").write_text("x")
+    with pytest.raises(FileExistsError):
+        publish_dir(other, dest, replace=False)
+    assert (dest / "weights.bin").read_bytes() == b"new" and (other / "x").exists()
