@@ -17,11 +17,9 @@ import torch
 
 def time_path(experts, path: str, x, top_i, top_w, keep, repeats: int, backward: bool) -> float:
     """Best microseconds per call over ``repeats`` batches of calls (after a warm-up)."""
-    fn = getattr(experts, f"forward_{path}")
-
     def once() -> None:
         xx = x.detach().requires_grad_(backward)
-        y = fn(xx, top_i, top_w, keep)
+        y = experts(xx, top_i, top_w, keep, path=path)
         if backward:
             y.backward(torch.ones_like(y))
 

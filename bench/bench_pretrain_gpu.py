@@ -7,10 +7,12 @@ Run on one H100 (the device tool) from the repo root:
 
 Sections:
   moe      one MoE layer alone (16K tokens, d 1024, 8 experts, FFN 1536, top-2, bf16, fwd+bwd): dense matmuls of the
-           same FLOPs (the ceiling), model/moe.py (token drop / dropless), DeepSpeed's classic
-           deepspeed.moe.layer.MoE (einsum dispatch), pretrain/moe.py's DeepSpeedMoEFeedForward (drop / dropless)
+           same FLOPs (the ceiling), model/moe.py (token drop / dropless), pretrain/moe.py's DeepSpeedMoEFeedForward
+           (drop / dropless; with --compile both also compiled), transformers' MiniMaxSparseMoeBlock, DeepSpeed's
+           classic deepspeed.moe.layer.MoE (einsum dispatch)
   step     the whole training step (fwd + bwd + optimizer) of `gpu-300m` at each T x B: hylight as the pretrain
-           stage runs it (DeepSpeed engine, ZeRO-1, bf16, fused torch AdamW, packed documents with cu_seqlens)
+           stage runs it (DeepSpeed engine, ZeRO-1, bf16, fused torch AdamW, packed documents with cu_seqlens),
+           the library's step (HybridForCausalLM with model/moe.py, no DeepSpeed: what post-training trains with)
            and transformers' MiniMaxForCausalLM built from the same config (bf16, fused torch AdamW, [B, T] rows),
            interleaved in one process; tokens/s and MFU (FLOPs from model/accounting.py, peak from a measured
            bf16 matmul)
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ZERO_STAGE = 1  # --zero
 DOC_LEN = 0  # --doc-len: mean document length of hylight's packed rows (0: one document per row)
 COMPILE_MODE = "auto"  # --compile-mode: "auto" = what the stage picks (pretrain.train.compile_mode)
+COMPILE_MOE = False  # --compile: the moe section also times the compiled layers
 
 
 def _cuda_time(fn, reps: int, warmup: int) -> float:
@@ -105,17 +108,18 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
         return (torch.nn.functional.silu(g) * u) @ w2.t()
 
     run("dense matmuls, same FLOPs (ceiling)", None, dense)
+
+    class Holder(torch.nn.Module):
+        def __init__(self, moe):
+            super().__init__()
+            self.moe = moe
+
     for drop in (True, False):
         ref = MoEFeedForward(d, F, E, k, capacity_factor=1.25, token_drop=drop).to(dev, dt)
         for p in ref.parameters():
             torch.nn.init.normal_(p, std=0.02)
         ref.train()
         run(f"model/moe.py ({'token drop' if drop else 'dropless'})", ref, lambda m, x: m(x).hidden)
-
-        class Holder(torch.nn.Module):
-            def __init__(self, moe):
-                super().__init__()
-                self.moe = moe
 
         ref32 = copy.deepcopy(ref).float()
         h = Holder(ref)
@@ -144,6 +148,33 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
         def forward(self, x):
             g, u = self.w13(x).chunk(2, -1)
             return self.w2(torch.nn.functional.silu(g) * u)
+
+    if COMPILE_MOE:  # as the stage runs its MoE layers (pretrain.train.compile_layers), library and stage alike
+        for drop in (True, False):
+            lib = MoEFeedForward(d, F, E, k, capacity_factor=1.25, token_drop=drop).to(dev, dt)
+            for p in lib.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+            lib.train()
+            holder = Holder(copy.deepcopy(lib))
+            install_deepspeed_moe(holder)
+            holder.train()
+            tag = "token drop" if drop else "dropless"
+            for name, module in ((f"model/moe.py, compiled ({tag})", lib),
+                                 (f"pretrain/moe.py DeepSpeedMoEFeedForward, compiled ({tag})", holder.moe)):
+                module.compile(dynamic=False)
+                run(name, module, lambda m, x: m(x).hidden)
+
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax.modeling_minimax import MiniMaxSparseMoeBlock
+
+    hf_cfg = MiniMaxConfig(hidden_size=d, intermediate_size=F, num_local_experts=E, num_experts_per_tok=k,
+                           router_jitter_noise=0.0)
+    hf_cfg._experts_implementation = "grouped_mm"  # what MiniMaxForCausalLM picks (a lone block gets none)
+    hf_block = MiniMaxSparseMoeBlock(hf_cfg).to(dev, dt)
+    for p in hf_block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    hf_block.train()
+    run("transformers MiniMaxSparseMoeBlock (dropless, grouped_mm)", hf_block, lambda m, x: m(x))
 
     classic = MoE(d, Expert(), num_experts=E, ep_size=1, k=k, capacity_factor=1.25, min_capacity=0,
                   drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=False).to(dev, dt)
@@ -230,6 +261,43 @@ def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
     return cfg, step, flops
 
 
+def library_step(size: str, T: int, B: int, compile_: bool):
+    """(step function, FLOPs) of the library's training step, what post-training and a user importing ``model/``
+    train with: ``HybridForCausalLM`` with ``model/moe.py``'s MoE (token drop), bf16 weights, fused torch AdamW,
+    clip 1.0, no DeepSpeed, the model's own loss; the same packed batch as the stage's step. With ``compile_`` the
+    same modules the stage compiles (RMSNorms, MoE layers), in the stage's mode."""
+    from model import HybridForCausalLM, config_for
+    from model.accounting import packed_flops
+    from model.modeling import RMSNorm
+    from model.moe import MoEFeedForward
+    from pretrain.train import optimizer_groups
+
+    dev = torch.device("cuda")
+    cfg = config_for(size, max_position_embeddings=max(8192, T), use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = HybridForCausalLM(cfg).to(torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    if compile_:
+        mode = COMPILE_MODE if COMPILE_MODE != "auto" else "reduce-overhead"  # the stage's pick on one GPU
+        for module in model.modules():
+            if isinstance(module, RMSNorm | MoEFeedForward):
+                module.compile(dynamic=False, mode=mode)
+    batch = _packed_batch(B, T, cfg.vocab_size, dev)
+    flops = packed_flops(cfg, batch["cu_seqlens"].diff().tolist())
+
+    def step():
+        out = model(**batch, output_router_logits=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    return step, flops
+
+
 def mode_check(size: str, T: int = 2048, B: int = 8, steps: int = 4) -> dict:
     """The same model, batch and seed trained a few steps with each torch.compile mode of the compiled modules:
     the losses must agree (bf16, atomics in the MoE combine: not bit-equal)."""
@@ -291,9 +359,11 @@ def _step_pair(T: int, B: int, steps: int, warmup: int, size: str, compile_: boo
         hf_opt.step()
         hf_opt.zero_grad(set_to_none=True)
 
-    times = {"hylight": [], "transformers MiniMax": []}
-    for _round in range(2):  # interleaved: ours, theirs, ours, theirs
-        for name, fn in (("hylight", ours_step), ("transformers MiniMax", hf_step)):
+    lib_step, lib_flops = library_step(size, T, B, compile_)
+    lib_name = "hylight library (model/, no DeepSpeed)"
+    times = {"hylight": [], lib_name: [], "transformers MiniMax": []}
+    for _round in range(2):  # interleaved: ours, the library's, theirs, ours, ...
+        for name, fn in (("hylight", ours_step), (lib_name, lib_step), ("transformers MiniMax", hf_step)):
             try:
                 times[name].append(_cuda_time(fn, steps, warmup))
             except torch.OutOfMemoryError as e:
@@ -302,12 +372,12 @@ def _step_pair(T: int, B: int, steps: int, warmup: int, size: str, compile_: boo
                 torch.cuda.empty_cache()
     # FLOPs of each model's own batch: MiniMax's [B, T] rows are one causal sequence each; hylight's packed rows
     # count softmax attention within their documents (model.accounting.packed_flops; equal with --doc-len 0)
-    step_flops = {"hylight": ours_flops, "transformers MiniMax": B * T * flops_per_token(cfg, T).total}
+    step_flops = {"hylight": ours_flops, lib_name: lib_flops, "transformers MiniMax": B * T * flops_per_token(cfg, T).total}
     mem = torch.cuda.max_memory_allocated() / 2**30
     for name, ts in times.items():
         ms = min(ts)
         tps = B * T / (ms / 1e3)
-        results.append({"T": T, "B": B, "model": name, "doc_len": DOC_LEN if name == "hylight" else 0, "ms": ms,
+        results.append({"T": T, "B": B, "model": name, "doc_len": 0 if name == "transformers MiniMax" else DOC_LEN, "ms": ms,
                         "tokens_per_s": tps, "mfu": step_flops[name] / (ms / 1e3) / peak, "peak_mem_gb": mem})
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -436,8 +506,8 @@ def main() -> int:
     ap.add_argument("--zero", type=int, default=1, help="DeepSpeed ZeRO stage of hylight's engine (the stage uses 1|2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
-    global ZERO_STAGE, DOC_LEN, COMPILE_MODE
-    ZERO_STAGE, DOC_LEN, COMPILE_MODE = args.zero, args.doc_len, args.compile_mode
+    global ZERO_STAGE, DOC_LEN, COMPILE_MODE, COMPILE_MOE
+    ZERO_STAGE, DOC_LEN, COMPILE_MODE, COMPILE_MOE = args.zero, args.doc_len, args.compile_mode, args.compile
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")

@@ -1,10 +1,15 @@
 """The MoE feed-forward (report §2.1, eq. 1): a top-k softmax router over SwiGLU experts.
 
-Contract for a swappable feed-forward (the pretraining stage replaces this module with DeepSpeed-MoE layers
-and a global router; the decoder layer only relies on this): ``forward(hidden [B, T, d], token_mask [B, T]
-bool or None) -> MoEOutput`` whose ``hidden`` has the input's shape, ``aux_loss`` is the unscaled balance
-loss (the model multiplies by ``router_aux_loss_coef``) and the counters say how many token slots were
-routed and dropped.
+The one MoE of hylight. The decoder layer relies only on ``forward(hidden [B, T, d], token_mask [B, T] bool or
+None) -> MoEOutput`` whose ``hidden`` has the input's shape, ``aux_loss`` is the unscaled balance loss (the model
+multiplies by ``router_aux_loss_coef``) and the counters say how many token slots were routed and dropped. The
+pretraining stage swaps in ``pretrain.moe.DeepSpeedMoEFeedForward``: this class on DeepSpeed-MoE, overriding two
+hooks (the global router's capacity, expert parallelism); routing, admission, dispatch and the experts are here.
+
+Layout of one call: N tokens, k slots each, slots numbered choice-rank major (slot s = choice s // N of token
+s % N). Admission (:func:`admit`) and dispatch (:func:`dispatch_combine`) both work on that slot order: one stable
+sort groups the kept slots by expert, the experts run on contiguous rows (two grouped GEMMs on a GPU), and the
+outputs come back by the inverse permutation. A few tokens (decode) skip the sort (the ``gemv``/``dense`` paths).
 
 Routing. Eq. 1 takes the softmax over the top-k logits. The released MiniMax (transformers'
 ``MiniMaxTopKRouter``) takes the softmax over all E logits, keeps the top k and renormalises them. The two are
@@ -27,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -148,10 +154,11 @@ def _capturing(device: torch.device) -> bool:
 class SwiGLUExperts(nn.Module):
     """E SwiGLU FFNs stored as stacked weights (the released layout): gate_up [E, 2F, d], down [E, d, F].
 
-    ``forward`` has four interchangeable paths, equal up to float rounding (tests/test_model_moe.py):
-    ``gemv`` (a few tokens: Triton matrix-vector kernels over the chosen experts only), ``dense`` (small N, every
-    expert on every token), ``grouped`` (slots sorted by expert, two grouped GEMMs) and ``loop`` (one expert at a
-    time, the reference); :meth:`path_for` picks one."""
+    Four interchangeable paths, equal up to float rounding (tests/test_model_moe.py), which :meth:`path_for` picks
+    among: ``gemv`` (a few tokens: Triton matrix-vector kernels over the chosen experts only) and ``dense`` (small N,
+    every expert on every token) work on the tokens as they are; ``grouped`` (two grouped GEMMs) and ``loop`` (one
+    expert at a time) work on slots sorted by expert (:func:`dispatch_combine`, the MoE layer's dispatch).
+    :meth:`forward_reference` is the plain per-expert reference the tests compare them with."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -164,34 +171,49 @@ class SwiGLUExperts(nn.Module):
         return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def forward(
-        self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
+        self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor, path: str | None = None
     ) -> torch.Tensor:
-        """x [N, d]; top_i/top_w/keep [N, k] -> sum over kept slots of w * FFN_e(x) [N, d]."""
-        path = self.path_for(x, top_i.shape[1])
+        """x [N, d]; top_i/top_w/keep [N, k] -> sum over kept slots of w * FFN_e(x) [N, d] (``path``: forced)."""
+        path = path or self.path_for(x, top_i.shape[1])
+        if path in TOKEN_PATHS:
+            return self.forward_tokens(path, x, top_i, top_w, keep)
+        slot_expert, slot_keep = top_i.t().reshape(-1), keep.t().reshape(-1)
+        kept = slots_per_expert(torch.where(slot_keep, slot_expert, self.num_experts), self.num_experts)
+        return dispatch_combine(x, slot_expert, top_w.t().reshape(-1), slot_keep, kept, top_i.shape[1],
+                                lambda rows, counts: self.forward_sorted(rows, counts, path))
+
+    def forward_tokens(
+        self, path: str, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The paths that need no sort: ``gemv`` and ``dense``."""
         if path == "gemv":
-            from kernels.moe_decode import moe_decode_ffn
+            from kernels.moe_decode import moe_decode_ffn  # imports Triton: only where a decode step runs it
 
             return moe_decode_ffn(x, self.gate_up_proj, self.down_proj, top_i, top_w.masked_fill(~keep, 0))
-        if path == "dense":
-            return self.forward_dense(x, top_i, top_w, keep)
-        if path == "grouped":
-            return self.forward_grouped(x, top_i, top_w, keep)
-        return self.forward_loop(x, top_i, top_w, keep)
+        return self.forward_dense(x, top_i, top_w, keep)
 
-    def path_for(self, x: torch.Tensor, top_k: int = 2) -> str:
+    def forward_sorted(self, rows: torch.Tensor, counts: torch.Tensor, path: str) -> torch.Tensor:
+        """rows [M, d] grouped by expert (``counts`` [E] rows each, in expert order; rows past their sum are
+        ignored and their outputs undefined) -> each row's expert output [M, d], in the experts' compute dtype."""
+        if path == "grouped":
+            return self.forward_grouped(rows, counts)
+        return self.forward_loop(rows, counts)
+
+    def path_for(self, x: torch.Tensor, top_k: int = 2, tokens_paths: bool = True) -> str:
         """The path for N = len(x) tokens when no gradient is taken (decode): "gemv" where fewer slots than experts
         are routed (N * top_k < E, batch-1 decode; GEMV_DEVICES), else "dense" for small N (DENSE_MAX_TOKENS,
         DENSE_MAX_MACS_CPU); with gradients, or above those sizes, "grouped" where the grouped GEMM runs
         (GROUPED_MM_DEVICES), else "loop". Not dense with gradients: an expert a token did not choose is computed
         and masked, and an inf in its activations would turn the masked zero gradient into NaN (0 * inf) in the
-        weights' gradients."""
+        weights' gradients. ``tokens_paths=False``: only "grouped" or "loop" (a rank that holds only some experts)."""
         n = x.shape[0]
         d, f = self.down_proj.shape[1:]
         dense_macs = n * self.num_experts * 3 * d * f
         grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad)
-        if not grad and n * top_k < self.num_experts and x.device.type in GEMV_DEVICES:
+        small = tokens_paths and not grad
+        if small and n * top_k < self.num_experts and x.device.type in GEMV_DEVICES:
             return "gemv"
-        if not grad and n <= DENSE_MAX_TOKENS and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU):
+        if small and n <= DENSE_MAX_TOKENS and (x.device.type != "cpu" or dense_macs <= DENSE_MAX_MACS_CPU):
             return "dense"
         if x.device.type in GROUPED_MM_DEVICES:
             key = (x.device, _compute_dtype(x), d, f)
@@ -204,14 +226,14 @@ class SwiGLUExperts(nn.Module):
                 known = grouped_mm_supported(*key)
             if known and (key[1] == torch.bfloat16 or not tracing):
                 return "grouped"
-            if tracing and not grad:
+            if tracing and small:
                 return "dense"
         return "loop"
 
-    def forward_loop(
+    def forward_reference(
         self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
     ) -> torch.Tensor:
-        """The reference: one expert at a time over the slots that chose it (a host sync per expert)."""
+        """The reference: one expert at a time over the (token, slot) pairs that chose it, no sort."""
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             token, slot = torch.where((top_i == e) & keep)
@@ -219,6 +241,19 @@ class SwiGLUExperts(nn.Module):
                 continue
             y = self.expert(e, x[token]) * top_w[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
+        return out
+
+    def forward_loop(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Sorted rows through one expert at a time: reads the group bounds on the host (a sync per expert on a
+        GPU; none to save on a CPU)."""
+        out = torch.zeros_like(rows)
+        ends = counts.cumsum(0)
+        start = 0
+        for e in range(self.num_experts):
+            end = int(ends[e])
+            if end > start:
+                out[start:end] = self.expert(e, rows[start:end]).to(rows.dtype)
+            start = end
         return out
 
     def forward_dense(
@@ -235,26 +270,92 @@ class SwiGLUExperts(nn.Module):
         y = torch.where(selected.t()[..., None], y, 0) * weight.t()[..., None]
         return y.sum(0)
 
-    def forward_grouped(
-        self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
-    ) -> torch.Tensor:
-        """Kept slots sorted by expert through two grouped GEMMs (``torch._grouped_mm``): no sync.
-
-        Slots not kept sort into a trailing group past the last offset; the grouped GEMM leaves those rows
-        undefined, so they are masked with ``where`` on the way in and out."""
-        k, e = top_i.shape[1], self.num_experts
-        key = torch.where(keep, top_i, e).reshape(-1)  # [N*k], token-major; not kept -> group E
-        order = torch.sort(key, stable=True).indices  # by expert, token order within an expert
-        token = order // k
-        offs = slots_per_expert(key, e).cumsum(0).to(torch.int32)
-        kept = keep.reshape(-1)[order][:, None]
-        dtype = _compute_dtype(x)
-        rows = torch.where(kept, x[token], 0).to(dtype)
-        h = torch._grouped_mm(rows, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)  # [N*k, 2F]
+    def forward_grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Sorted rows through two grouped GEMMs (``torch._grouped_mm``, all experts in one kernel each): no sync."""
+        dtype = _compute_dtype(rows)
+        offs = counts.cumsum(0, dtype=torch.int32)
+        h = torch._grouped_mm(rows.to(dtype), self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)  # [M, 2F]
         gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
-        y = torch.where(kept, y, 0) * top_w.reshape(-1)[order][:, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
+
+
+# the paths of SwiGLUExperts that take the tokens as they are (no dispatch); the others take sorted slots
+TOKEN_PATHS = frozenset({"gemv", "dense"})
+
+
+# --- dispatch and combine: slots sorted by expert, in and out by one permutation -------------------------------
+
+
+def dispatch_combine(
+    x: torch.Tensor,
+    slot_expert: torch.Tensor,
+    slot_weight: torch.Tensor,
+    keep: torch.Tensor,
+    kept: torch.Tensor,
+    top_k: int,
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """out[t] = sum over token t's kept slots of weight * FFN_expert(x[t]) [N, d].
+
+    Slots are choice-rank major (slot s = choice s // N of token s % N): ``slot_expert``, ``slot_weight`` and
+    ``keep`` are [k*N]; ``kept`` [E] counts the kept slots per expert. One stable sort groups the kept slots by
+    expert (dropped and padding last, token order within an expert); ``experts(rows, kept)`` maps the sorted rows to
+    their outputs (one device's experts, or an all-to-all to their owners). Dispatch and combine are gathers by the
+    sort's permutation and its inverse, forward and backward (no scatter-add, see :class:`_RowsToSlots`)."""
+    n = x.shape[0]
+    num_experts = kept.shape[0]
+    order = torch.sort(torch.where(keep, slot_expert, num_experts), stable=True).indices
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    src = order % n  # the token of each sorted slot
+    keep_sorted = keep[order][:, None]
+    if torch.is_grad_enabled():
+        rows = _RowsToSlots.apply(x, src, inverse, top_k)
+    else:  # inference (a compiled decode step): the plain gathers, nothing for autograd to trace
+        rows = x.index_select(0, src)
+    rows = torch.where(keep_sorted, rows, 0)  # no gradient into dropped slots
+    y = experts(rows, kept)
+    y = torch.where(keep_sorted, y, 0) * slot_weight[order, None].to(y.dtype)
+    if torch.is_grad_enabled():
+        return _SlotsToRows.apply(y.to(x.dtype), src, inverse, top_k)
+    return _slots_to_rows(y.to(x.dtype), inverse, top_k)
+
+
+class _RowsToSlots(torch.autograd.Function):
+    """Dispatch: ``x[src]`` ([k*n, d] from [n, d]), where the sorted slots are a permutation of the k copies of each
+    token. Its backward is a gather too: slot gradients back in slot order (``inverse``), summed over the k copies.
+    ``x[index]``'s own backward is an index_put with accumulation (a scatter-add of 2n rows into n), and
+    :class:`_SlotsToRows`'s would be an index_add_: on bf16 rows that is an atomic-add kernel that inductor leaves to
+    ATen (~0.3 ms per MoE layer at 16K tokens on an H100, BENCHMARKS.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        (inverse,) = ctx.saved_tensors
+        return _slots_to_rows(grad, inverse, ctx.k), None, None, None
+
+
+class _SlotsToRows(torch.autograd.Function):
+    """Combine, the transpose of :class:`_RowsToSlots`: y_sorted [k*n, d] -> out[t] = sum of its k slots' rows."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(src)
+        return _slots_to_rows(y, inverse, k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        (src,) = ctx.saved_tensors
+        return grad.index_select(0, src), None, None, None
+
+
+def _slots_to_rows(y: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """sum over the k slots of each token; slot s = (choice s // n, token s % n) sits at row inverse[s] of y."""
+    return y.index_select(0, inverse).view(k, y.shape[0] // k, y.shape[-1]).sum(0)
 
 
 def slots_per_expert(key: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -276,24 +377,45 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def capacity_keep_mask(
     top_i: torch.Tensor, valid: torch.Tensor, num_experts: int, capacity: int
 ) -> torch.Tensor:
-    """Which routed slots fit in their expert's capacity; [N, k] bool.
+    """Which routed slots fit in their expert's capacity; [N, k] bool (the [N, k] view of :func:`admit`).
 
     Admission order is choice-rank major (all first choices, then all second choices), token order within a
     rank, as in GShard. ``valid`` [N, k] marks the slots that compete at all (padding excluded).
     """
     n, k = top_i.shape
-    competing = valid.t().reshape(-1)
-    key = torch.where(competing, top_i.t().reshape(-1), num_experts)  # [k*N] rank-major; not competing -> E
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device).scatter_add_(
-        0, key, torch.ones_like(key))
-    keep = competing & (slot_positions(key, counts) < capacity)
+    slot_expert, competing = top_i.t().reshape(-1), valid.t().reshape(-1)
+    key = torch.where(competing, slot_expert, num_experts)
+    keep = admit(key, slot_counts(key, num_experts), slot_expert, competing, capacity)
     return keep.view(k, n).t()
+
+
+def slot_counts(key: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E + 1]: entries of ``key`` per expert id, the last one counting ``num_experts`` (not competing)."""
+    return torch.zeros(num_experts + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+
+
+def admit(
+    key: torch.Tensor,
+    counts: torch.Tensor,
+    slot_expert: torch.Tensor,
+    competing: torch.Tensor,
+    capacity: int | torch.Tensor,
+    offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[k*N] bool: the competing slots admitted, in slot order, while ``offset[e]`` (slots of expert e admitted
+    before this call's: the global router's earlier ranks) + their place among expert e's slots < ``capacity``.
+
+    ``key`` [k*N]: each slot's expert, ``num_experts`` for slots not competing; ``counts`` = :func:`slot_counts`."""
+    pos = slot_positions(key, counts)
+    if offset is not None:
+        pos = pos + offset[slot_expert]
+    return competing & (pos < capacity)
 
 
 def slot_positions(key: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each slot's place among the slots of its expert, in slot order: key [M] expert ids (E: no expert),
     counts [E + 1] their counts. One stable sort, not a one-hot [M, E] cumsum: on an H100 that int64 cumsum took
-    37% of the library's training step at 2K tokens (issue 24). pretrain/moe.py admits with the same function."""
+    37% of the library's training step at 2K tokens (issue 24)."""
     order = torch.sort(key, stable=True).indices
     starts = counts.cumsum(0) - counts
     pos = torch.empty_like(key)
@@ -301,8 +423,15 @@ def slot_positions(key: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return pos
 
 
-def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+def expert_capacity(
+    num_tokens: int | torch.Tensor, top_k: int, num_experts: int, capacity_factor: float, min_capacity: int = 0
+) -> int | torch.Tensor:
+    """ceil(capacity_factor * tokens * k / E), at least ``min_capacity`` (§2.1's token drop): in float64 on the host
+    for an int, on the device (no sync) for a tensor, the same value either way."""
+    if isinstance(num_tokens, torch.Tensor):
+        cap = torch.ceil(num_tokens.to(torch.float64) * capacity_factor * top_k / num_experts).to(torch.int64)
+        return cap.clamp(min=min_capacity)
+    return max(math.ceil(capacity_factor * num_tokens * top_k / num_experts), min_capacity)
 
 
 def balance_loss(probs: torch.Tensor, routed: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -322,7 +451,12 @@ def balance_loss(probs: torch.Tensor, routed: torch.Tensor, token_mask: torch.Te
 
 
 class MoEFeedForward(nn.Module):
-    """h_t = sum_i softmax_i(TopK(x_t W_g)) FFN_i(x_t) (eq. 1), with capacity drop in training."""
+    """h_t = sum_i softmax_i(TopK(x_t W_g)) FFN_i(x_t) (eq. 1), with capacity drop in training.
+
+    The one MoE of hylight: routing, capacity admission, dispatch and combine live here. The pretrain stage's
+    DeepSpeed layer (pretrain/moe.py) is this class with two hooks overridden: :meth:`capacity` (the §2.1 global
+    router: capacity shared over the expert-parallel ranks) and :meth:`run_experts` (the all-to-all to the ranks
+    that own the experts)."""
 
     def __init__(
         self,
@@ -332,12 +466,14 @@ class MoEFeedForward(nn.Module):
         top_k: int,
         capacity_factor: float = 1.25,
         token_drop: bool = True,
+        min_capacity: int = 0,
     ):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
         self.token_drop = token_drop
+        self.min_capacity = min_capacity
         self.router = TopKRouter(hidden_size, num_experts, top_k)
         self.experts = SwiGLUExperts(num_experts, hidden_size, intermediate_size)
 
@@ -356,29 +492,53 @@ class MoEFeedForward(nn.Module):
         """``stats=False``: no balance loss and no counters (None), dropless; the decode step's few kernels."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
+        n, k, num_experts = x.shape[0], self.top_k, self.num_experts
         mask = None if token_mask is None else token_mask.reshape(-1).bool()
         logits, probs, top_w, top_i = self.router(x)
-        valid = torch.ones_like(top_i, dtype=torch.bool) if mask is None else mask[:, None].expand_as(top_i)
-        if not stats:
-            out = self.experts(x, top_i, top_w, valid)
-            return MoEOutput(hidden=out.view(shape), aux_loss=None, router_logits=logits, routed=None, dropped=None)
-        routed = slots_per_expert(torch.where(valid, top_i, self.num_experts), self.num_experts)
-        if self.training and self.token_drop:
-            n_real = x.shape[0] if mask is None else int(mask.sum())
-            capacity = expert_capacity(n_real, self.top_k, self.num_experts, self.capacity_factor)
-            keep = capacity_keep_mask(top_i, valid, self.num_experts, capacity)
-            dropped = routed - slots_per_expert(torch.where(keep, top_i, self.num_experts), self.num_experts)
+        # slots in admission order: choice-rank major (all first choices, then all second), token order within
+        slot_expert = top_i.t().reshape(-1)  # [k*n]
+        valid = torch.ones_like(slot_expert, dtype=torch.bool) if mask is None else mask.repeat(k)
+        routed = dropped = None
+        if stats:
+            key = torch.where(valid, slot_expert, num_experts)  # padding -> E (never dispatched)
+            counts = slot_counts(key, num_experts)
+            routed = counts[:num_experts]
+            keep = valid
+            if self.training and self.token_drop:
+                offset, capacity = self.capacity(routed, n if mask is None else mask.sum())
+                keep = admit(key, counts, slot_expert, valid, capacity, offset)
+            kept = slots_per_expert(torch.where(keep, slot_expert, num_experts), num_experts)
+            dropped = routed - kept
         else:
-            keep = valid  # dropless (padding still skipped: its output is never used)
-            dropped = torch.zeros_like(routed)
-        out = self.experts(x, top_i, top_w, keep)
+            keep, kept = valid, None
+        path = self.expert_path(x)
+        if path in TOKEN_PATHS:
+            out = self.experts.forward_tokens(path, x, top_i, top_w, keep.view(k, n).t())
+        else:
+            if kept is None:
+                kept = slots_per_expert(torch.where(keep, slot_expert, num_experts), num_experts)
+            out = dispatch_combine(x, slot_expert, top_w.t().reshape(-1), keep, kept, k,
+                                   lambda rows, counts: self.run_experts(rows, counts, path))
         return MoEOutput(
             hidden=out.view(shape),
-            aux_loss=balance_loss(probs, routed, mask),
+            aux_loss=balance_loss(probs, routed, mask) if stats else None,
             router_logits=logits,
             routed=routed,
             dropped=dropped,
         )
+
+    def capacity(self, routed: torch.Tensor, tokens: int | torch.Tensor) -> tuple[torch.Tensor | None, int | torch.Tensor]:
+        """(slots of each expert [E] admitted before this call's, or None; the capacity of each expert): here this
+        call's ``tokens`` alone (a host int when every token is real, else a device count: no sync)."""
+        return None, expert_capacity(tokens, self.top_k, self.num_experts, self.capacity_factor, self.min_capacity)
+
+    def expert_path(self, x: torch.Tensor) -> str:
+        """:meth:`SwiGLUExperts.path_for` this call's tokens."""
+        return self.experts.path_for(x, self.top_k)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, path: str) -> torch.Tensor:
+        """Rows sorted by expert -> their experts' outputs, on this device."""
+        return self.experts.forward_sorted(rows, counts, path)
 
 
 def make_dropless(model: nn.Module) -> nn.Module:

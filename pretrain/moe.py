@@ -5,20 +5,21 @@
 same router weights and the same routing function, so a trained model converts back to ``model/`` format and to
 transformers' MiniMax format without loss (:func:`export_model_state`).
 
-What is DeepSpeed's and what is ours:
+What is DeepSpeed's and what is the library's:
 
 * DeepSpeed's: the layer is a ``deepspeed.moe.layer.MoE`` (so the engine creates the expert-parallel and
   expert-data-parallel process groups, gives expert parameters their own ZeRO groups, reduces their gradients
-  over the expert-data-parallel group only, and saves one checkpoint file per expert); the experts are held in
-  ``deepspeed.moe.experts.Experts`` under DeepSpeed's names (``deepspeed_moe.experts.deepspeed_experts.0``, one stacked module per rank);
-  the expert FFNs use ``deepspeed.moe.ep_experts``' packed SwiGLU kernel between two grouped GEMMs
-  (``torch._grouped_mm``, called here on our fused gate/up weights) on CUDA, and its per-expert loop elsewhere.
-* Ours: routing, capacity and dispatch. DeepSpeed's classic ``TopKGate``/``MOELayer`` builds dense
-  [tokens, experts, capacity] dispatch and combine tensors with einsums (time and memory grow with tokens² per
-  step; measured in BENCHMARKS.md), samples the second expert, selects tokens at random (RTS) and has a minimum
-  capacity of 4 by default; none of that is in the paper or in ``model/moe.py``. AutoEP's layer is dropless.
-  Here slots are sorted by expert (no one-hot cumsum), admitted GShard-style (every token's first choice before
-  any second choice, token order within a choice), and run as one grouped GEMM.
+  over the expert-data-parallel group only, and saves one checkpoint file per expert); this rank's experts are held
+  in ``deepspeed.moe.experts.Experts`` under DeepSpeed's names (``deepspeed_moe.experts.deepspeed_experts.0``, one
+  stacked ``model.moe.SwiGLUExperts`` per rank, with the library's weight names ``gate_up_proj``/``down_proj``).
+* The library's (``model/moe.py``, the one MoE): routing, capacity admission (slots sorted by expert, no one-hot
+  cumsum; GShard order: every token's first choice before any second choice, token order within a choice),
+  dispatch and combine, and the experts' grouped GEMMs. This module overrides two hooks of
+  ``model.moe.MoEFeedForward``: the capacity (the global router below) and where the sorted rows run (the
+  expert-parallel all-to-all). DeepSpeed's classic ``TopKGate``/``MOELayer`` builds dense [tokens, experts,
+  capacity] dispatch and combine tensors with einsums (time and memory grow with tokens² per step; measured in
+  BENCHMARKS.md), samples the second expert, selects tokens at random (RTS) and has a minimum capacity of 4 by
+  default; none of that is in the paper. AutoEP's layer is dropless.
 
 Global router (§2.1): "an additional allgather communication step to synchronize the number of tokens awaiting
 processing by each expert before dispatching tokens across different EP groups". Each rank all-gathers the
@@ -34,7 +35,6 @@ Aux loss: the same (1/E) sum_i f_i m_i as ``model/moe.py`` (alpha_aux applied by
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -43,95 +43,26 @@ from deepspeed.moe.experts import Experts
 from deepspeed.moe.layer import MoE
 from torch import nn
 
-from model.moe import MoEFeedForward, MoEOutput, TopKRouter, balance_loss, slot_positions, slots_per_expert
-
-
-class GroupedSwiGLUExperts(nn.Module):
-    """This rank's experts as stacked tensors: w13 (gate rows, then up rows) [E_l, 2F, d] and w2 (down)
-    [E_l, d, F]. w13 is ``model/``'s ``gate_up_proj`` layout; ``deepspeed.moe.ep_experts.GroupedExperts`` keeps gate
-    and up apart and concatenates them on every call of its fused gate/up GEMM (a copy of all expert weights per
-    layer in the forward pass and a split of their gradients in the backward: ~7 ms of a gpu-300m step at 2K x 8,
-    BENCHMARKS.md). Two parameters per layer instead of three per expert: DeepSpeed's per-parameter work (gradient
-    copies, clipping, optimizer groups) does not grow with the number of experts, and the grouped GEMMs read the
-    weights in place."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+from model.moe import MoEFeedForward, SwiGLUExperts, TopKRouter, expert_capacity
 
 
 class _MoEInner(nn.Module):
-    """Holds ``experts`` so parameter names are DeepSpeed's (``deepspeed_moe.experts.deepspeed_experts.<i>.*``),
-    which its expert checkpointing matches on."""
+    """Holds ``experts`` so parameter names are DeepSpeed's (``deepspeed_moe.experts.deepspeed_experts.0.*``), which
+    its expert checkpointing matches on."""
 
     def __init__(self, experts: Experts):
         super().__init__()
         self.experts = experts
 
 
-def _grouped_experts(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` grouped by expert (``counts`` per expert, rows past their sum ignored) -> SwiGLU outputs."""
-    from deepspeed.moe import ep_experts
+class DeepSpeedMoEFeedForward(MoEFeedForward, MoE):
+    """``model.moe.MoEFeedForward`` as a DeepSpeed-MoE layer, with global-router capacity (module docstring).
 
-    if x.is_cuda:  # one grouped GEMM for gate+up, DeepSpeed's packed SwiGLU kernel, one for down; no host sync
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offsets)
-        h = ep_experts.apply_packed_expert_activation(gate_up, "swiglu")
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
-    # CPU: DeepSpeed's reference loop over experts (reads the counts on the host; fine off the GPU), on views of
-    # the gate and up halves
-    f = w2.shape[-1]
-    return ep_experts._run_experts_for_loop(w13[:, :f], w2, w13[:, f:], x, counts)
-
-
-class _RowsToSlots(torch.autograd.Function):
-    """Dispatch: ``x[slot_token_sorted]`` ([k*n, d] from [n, d]), where the sorted slots are a permutation of the
-    k copies of each token. Its backward is a gather too: slot gradients back in slot order (``inverse``), summed
-    over the k copies. ``x[index]``'s own backward is an index_put with accumulation (a scatter-add of 2n rows into
-    n), and :class:`_SlotsToRows`'s would be an index_add_: on bf16 rows that is an atomic-add kernel that inductor
-    leaves to ATen (~0.3 ms per MoE layer at 16K tokens on an H100, BENCHMARKS.md)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(inverse)
-        ctx.k = k
-        return x.index_select(0, src)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        (inverse,) = ctx.saved_tensors
-        return _slots_to_rows(grad, inverse, ctx.k), None, None, None
-
-
-class _SlotsToRows(torch.autograd.Function):
-    """Combine, the transpose of :class:`_RowsToSlots`: y_sorted [k*n, d] -> out[t] = sum of its k slots' rows."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(src)
-        return _slots_to_rows(y, inverse, k)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        (src,) = ctx.saved_tensors
-        return grad.index_select(0, src), None, None, None
-
-
-def _slots_to_rows(y: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-    """sum over the k slots of each token; slot s = (choice s // n, token s % n) sits at row inverse[s] of y."""
-    return y.index_select(0, inverse).view(k, y.shape[0] // k, y.shape[-1]).sum(0)
-
-
-def _ceil_capacity(tokens: torch.Tensor, capacity_factor: float, top_k: int, num_experts: int,
-                   min_capacity: int) -> torch.Tensor:
-    """ceil(capacity_factor * tokens * k / E) on the device, in float64 like ``model.moe.expert_capacity``."""
-    cap = torch.ceil(tokens.to(torch.float64) * capacity_factor * top_k / num_experts).to(torch.int64)
-    return cap.clamp(min=min_capacity)
-
-
-class DeepSpeedMoEFeedForward(MoE):
-    """A top-k SwiGLU MoE on DeepSpeed-MoE with global-router capacity (module docstring)."""
+    Routing, admission, dispatch and combine are the library's; this class holds this rank's experts where DeepSpeed
+    looks for them and overrides two hooks: :meth:`capacity` (the global router) and :meth:`run_experts` (expert
+    parallelism). DeepSpeed sees one local "expert" module per layer: this rank's experts, stacked (a
+    ``model.moe.SwiGLUExperts``, same weight names as the library's), so its per-parameter work (gradient copies,
+    clipping, optimizer groups) does not grow with the number of experts."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  capacity_factor: float = 1.25, token_drop: bool = True, ep_size: int = 1,
@@ -149,17 +80,18 @@ class DeepSpeedMoEFeedForward(MoE):
         self.num_local_experts = 1
         self.enable_expert_tensor_parallelism = False
         self.use_residual = False
-        # ours
+        # the library layer's
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.top_k = top_k
         self.capacity_factor = capacity_factor
         self.token_drop = token_drop
-        self.global_router = global_router
         self.min_capacity = min_capacity
-        self.ep_group: dist.ProcessGroup | None = None
         self.router = TopKRouter(hidden_size, num_experts, top_k)
+        # ours
+        self.global_router = global_router
+        self.ep_group: dist.ProcessGroup | None = None
         self.deepspeed_moe = _MoEInner(Experts(
-            GroupedSwiGLUExperts(self.local_expert_count, hidden_size, intermediate_size), 1, self.expert_group_name))
+            SwiGLUExperts(self.local_expert_count, hidden_size, intermediate_size), 1, self.expert_group_name))
 
     # --- DeepSpeed hooks ----------------------------------------------------------------------------
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
@@ -175,86 +107,40 @@ class DeepSpeedMoEFeedForward(MoE):
         return dist.get_rank(self.ep_group) if self.ep_group is not None and self.ep_size > 1 else 0
 
     @property
-    def experts(self) -> GroupedSwiGLUExperts:
+    def experts(self) -> SwiGLUExperts:  # type: ignore[override]
+        """This rank's experts: gate_up_proj [E_l, 2F, d], down_proj [E_l, d, F]."""
         return self.deepspeed_moe.experts.deepspeed_experts[0]
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """w13 (gate rows, then up rows) [E_l, 2F, d] and w2 [E_l, d, F] of the local experts."""
-        e = self.experts
-        return e.w13, e.w2
+    # --- the library layer's hooks ------------------------------------------------------------------
+    def expert_path(self, x: torch.Tensor) -> str:
+        """Only the sorted paths: a rank may hold only some experts (and this layer trains; inference runs the
+        exported library model)."""
+        return self.experts.path_for(x, self.top_k, tokens_paths=False)
 
-    # --- forward ------------------------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None,  # type: ignore[override]
-                stats: bool = True) -> MoEOutput:
-        """``stats`` is accepted for the model's contract and ignored: the counters are part of the dispatch."""
-        shape = hidden.shape
-        x = hidden.reshape(-1, shape[-1])
-        n, k, E = x.shape[0], self.top_k, self.num_experts
-        mask = None if token_mask is None else token_mask.reshape(-1).bool()
-        logits, probs, top_w, top_i = self.router(x)
-
-        # slots in admission order: rank-major (all first choices, then all second), token order within
-        slot_expert = top_i.t().reshape(-1)  # [k*n]
-        slot_weight = top_w.t().reshape(-1)
-        slot_token = torch.arange(k * n, device=x.device) % n
-        valid = torch.ones_like(slot_expert, dtype=torch.bool) if mask is None else mask.repeat(k)
-        key = torch.where(valid, slot_expert, E)  # padding -> bucket E (never dispatched)
-        ones = torch.ones_like(key)
-        counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, ones)
-        routed = counts[:E]
-
-        if self.training and self.token_drop:
-            pos = slot_positions(key, counts)
-            offset, capacity = self._capacity(routed, n if mask is None else mask.sum())
-            if isinstance(offset, torch.Tensor):
-                pos = pos + offset[slot_expert]
-            keep = valid & (pos < capacity)
-        else:
-            keep = valid
-        kept_key = torch.where(keep, slot_expert, E)
-        kept = slots_per_expert(kept_key, E)
-
-        # one stable sort groups the kept slots by expert (dropped and padding last); dispatch and combine are
-        # gathers by this permutation and its inverse, forward and backward (no scatter-add)
-        order = torch.sort(kept_key, stable=True).indices
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        src = slot_token[order]
-        keep_sorted = keep[order][:, None]
-        x_sorted = torch.where(keep_sorted, _RowsToSlots.apply(x, src, inverse, k), 0)  # no gradient into dropped
-        y_sorted = self._experts(x_sorted, kept)
-        y_sorted = torch.where(keep_sorted, y_sorted, 0) * slot_weight[order, None].to(y_sorted.dtype)
-        out = _SlotsToRows.apply(y_sorted.to(x.dtype), src, inverse, k)
-        return MoEOutput(hidden=out.view(shape), aux_loss=balance_loss(probs, routed, mask),
-                         router_logits=logits, routed=routed, dropped=routed - kept)
-
-    def _capacity(self, routed: torch.Tensor, n_real: int | torch.Tensor) -> tuple[torch.Tensor | int, torch.Tensor | int]:
-        """(slots of each expert already admitted on earlier ranks [E] or 0, the capacity per expert).
-
-        ``n_real`` is a host int when every token is real (no device round trip), else a device count."""
-        cap_args = (self.capacity_factor, self.top_k, self.num_experts, self.min_capacity)
+    def capacity(self, routed: torch.Tensor, tokens: int | torch.Tensor) -> tuple[torch.Tensor | None, int | torch.Tensor]:
+        """Without the global router (or with one rank): the library's, this rank's tokens alone. With it (§2.1):
+        one all-gather of [per-expert slots, tokens] over the expert-parallel group; the capacity counts every
+        rank's tokens and rank r's slots queue behind those of ranks < r."""
         if not (self.global_router and self.ep_size > 1 and self.ep_group is not None):
-            if isinstance(n_real, int):
-                return 0, capacity_for(n_real, *cap_args)
-            return 0, _ceil_capacity(n_real, *cap_args)
-        # §2.1 global router: one all-gather of [per-expert slots, tokens] over the expert-parallel group
-        n_dev = torch.full((1,), n_real, device=routed.device) if isinstance(n_real, int) else n_real.reshape(1)
+            return super().capacity(routed, tokens)
+        n_dev = torch.full((1,), tokens, device=routed.device) if isinstance(tokens, int) else tokens.reshape(1)
         mine = torch.cat([routed, n_dev.to(routed.dtype)])
         every = torch.empty(self.ep_size * mine.numel(), dtype=mine.dtype, device=mine.device)
         _all_gather_flat(every, mine, group=self.ep_group)  # flat output: gloo wants [R * n]
         every = every.view(self.ep_size, -1)
         before = every[: self.ep_rank, :-1].sum(0)
-        return before, _ceil_capacity(every[:, -1].sum(), *cap_args)
+        return before, expert_capacity(every[:, -1].sum(), self.top_k, self.num_experts, self.capacity_factor,
+                                       self.min_capacity)
 
-    def _experts(self, x_sorted: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, path: str) -> torch.Tensor:
         """Rows grouped by global expert -> expert outputs, through the owners of the experts."""
-        w13, w2 = self.stacked_weights()
         if self.ep_size == 1:
-            return _grouped_experts(w13, w2, x_sorted, kept)
-        return _expert_parallel_ffn(x_sorted, kept, (w13, w2), self.ep_size, self.local_expert_count,
+            return super().run_experts(rows, counts, path)
+        return _expert_parallel_ffn(rows, counts, self.experts, path, self.ep_size, self.local_expert_count,
                                     self.ep_group)
 
 
-def _expert_parallel_ffn(x_sorted: torch.Tensor, kept: torch.Tensor, weights: tuple[torch.Tensor, ...],
+def _expert_parallel_ffn(x_sorted: torch.Tensor, kept: torch.Tensor, experts: SwiGLUExperts, path: str,
                          ep_size: int, local: int, group: dist.ProcessGroup) -> torch.Tensor:
     """All-to-all the kept rows to the ranks that own their experts, run them, and bring the outputs back.
 
@@ -274,7 +160,7 @@ def _expert_parallel_ffn(x_sorted: torch.Tensor, kept: torch.Tensor, weights: tu
     local_id = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep_size), recv.reshape(-1))
     by_expert = torch.sort(local_id, stable=True).indices
     y = torch.empty_like(arrived)
-    y[by_expert] = _grouped_experts(*weights, arrived[by_expert], recv.sum(0))
+    y[by_expert] = experts.forward_sorted(arrived[by_expert], recv.sum(0), path).to(y.dtype)
     back = _AllToAll.apply(y, send_splits, recv_splits, group)
     return torch.cat([back, x_sorted.new_zeros(x_sorted.shape[0] - total, x_sorted.shape[1])])
 
@@ -313,7 +199,7 @@ def install_deepspeed_moe(model: nn.Module, *, ep_size: int = 1, ep_rank: int = 
     layers = []
     for parent in model.modules():
         for name, child in list(parent.named_children()):
-            if not isinstance(child, MoEFeedForward):
+            if not isinstance(child, MoEFeedForward) or isinstance(child, DeepSpeedMoEFeedForward):
                 continue
             gate_up, down = child.experts.gate_up_proj, child.experts.down_proj  # [E, 2F, d], [E, d, F]
             f = down.shape[-1]
@@ -324,8 +210,8 @@ def install_deepspeed_moe(model: nn.Module, *, ep_size: int = 1, ep_rank: int = 
             with torch.no_grad():
                 new.router.weight.copy_(child.router.weight)
                 mine = slice(ep_rank * new.local_expert_count, (ep_rank + 1) * new.local_expert_count)
-                new.experts.w13.copy_(gate_up[mine])
-                new.experts.w2.copy_(down[mine])
+                new.experts.gate_up_proj.copy_(gate_up[mine])
+                new.experts.down_proj.copy_(down[mine])
             new.train(child.training)
             setattr(parent, name, new)
             layers.append(new)
@@ -349,11 +235,11 @@ def export_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if not any(key.startswith(p + ".deepspeed_moe.") for p in moe_prefixes):
             state[key] = value.detach()
     for prefix, layer in moe_prefixes.items():
-        w13, w2 = (w.detach() for w in layer.stacked_weights())
-        if layer.ep_size > 1:
-            w13, w2 = (_all_gather_cat(w, layer.ep_group, layer.ep_size) for w in (w13, w2))
-        state[f"{prefix}.experts.gate_up_proj"] = w13.contiguous()
-        state[f"{prefix}.experts.down_proj"] = w2.contiguous()
+        for name, w in layer.experts.named_parameters():  # gate_up_proj, down_proj: the library's names
+            w = w.detach()
+            if layer.ep_size > 1:
+                w = _all_gather_cat(w, layer.ep_group, layer.ep_size)
+            state[f"{prefix}.experts.{name}"] = w.contiguous()
     return state
 
 
@@ -367,10 +253,3 @@ def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     for module in model.modules():
         if isinstance(module, DeepSpeedMoEFeedForward):
             yield from module.experts.parameters()
-
-
-def capacity_for(tokens: int, capacity_factor: float, top_k: int, num_experts: int, min_capacity: int = 0) -> int:
-    """Host-side twin of the device capacity formula (tests, logging)."""
-    return max(math.ceil(capacity_factor * tokens * top_k / num_experts), min_capacity)
-
-

@@ -499,15 +499,11 @@ def _global_aux_moe(sp: SequenceParallel, moe, forward, hidden, token_mask=None)
 
 
 def _is_moe_feed_forward(module: torch.nn.Module) -> bool:
-    """Both MoE layers honour ``forward(hidden, token_mask) -> MoEOutput`` with router logits and slot counts,
-    which is all the global balance loss reads. DeepSpeed is imported only for a model that has its layers."""
-    from model.moe import MoEFeedForward  # heavy: transformers
+    """The library's MoE layer and the stage's DeepSpeed one (its subclass) honour ``forward(hidden, token_mask) ->
+    MoEOutput`` with router logits and slot counts, which is all the global balance loss reads."""
+    from model.moe import MoEFeedForward  # heavy: transformers (the model package)
 
-    if isinstance(module, MoEFeedForward):
-        return True
-    from pretrain.moe import DeepSpeedMoEFeedForward  # heavy: deepspeed, transformers
-
-    return isinstance(module, DeepSpeedMoEFeedForward)
+    return isinstance(module, MoEFeedForward)
 
 
 def apply_sequence_parallel(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> SequenceParallel:

@@ -191,11 +191,11 @@ def expert_parallel_worker(rank: int, world_size: int, port: int, out_dir: str) 
     x.requires_grad_(True)
     out = layer(x, mask)
     ((out.hidden * upstream).sum() + 0.37 * out.aux_loss).backward()
-    experts = layer.experts  # this rank's experts, stacked: w13 [E_l, 2F, d], w2 [E_l, d, F]
+    experts = layer.experts  # this rank's experts, stacked: gate_up_proj [E_l, 2F, d], down_proj [E_l, d, F]
     results["dropless"] = {
         "hidden": out.hidden.detach(), "routed": out.routed, "dropped": out.dropped, "x_grad": x.grad,
         "router_grad": layer.router.weight.grad,
-        "gate_up_grad": experts.w13.grad, "down_grad": experts.w2.grad,
+        "gate_up_grad": experts.gate_up_proj.grad, "down_grad": experts.down_proj.grad,
         "ep_group_ranks": dist.get_world_size(layer.ep_group),
     }
 

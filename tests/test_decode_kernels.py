@@ -104,7 +104,7 @@ def test_few_routed_slots_take_the_gemv_path_and_match_the_loop(monkeypatch):
         keep[1, 1] = False  # a padded slot contributes nothing
         assert experts.path_for(x, 2) == "gemv" and experts.path_for(torch.randn(4, 64, device=DEV), 2) != "gemv"
         fast = experts(x, top_i, top_w, keep)
-        loop = experts.forward_loop(x, top_i, top_w, keep)
+        loop = experts.forward_reference(x, top_i, top_w, keep)
     assert _rel(fast, loop) < 1e-5
     x.requires_grad_(True)
     assert experts.path_for(x, 2) != "gemv"  # with gradients: never (no backward)

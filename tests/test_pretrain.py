@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from model import HybridForCausalLM, config_for
-from model.moe import MoEFeedForward, MoEOutput
+from model.moe import MoEFeedForward, MoEOutput, expert_capacity
 from pipeline.stage import StageContext
-from pretrain.moe import DeepSpeedMoEFeedForward, capacity_for, export_model_state, install_deepspeed_moe
+from pretrain.moe import DeepSpeedMoEFeedForward, export_model_state, install_deepspeed_moe
 from tests.pretrain_fixtures import PretrainInputs
 
 # --- 1. the layer: DeepSpeedMoEFeedForward == model.moe.MoEFeedForward (float64, one process) -----------------
@@ -49,8 +49,8 @@ def _moe_pair(**overrides: object) -> tuple[MoEFeedForward, DeepSpeedMoEFeedForw
 
 def _expert_grads(layer: DeepSpeedMoEFeedForward) -> tuple[torch.Tensor, torch.Tensor]:
     """The local experts' gradients in the reference layout: gate_up [E_l, 2F, d] (gate rows, then up), down."""
-    experts = layer.experts  # w13 [E_l, 2F, d], w2 [E_l, d, F]
-    return experts.w13.grad, experts.w2.grad
+    experts = layer.experts  # gate_up_proj [E_l, 2F, d], down_proj [E_l, d, F]
+    return experts.gate_up_proj.grad, experts.down_proj.grad
 
 
 def _forward_backward(layer: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
@@ -164,9 +164,9 @@ def test_export_model_state_puts_each_deepspeed_expert_weight_at_its_reference_s
     layer = ds_model.model.layers[0].moe
     f = layer.intermediate_size
     with torch.no_grad():
-        layer.experts.w13[2, :f].fill_(1.0)
-        layer.experts.w13[2, f:].fill_(3.0)
-        layer.experts.w2[3].fill_(2.0)
+        layer.experts.gate_up_proj[2, :f].fill_(1.0)
+        layer.experts.gate_up_proj[2, f:].fill_(3.0)
+        layer.experts.down_proj[3].fill_(2.0)
     state = export_model_state(ds_model)
     gate_up, down = state["model.layers.0.moe.experts.gate_up_proj"], state["model.layers.0.moe.experts.down_proj"]
     assert torch.all(gate_up[2, :f] == 1.0) and torch.all(gate_up[2, f:] == 3.0)
@@ -274,11 +274,11 @@ def test_global_router_applies_capacity_over_both_ranks_and_drops_fewer_slots(
 
     real = [EP_SKEW_TOKENS, EP_SKEW_TOKENS - EP_SKEW_PADDING]  # padding never counts towards capacity
     total_routed = sum(res["global"]["routed"] for res in expert_parallel_results)
-    global_cap = capacity_for(sum(real), factor, k, E)  # ceil(1.0 * 124 * 2 / 4) = 62
+    global_cap = expert_capacity(sum(real), k, E, factor)  # ceil(1.0 * 124 * 2 / 4) = 62
     admitted_global = sum(res["global"]["routed"] - res["global"]["dropped"] for res in expert_parallel_results)
     assert admitted_global.tolist() == [min(int(s), global_cap) for s in total_routed]
     for r, res in enumerate(expert_parallel_results):  # without it, each rank caps its own slots
-        local_cap = capacity_for(real[r], factor, k, E)
+        local_cap = expert_capacity(real[r], k, E, factor)
         admitted = res["local"]["routed"] - res["local"]["dropped"]
         assert admitted.tolist() == [min(int(s), local_cap) for s in res["local"]["routed"]]
     dropped_global = int(sum(res["global"]["dropped"].sum() for res in expert_parallel_results))
@@ -292,7 +292,7 @@ def test_global_router_applies_capacity_over_both_ranks_and_drops_fewer_slots(
         keep = _admit(top_i, valid, global_cap, used)
         expected = ref.experts(x, top_i, top_w, keep)
         assert (expert_parallel_results[r]["global"]["hidden"][0] - expected).abs().max() < 1e-10
-        keep = _admit(top_i, valid, capacity_for(real[r], factor, k, E), [0] * E)
+        keep = _admit(top_i, valid, expert_capacity(real[r], k, E, factor), [0] * E)
         expected = ref.experts(x, top_i, top_w, keep)
         assert (expert_parallel_results[r]["local"]["hidden"][0] - expected).abs().max() < 1e-10
 
@@ -558,20 +558,20 @@ def test_stage_writes_plots_and_the_expert_load_it_measured(trained: TrainedRun)
 
 
 def _checkpointed_experts(tag_dir: Path, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 (gate rows, then up rows) and w2 of every expert of ``layer`` [E, ...] in global expert order, read from
+    """gate_up_proj (gate rows, then up rows) and down_proj of every expert of ``layer`` [E, ...] in global expert order, read from
     DeepSpeed's expert files (``layer_<L>_expert_<j>_mp_rank_00_model_states.pt``, j the global id of the saved
     expert module; a file holds one expert or one rank's experts stacked)."""
     files = sorted(tag_dir.glob(f"layer_{layer}_expert_*_mp_rank_00_model_states.pt"),
                    key=lambda p: int(p.name.split("_")[3]))
     assert files, f"no expert files for layer {layer} in {tag_dir}"
-    parts: dict[str, list[torch.Tensor]] = {"w13": [], "w2": []}
+    parts: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
     for f in files:
         saved = torch.load(f, map_location="cpu", weights_only=False)
         for key, value in saved.items():
             name = key.rsplit(".", 1)[-1]
             parts[name].append(value.reshape(-1, *value.shape[-2:]).float())
-    w13, w2 = (torch.cat(parts[n]) for n in ("w13", "w2"))
-    return w13, w2
+    gate_up, down = (torch.cat(parts[n]) for n in ("gate_up_proj", "down_proj"))
+    return gate_up, down
 
 
 # --- 4. kill and resume -----------------------------------------------------------------------------------------
@@ -773,8 +773,8 @@ def test_two_process_stage_trains_with_expert_parallelism_and_exports_every_expe
         gate_up = state[f"model.layers.{layer}.moe.experts.gate_up_proj"]
         down = state[f"model.layers.{layer}.moe.experts.down_proj"]
         assert gate_up.shape == (4, 256, 64) and down.shape == (4, 64, 128)
-        w13, w2 = _checkpointed_experts(ckpt, layer)
-        assert torch.equal(gate_up, w13) and torch.equal(down, w2)
+        saved_gate_up, saved_down = _checkpointed_experts(ckpt, layer)
+        assert torch.equal(gate_up, saved_gate_up) and torch.equal(down, saved_down)
     assert not torch.equal(state["model.layers.0.moe.experts.gate_up_proj"][0],
                            state["model.layers.0.moe.experts.gate_up_proj"][2])
 
