@@ -111,6 +111,9 @@ DENSE_MAX_MACS_CPU = 2**24
 # above the dense sizes. Not CPU: there the loop has no sync to save, and measured it is as fast or faster
 # (fp32, N = 512..4096, tiny and cpu-small).
 GROUPED_MM_DEVICES = frozenset({"cuda"})
+# Devices where a step traced before the probe ever ran (a compiled training step's first call) takes the grouped GEMM
+# in bf16 without probing (the probe runs kernels, which a trace cannot).
+GROUPED_MM_UNPROBED_DEVICES = frozenset({"cuda"})
 # Devices where a decode step with fewer routed slots than experts (N * top_k < E, e.g. batch 1) runs the Triton
 # matrix-vector kernels of kernels/moe_decode.py, which read only the chosen experts' weights, once.
 GEMV_DEVICES = frozenset({"cuda"})
@@ -127,9 +130,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, 
 
     It needs rows whose byte strides are multiples of 16 and, depending on the build, a dtype and a GPU
     architecture (e.g. bf16 on Hopper); anything it refuses falls back to the loop."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if any(n * dtype.itemsize % 16 for n in (hidden, 2 * intermediate, intermediate)):
+    if not _grouped_mm_strides_ok(dtype, hidden, intermediate):
         return False
     try:
         # the first call may come from generate (inference mode): probe with autograd on, in plain tensors
@@ -144,6 +145,12 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden: int, 
         ok = False
     _GROUPED_MM_KNOWN[(device, dtype, hidden, intermediate)] = ok
     return ok
+
+
+def _grouped_mm_strides_ok(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """``torch._grouped_mm`` exists here and every weight and activation row is a multiple of 16 bytes."""
+    return hasattr(torch, "_grouped_mm") and not any(
+        n * dtype.itemsize % 16 for n in (hidden, 2 * intermediate, intermediate))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -224,6 +231,10 @@ class SwiGLUExperts(nn.Module):
             known = _GROUPED_MM_KNOWN.get(key)
             if known is None and not tracing:  # the probe runs kernels and a backward: never inside a capture
                 known = grouped_mm_supported(*key)
+            elif known is None:  # traced before any eager call (a compiled training step): bf16 on CUDA, as the
+                # stage's layers always ran it; else the loop, which a trace unrolls per expert (slow, but it runs)
+                known = (key[1] == torch.bfloat16 and x.device.type in GROUPED_MM_UNPROBED_DEVICES
+                         and _grouped_mm_strides_ok(key[1], d, f))
             if known and (key[1] == torch.bfloat16 or not tracing):
                 return "grouped"
             if tracing and small:

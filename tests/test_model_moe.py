@@ -436,3 +436,20 @@ def test_decode_routing_by_argmax_passes_equals_topk():
         w, i = moe_module.top_k_by_argmax(probs, k)
         ref_w, ref_i = torch.topk(probs, k, dim=-1)
         assert torch.equal(i, ref_i) and torch.equal(w, ref_w)
+
+
+def test_a_training_step_traced_before_any_eager_call_takes_the_grouped_gemm_in_bf16(monkeypatch):
+    """On an H100 a compiled training step traced the MoE before the grouped-GEMM probe had ever run (it cannot run
+    inside a trace) and fell to the per-expert loop: 8 recompiles, 2.6x slower steps. Traced with nothing known,
+    bf16 takes the grouped GEMM on GROUPED_MM_UNPROBED_DEVICES (CUDA); fp32 or other devices the loop."""
+    monkeypatch.setattr(moe_module, "_GROUPED_MM_KNOWN", {})
+    monkeypatch.setattr(moe_module, "GROUPED_MM_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    experts = _fp32_moe().experts
+    x = torch.randn(100, 64)
+    assert experts.path_for(x) == "loop"  # fp32: unprobed, no grouped GEMM assumed
+    bf16 = _fp32_moe().experts.bfloat16()
+    assert bf16.path_for(x.bfloat16()) == "loop"  # CPU is not an unprobed-grouped device
+    monkeypatch.setattr(moe_module, "GROUPED_MM_UNPROBED_DEVICES", frozenset({"cpu"}))
+    assert bf16.path_for(x.bfloat16()) == "grouped"
+    assert moe_module._GROUPED_MM_KNOWN == {}  # nothing probed inside the trace
