@@ -174,8 +174,13 @@ class SwiGLUExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        return F.linear(self.activation(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: [..., 2F] (gate, then up) -> silu(gate) * up [..., F]. A hook: the stage's layer swaps in a fused
+        kernel (pretrain/moe.py)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def forward(
         self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor, path: str | None = None
@@ -286,8 +291,7 @@ class SwiGLUExperts(nn.Module):
         dtype = _compute_dtype(rows)
         offs = counts.cumsum(0, dtype=torch.int32)
         h = torch._grouped_mm(rows.to(dtype), self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)  # [M, 2F]
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(self.activation(h), self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
 
 
 # the paths of SwiGLUExperts that take the tokens as they are (no dispatch); the others take sorted slots

@@ -39,11 +39,23 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from deepspeed.moe import ep_experts
 from deepspeed.moe.experts import Experts
 from deepspeed.moe.layer import MoE
 from torch import nn
 
 from model.moe import MoEFeedForward, SwiGLUExperts, TopKRouter, expert_capacity
+
+
+class DeepSpeedSwiGLUExperts(SwiGLUExperts):
+    """The library's experts (same weights, same names) with DeepSpeed's packed SwiGLU Triton kernel on CUDA: one
+    kernel each way where the library's eager ``silu(gate) * up`` is three (the layer alone, eager, on an H100:
+    5.81 ms with the library's activation, BENCHMARKS.md "One MoE")."""
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.is_cuda:
+            return ep_experts.apply_packed_expert_activation(gate_up, "swiglu")
+        return super().activation(gate_up)
 
 
 class _MoEInner(nn.Module):
@@ -91,7 +103,7 @@ class DeepSpeedMoEFeedForward(MoEFeedForward, MoE):
         self.global_router = global_router
         self.ep_group: dist.ProcessGroup | None = None
         self.deepspeed_moe = _MoEInner(Experts(
-            SwiGLUExperts(self.local_expert_count, hidden_size, intermediate_size), 1, self.expert_group_name))
+            DeepSpeedSwiGLUExperts(self.local_expert_count, hidden_size, intermediate_size), 1, self.expert_group_name))
 
     # --- DeepSpeed hooks ----------------------------------------------------------------------------
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
