@@ -174,13 +174,17 @@ class SwiGLUExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.activation(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
+        """FFN_e(x), the gate and up halves as two matmuls (the loop's and the reference's expert): on a CPU this is
+        bit for bit what the pretrain stage's per-expert loop computed before the two MoEs became one (issue 24), so
+        its artifacts kept their bytes."""
+        f = self.down_proj.shape[-1]
+        w = self.gate_up_proj[e]
+        return F.linear(swiglu(F.linear(x, w[:f]), F.linear(x, w[f:])), self.down_proj[e])
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: [..., 2F] (gate, then up) -> silu(gate) * up [..., F]. A hook: the stage's layer swaps in a fused
-        kernel (pretrain/moe.py)."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        """The grouped path's SwiGLU: [..., 2F] (gate, then up) -> silu(gate) * up [..., F]. A hook: the stage's layer
+        swaps in a one-kernel version on CUDA (pretrain/moe.py)."""
+        return swiglu(*gate_up.chunk(2, dim=-1))
 
     def forward(
         self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor, path: str | None = None
@@ -292,6 +296,10 @@ class SwiGLUExperts(nn.Module):
         offs = counts.cumsum(0, dtype=torch.int32)
         h = torch._grouped_mm(rows.to(dtype), self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)  # [M, 2F]
         return torch._grouped_mm(self.activation(h), self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 # the paths of SwiGLUExperts that take the tokens as they are (no dispatch); the others take sorted slots
