@@ -26,9 +26,9 @@ from data.dedup import (
     DROPPED_SAMPLES_NAME,
     REPORT_NAME,
     STAGE,
-    estimate_margin,
     run,
 )
+from data.dedup_near import estimate_margin
 from data.dedup_params import DedupParams
 from data.documents import DUP_COUNT, DUP_MEMBERS, DocumentWriter, iter_documents
 from data.ingest import SAMPLE_CORPUS_DIR
@@ -721,7 +721,7 @@ def traced_stage(tmp_path, monkeypatch):
     """A dedup run on a few documents first, so the imports it makes on first use are not in the peaks; SQL rows
     are then buffered 64 at a time (a fixed ~1 MB at the stage's 4096 would mask per-document state here)."""
     _traced_run(tmp_path, _generated_corpus(30, seed=9), "warm-up")
-    monkeypatch.setattr("data.dedup._BATCH", 64)
+    monkeypatch.setattr("data.dedup_state.BATCH", 64)
     return lambda records, name, **params: _traced_run(tmp_path, records, name, **params)
 
 
