@@ -60,8 +60,8 @@ Where the state lives: on disk, in the work dir, so the stage's memory does not 
 - ``shingles.u64``: the shingle sets the exact Jaccard needs (8 bytes per shingle of each leader in some LSH
   band group), written in a second pass over the documents and read back one set at a time.
 
-Work in the stage's process goes a document, a block of :data:`data.dedup_state.BATCH` rows, or a shingle set at a time: LSH
-pairs stream from datatrove's .dups files, a representative's candidates come in blocks (one large cluster
+Work in the stage's process goes a document, a block of :data:`data.dedup_state.BATCH` rows, or a shingle set
+at a time: LSH pairs stream from datatrove's .dups files, a representative's candidates come in blocks (one large cluster
 of boilerplate costs time, candidates x representatives as before, not memory), a kept document's
 dup_members are read up to ``max_members_listed`` and its clusters.jsonl row is written member by member.
 What still grows: 8 bytes per near duplicate (the Jaccard quantiles of the report); datatrove's signature

@@ -150,7 +150,7 @@ def cluster_size_figure(dup_counts: Counter[int]) -> Any:
 
 
 def domain_rates_figure(domains: dict[str, Counter[str]]) -> Any:
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only the plots need it
 
     names = sorted(domains)
     fig = Figure(figsize=(max(4.0, 0.7 * len(names) + 2), 3.5))
