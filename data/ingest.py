@@ -6,8 +6,9 @@ Every physical record of every input is either written as a normalized document
 
 Reading goes through datatrove's ``JsonlReader`` / ``ParquetReader``, subclassed because the stock ones
 drop data silently (a bad JSON line is skipped with a warning, a ``UnicodeDecodeError`` ends the whole
-file, a document without text is dropped). Ours read bytes and decode each line strictly, and their
-adapter validates each record and raises :class:`RecordRejected` instead of returning nothing.
+file, a document without text is dropped). Ours (:mod:`data.ingest_readers`) read bytes and decode each line
+strictly, and their adapter validates each record and raises :class:`data.ingest_readers.RecordRejected` instead of
+returning nothing.
 
 Decisions a reader of the output should know:
 
