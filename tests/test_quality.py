@@ -751,14 +751,14 @@ def _traced_run(tmp_path: Path, docs: list[dict], name: str, monkeypatch) -> np.
     import data.quality as quality
 
     peaks = []
-    embed_all = quality._embed_all
+    embed_all = quality.embed_all
 
     def phase(*args, **kwargs):
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.reset_peak()
         return embed_all(*args, **kwargs)
 
-    monkeypatch.setattr(quality, "_embed_all", phase)
+    monkeypatch.setattr(quality, "embed_all", phase)
     art = _artifact(tmp_path / f"{name}-in", docs, shard_docs=500)
     ctx = StageContext(tmp_path / name, inputs={"documents": art}, stage_name="quality")
     ctx.log_figure = lambda *args, **kwargs: None
@@ -784,6 +784,7 @@ def test_stage_memory_does_not_grow_with_the_number_of_documents(corpus, tmp_pat
     with plain writes; the report reads its score files through read-only maps, 16 bytes per document of
     clean file pages)."""
     import data.quality as quality
+    import data.quality_embeddings as quality_embeddings
 
     real_open_memmap = np.lib.format.open_memmap
 
@@ -794,7 +795,8 @@ def test_stage_memory_does_not_grow_with_the_number_of_documents(corpus, tmp_pat
 
     monkeypatch.setattr(np.lib.format, "open_memmap", read_only_memmap)
     monkeypatch.setattr(quality, "SentenceEncoder", _HashEncoder)
-    monkeypatch.setattr(quality, "EMBED_CHUNK_DOCS", 64)
+    monkeypatch.setattr(quality_embeddings, "SentenceEncoder", _HashEncoder)
+    monkeypatch.setattr(quality_embeddings, "EMBED_CHUNK_DOCS", 64)
     monkeypatch.setattr(quality, "SCORE_BLOCK_DOCS", 64)
     _traced_run(tmp_path, _copies(corpus, 100), "warm-up", monkeypatch)  # the imports made on first use
     n = 250
@@ -808,17 +810,17 @@ def test_stage_memory_does_not_grow_with_the_number_of_documents(corpus, tmp_pat
 
 def test_a_repeated_id_is_named_across_and_within_blocks(tmp_path, monkeypatch):
     """Ids' uniqueness is checked in an on-disk table a block at a time: a repeat is found in either place."""
-    from data.quality import _UniqueIds
+    from data.quality_sample import UniqueIds
 
-    monkeypatch.setattr("data.quality._ID_BLOCK", 3)
+    monkeypatch.setattr("data.quality_sample.ID_BLOCK", 3)
     for ids, repeated in ((["a", "b", "c", "d", "b"], "b"), (["a", "b", "c", "d", "e", "d"], "d")):
-        unique = _UniqueIds(tmp_path / "ids.sqlite", tmp_path / "docs")
+        unique = UniqueIds(tmp_path / "ids.sqlite", tmp_path / "docs")
         with pytest.raises(ValueError, match=f"document id '{repeated}' occurs twice"):
             for i in ids:
                 unique.add(i)
             unique.flush()
         unique.close()
-    unique = _UniqueIds(tmp_path / "ids.sqlite", tmp_path / "docs")
+    unique = UniqueIds(tmp_path / "ids.sqlite", tmp_path / "docs")
     for i in "abcdefg":
         unique.add(i)
     unique.flush()
@@ -828,11 +830,11 @@ def test_a_repeated_id_is_named_across_and_within_blocks(tmp_path, monkeypatch):
 def test_a_repeated_id_at_the_end_of_a_block_larger_than_the_page_cache_is_the_one_named(tmp_path, monkeypatch):
     """A block bigger than SQLite's page cache (pages spill to the file) still names the repeated id, not the
     block's first: nothing depends on undoing a half-inserted block, which SQLite cannot do without a journal."""
-    from data.quality import _UniqueIds
+    from data.quality_sample import UniqueIds
 
-    monkeypatch.setattr("data.quality._ID_BLOCK", 200_000)
+    monkeypatch.setattr("data.quality_sample.ID_BLOCK", 200_000)
     ids = [f"document-{i:032d}" for i in range(200_000)]
-    unique = _UniqueIds(tmp_path / "ids.sqlite", tmp_path / "docs")
+    unique = UniqueIds(tmp_path / "ids.sqlite", tmp_path / "docs")
     for i in ids:
         unique.add(i)  # the first block: flushed when full
     second = [f"other-{i:035d}" for i in range(199_999)] + [ids[123_456]]

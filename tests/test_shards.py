@@ -175,9 +175,10 @@ def test_mix_tokenization_gives_the_same_mixture_for_1_2_and_3_tasks(tmp_path):
 @pytest.mark.slow  # loads the sentence encoder, labels and embeds 80 documents twice
 def test_quality_writes_the_same_artifact_for_1_and_2_tasks(monkeypatch, tmp_path):
     import data.quality as quality
+    import data.quality_embeddings as quality_embeddings
     from tests.test_quality import SMALL, _sample_corpus, _subset
 
-    monkeypatch.setattr(quality, "EMBED_CHUNK_DOCS", 20)  # 80 documents: 4 chunks, 2 per task
+    monkeypatch.setattr(quality_embeddings, "EMBED_CHUNK_DOCS", 20)  # 80 documents: 4 chunks, 2 per task
     docs = _subset(_sample_corpus(), 16)
     art = _artifact(tmp_path / "docs", docs)
     params = quality.QualityParams(**SMALL)
