@@ -229,7 +229,20 @@ def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: 
             continue
         selected.append(target)
 
-    texts = [t.response for t in selected]
+    verdicts, compared = diversity_verdicts(params, model, tokenizer, [t.response for t in selected])
+    kept = []
+    for target, verdict in zip(selected, verdicts, strict=True):
+        if verdict:
+            dropped.append({"id": target.record.get("id"), "reason": verdict})
+        else:
+            kept.append(target)
+    cand["diversity_compared"] = compared
+    return kept, dropped, cand
+
+
+def diversity_verdicts(params: SFTParams, model: Any, tokenizer: Any, texts: list[str]) -> tuple[list[str], int]:
+    """:func:`diversity_filter`'s verdict on each selected target, with the policy's own embeddings of the texts long
+    enough to be compared (none when the embedding filter is off); (verdicts, texts compared)."""
     use_embeddings = params.embedding_cosine_max < 1.0
     long_idx = [i for i, t in enumerate(texts) if len(t.split()) >= params.diversity_min_words]
     embeddings = None
@@ -242,14 +255,7 @@ def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: 
                                 ngram_jaccard_max=params.ngram_jaccard_max,
                                 embedding_cosine_max=params.embedding_cosine_max,
                                 min_words=params.diversity_min_words)
-    kept = []
-    for target, verdict in zip(selected, verdicts, strict=True):
-        if verdict:
-            dropped.append({"id": target.record.get("id"), "reason": verdict})
-        else:
-            kept.append(target)
-    cand["diversity_compared"] = len(long_idx)
-    return kept, dropped, cand
+    return verdicts, len(long_idx)
 
 
 @dataclass
