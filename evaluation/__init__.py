@@ -1,5 +1,7 @@
 """Evaluation: the ``eval`` stage (``evaluation/eval.py``) that scores a checkpoint of any training stage, and the
-``compare`` stage (``evaluation/compare.py``) that puts evaluated variants side by side.
+``compare`` stage (``evaluation/compare.py``) that puts evaluated variants side by side. Beside the eval stage:
+``heldout.py`` (the pretrain stage's held-out documents it measures on), ``scorer.py`` (the checkpoint's model as the
+stage asks it) and ``report.py`` (summary metrics, plots and strict JSON of both stages).
 
 Layering: ``tasks.py`` (the eval sets, built from held-out text; no model) and ``metrics.py`` (scoring and statistical
 power) import nothing of the project above ``pipeline``, so pretraining's in-training probe (``pretrain/probe.py``)

@@ -27,8 +27,9 @@ from typing import Any
 
 from pydantic import Field
 
-from evaluation.eval import EVAL_REPORT_TYPE, REPORT_FILE, _write_json
+from evaluation.eval import EVAL_REPORT_TYPE, REPORT_FILE
 from evaluation.metrics import min_samples_for_accuracy_difference, min_samples_for_mean_difference
+from evaluation.report import write_strict_json
 from pipeline.artifacts import write_text_atomic
 from pipeline.stage import Artifact, InputSpec, StageContext, StageKind, StageParams, metric_key
 from pretrain.stage import CHECKPOINT_TYPE, LOSS_CURVE_FILE
@@ -325,10 +326,6 @@ def render_markdown(variants: list[Variant], table: list[tuple[str, str, list[An
     return "\n".join(lines) + "\n"
 
 
-def _write_text(path: Path, text: str) -> None:
-    write_text_atomic(path, text)
-
-
 def _plot(ctx: StageContext, variants: list[Variant]) -> Path:
     import matplotlib
 
@@ -404,8 +401,8 @@ def run(params: CompareParams, ctx: StageContext) -> None:
             ctx.progress(f"WARNING: UNFAIR COMPARISON: {p}")
         ctx.set_tags({"hylight.unfair_comparison": "true"})
     markdown = result.pop("markdown")
-    _write_json(ctx.out_dir / COMPARISON_JSON, result)
-    _write_text(ctx.out_dir / COMPARISON_MD, markdown)
+    write_strict_json(ctx.out_dir / COMPARISON_JSON, result)
+    write_text_atomic(ctx.out_dir / COMPARISON_MD, markdown)
     _plot(ctx, variants)
     ctx.log_artifact(ctx.out_dir / COMPARISON_JSON, "comparison")
     ctx.log_artifact(ctx.out_dir / COMPARISON_MD, "comparison")

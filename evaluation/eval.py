@@ -36,6 +36,9 @@ What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_
 
 Output: ``report.json`` (every number above, the grids, each NIAH trial and answer), ``mc_items.jsonl`` (per item:
 log-likelihoods and scores), ``plots/``.
+
+The held-out set is read in :mod:`evaluation.heldout`, the model asked through :class:`evaluation.scorer.Scorer`, the
+measurements are here, and :mod:`evaluation.report` turns them into the summary metrics, plots and JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ import json
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,6 +55,7 @@ from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
 from data.mix import MIXTURE_TYPE
+from evaluation.heldout import HeldOut, heldout_documents
 from evaluation.metrics import (
     choice_scores,
     min_detectable_accuracy_difference,
@@ -60,8 +63,9 @@ from evaluation.metrics import (
     niah_correct,
     recall,
 )
+from evaluation.report import plot_results, summary_metrics, write_strict_json
+from evaluation.scorer import Scorer
 from evaluation.tasks import (
-    MCItem,
     MCTask,
     TokenStream,
     build_cloze_task,
@@ -78,7 +82,8 @@ from evaluation.tasks import (
 from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from pipeline.user_jsonl import jsonl_file_problems
-from posttrain.prompts import PROMPTS_TYPE
+from posttrain.policy import SamplingStats, load_policy, pass_rate
+from posttrain.prompts import PROMPTS_TYPE, read_pool
 from posttrain.sandbox import containment_record, record_sandbox
 from pretrain.stage import CHECKPOINT_TYPE
 
@@ -146,159 +151,6 @@ class EvalParams(StageParams):
         if not self.mr_niah_depths or any(not 0 <= d <= 1 for d in self.mr_niah_depths):
             raise ValueError(f"mr_niah_depths={self.mr_niah_depths}: need at least one depth, each in [0, 1]")
         return self
-
-
-# --- held-out text --------------------------------------------------------------------------------------------
-@dataclass
-class HeldOut:
-    docs: list[tuple[str, str]]  # (id, text) in pretrain's held-out order
-    seq_len: int  # the checkpoint's trained length
-    info: dict[str, Any]
-
-
-def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldOut:
-    """The documents the checkpoint's pretrain stage held out, with their texts (module docstring)."""
-    from data.documents import iter_documents
-    from pretrain.packed_data import INFO_FILE, _choose_eval, _read_mixture  # heavy: torch
-
-    packing_file = checkpoint / INFO_FILE
-    if not packing_file.is_file():
-        raise FileNotFoundError(f"eval: checkpoint {checkpoint} has no {INFO_FILE}: the eval stage needs a checkpoint "
-                                "written by the pretrain stage (it names the held-out documents' seed and count)")
-    packing = json.loads(packing_file.read_text())
-    table = _read_mixture(mixture)
-    mixture_tokens = int((table.tokens * table.counts).sum())
-    if (len(table.ids), mixture_tokens) != (packing["mixture_documents"], packing["mixture_tokens"]):
-        raise ValueError(
-            f"eval: mixture {mixture} has {len(table.ids)} documents / {mixture_tokens} tokens but checkpoint "
-            f"{checkpoint} was trained on one of {packing['mixture_documents']} / {packing['mixture_tokens']}: bind the "
-            "eval stage to the mix (and quality) stages the pretrain stage read")
-    # The pretraining run's held-out set: its seed and size, and the training tokens it took out. These fields are
-    # carried unchanged by the stages that continue a checkpoint (long_context, post-training), whose own `eval`
-    # block describes their own rows; pretrain's `eval` block counts exactly these documents.
-    count = int(packing["held_out_from_training"]) + int(packing["eval_from_unsampled"])
-    chosen = _choose_eval(table, packing["seed"], count)
-    taken = int((table.tokens[chosen] * table.counts[chosen]).sum())
-    own = packing["eval"]["documents"] == count and int(table.tokens[chosen].sum()) == packing["eval"]["tokens"]
-    if taken != packing["held_out_training_tokens"] or (packing["eval"]["documents"] == count and not own):
-        raise ValueError(f"eval: the held-out documents recomputed from {mixture} do not match what "
-                         f"{checkpoint}/{INFO_FILE} records ({packing['held_out_training_tokens']} training tokens "
-                         f"held out, {packing['eval']['tokens']} eval tokens): not the pretrain stage's held-out set")
-    where = {int(i): k for k, i in enumerate(chosen)}
-    texts: list[tuple[str, str] | None] = [None] * len(chosen)
-    found = 0
-    for i, rec in enumerate(iter_documents(documents)):
-        if i in where:
-            if rec["id"] != table.ids[i]:
-                raise ValueError(f"eval: documents {documents} hold {rec['id']!r} at position {i} where the mixture "
-                                 f"lists {table.ids[i]!r}: not the scored_documents the mixture was planned from")
-            texts[where[i]] = (rec["id"], rec["text"])
-            found += 1
-            if found == len(chosen):
-                break
-    if any(t is None for t in texts):
-        raise ValueError(f"eval: documents {documents} end before the mixture's held-out documents")
-    info = {"documents": len(chosen), "tokens_with_bos_eos": int(table.tokens[chosen].sum()),
-            "held_out_from_training": packing["held_out_from_training"],
-            "never_sampled": packing["eval_from_unsampled"], "ids": [t[0] for t in texts]}
-    return HeldOut([t for t in texts if t is not None], int(packing["seq_len"]), info)
-
-
-# --- the model ----------------------------------------------------------------------------------------------------
-class Scorer:
-    """The checkpoint's model and tokenizer, and the three things the stage asks of them."""
-
-    def __init__(self, checkpoint: Path) -> None:
-        import torch
-        from tokenizers import Tokenizer
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
-
-        model_dir = checkpoint / "model"
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"eval: {model_dir} holds no model: the checkpoint must have pretrain's model/")
-        self.torch = torch
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.chat = AutoTokenizer.from_pretrained(model_dir)  # for its chat template
-        cfg = self.model.config
-        self.bos, self.pad = int(cfg.bos_token_id), int(cfg.pad_token_id)
-        eos = cfg.eos_token_id
-        self.eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[str]:
-        """Greedy answers, one generate call for all prompts: prompts of different lengths are left-padded, and
-        model/generation.py packs their real tokens (no compute on padding)."""
-        torch = self.torch
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.as_tensor(np.asarray(p, np.int64))
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=False, use_cache=True, pad_token_id=self.pad, eos_token_id=self.eos)
-        return [self.decode(row[width:].tolist()) for row in out]
-
-    def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024, hits: bool = False) -> Any:
-        """log p(ids[:, t + 1] | ids[:, :t + 1]) as float32 [B, T - 1]; the vocabulary projection in position chunks
-        (memory O(B x chunk x V), not O(B x T x V)). With ``hits``, also bool [B, T - 1]: whether that token is the
-        model's top-1 prediction."""
-        torch = self.torch
-        with torch.no_grad():
-            h = self.model.model(input_ids=ids, attention_mask=mask, use_cache=False,
-                                 output_router_logits=False).last_hidden_state
-            out, top = [], []
-            for s in range(0, ids.shape[1] - 1, chunk):
-                e = min(s + chunk, ids.shape[1] - 1)
-                logp = self.model.lm_head(h[:, s:e]).float().log_softmax(-1)
-                out.append(logp.gather(-1, ids[:, s + 1:e + 1, None]).squeeze(-1))
-                if hits:
-                    top.append(logp.argmax(-1) == ids[:, s + 1:e + 1])
-        return (torch.cat(out, dim=1), torch.cat(top, dim=1)) if hits else torch.cat(out, dim=1)
-
-    def continuation_logliks(self, prefix: Sequence[int], conts: Sequence[Sequence[int]]) -> list[float]:
-        """Sum of log p over each continuation's tokens after ``prefix``; the continuations run as one right-padded
-        batch."""
-        torch = self.torch
-        seqs = [[*prefix, *c] for c in conts]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, s in enumerate(seqs):
-            ids[b, :len(s)] = torch.tensor(s)
-            mask[b, :len(s)] = 1
-        logp = self.token_logprobs(ids.to(self.device), mask.to(self.device)).cpu()
-        start = len(prefix)  # first continuation token; its log-prob sits at index start - 1
-        return [float(logp[b, start - 1:start - 1 + len(c)].sum()) for b, c in enumerate(conts)]
-
-    def ordinary_token_ids(self) -> list[int]:
-        """Every vocabulary id that is not a special (added) token."""
-        special = set(self.tokenizer.get_added_tokens_decoder())
-        return [i for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)) if i not in special]
-
-    def choice_logliks(self, item: MCItem, max_len: int) -> list[float]:
-        """Sum of log p over each choice's continuation tokens after ``[BOS] context`` (the context cut from the left
-        so the longest choice fits in ``max_len`` tokens); the choices of an item run as one right-padded batch."""
-        ctx = self.encode(item.context)
-        conts = [self.encode(item.continuation(i)) for i in range(len(item.choices))]
-        room = max_len - 1 - max(len(c) for c in conts)
-        ctx = ctx[-room:] if room > 0 else []
-        return self.continuation_logliks([self.bos, *ctx], conts)
 
 
 def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -433,100 +285,49 @@ def _loss_by_position(scorer: Scorer, stream: TokenStream, lengths: list[int], p
 def _mc(scorer: Scorer, tasks: list[MCTask], max_len: int, params: EvalParams, ctx: StageContext,
         items_file: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    with open(items_file, "w", encoding="utf-8") as f:
-        for task in tasks:
-            if not task.items:
-                ctx.progress(f"multiple choice: task {task.name!r} has no items, skipped")
-                continue
-            scores = []
-            for k, item in enumerate(ctx.track(task.items, total=len(task.items), what=f"{task.name} items")):
-                ll = scorer.choice_logliks(item, max_len)
-                s = choice_scores(ll, item.choices, item.gold)
-                scores.append(s)
-                f.write(json.dumps({"task": task.name, "index": k, "source": item.source, "choices": item.choices,
+    rows: list[str] = []  # mc_items.jsonl, one JSON line an item
+    for task in tasks:
+        if not task.items:
+            ctx.progress(f"multiple choice: task {task.name!r} has no items, skipped")
+            continue
+        scores = []
+        for k, item in enumerate(ctx.track(task.items, total=len(task.items), what=f"{task.name} items")):
+            ll = scorer.choice_logliks(item, max_len)
+            s = choice_scores(ll, item.choices, item.gold)
+            scores.append(s)
+            rows.append(json.dumps({"task": task.name, "index": k, "source": item.source, "choices": item.choices,
                                     "gold": item.gold, "logliks": ll, "acc": s.acc, "acc_norm": s.acc_norm,
                                     "log_acc_norm2": s.log_acc_norm2}) + "\n")
-            n = len(scores)
-            acc_norm = float(np.mean([s.acc_norm for s in scores]))
-            lan2 = np.asarray([s.log_acc_norm2 for s in scores])
-            target = min(acc_norm + params.mde, 1.0)
-            need = (min_samples_for_accuracy_difference(acc_norm, target, params.alpha, params.power)
-                    if target > acc_norm else math.inf)
-            results[task.name] = {
-                "items": n, "acc": float(np.mean([s.acc for s in scores])), "acc_norm": acc_norm,
-                "log_acc_norm2": float(lan2.mean()), "log_acc_norm2_sd": float(lan2.std(ddof=1)) if n > 1 else 0.0,
-                "chance_log_acc_norm2": float(np.mean([-math.log(len(i.choices)) for i in task.items])),
-                "power": {"mde": params.mde, "alpha": params.alpha, "power": params.power, "min_items": need,
-                          "enough_items": n >= need,
-                          "detectable_gain": min_detectable_accuracy_difference(acc_norm, n, params.alpha,
-                                                                                params.power)},
-            }
-            ctx.progress(f"multiple choice {task.name}: {n} items, acc_norm {acc_norm:.3f}, log acc_norm² "
-                         f"{lan2.mean():.3f}; {need} items detect a gain of {params.mde}")
+        n = len(scores)
+        acc_norm = float(np.mean([s.acc_norm for s in scores]))
+        lan2 = np.asarray([s.log_acc_norm2 for s in scores])
+        target = min(acc_norm + params.mde, 1.0)
+        need = (min_samples_for_accuracy_difference(acc_norm, target, params.alpha, params.power)
+                if target > acc_norm else math.inf)
+        results[task.name] = {
+            "items": n, "acc": float(np.mean([s.acc for s in scores])), "acc_norm": acc_norm,
+            "log_acc_norm2": float(lan2.mean()), "log_acc_norm2_sd": float(lan2.std(ddof=1)) if n > 1 else 0.0,
+            "chance_log_acc_norm2": float(np.mean([-math.log(len(i.choices)) for i in task.items])),
+            "power": {"mde": params.mde, "alpha": params.alpha, "power": params.power, "min_items": need,
+                      "enough_items": n >= need,
+                      "detectable_gain": min_detectable_accuracy_difference(acc_norm, n, params.alpha,
+                                                                            params.power)},
+        }
+        ctx.progress(f"multiple choice {task.name}: {n} items, acc_norm {acc_norm:.3f}, log acc_norm² "
+                     f"{lan2.mean():.3f}; {need} items detect a gain of {params.mde}")
+    write_text_atomic(items_file, "".join(rows))
     return results
-
-
-# --- plots --------------------------------------------------------------------------------------------------------
-def _plots(ctx: StageContext, niah: dict[str, Any], mr: dict[str, Any], loss: dict[str, Any], trained: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 0.45 * len(niah["depths"]) + 2.6))
-    for a, grid, depths, lengths, title in (
-            (ax[0], niah["accuracy"], niah["depths"], niah["lengths"], "NIAH accuracy"),
-            (ax[1], mr["recall_by_depth"], mr["depths"], mr["lengths"], "multi-round NIAH recall")):
-        im = a.imshow(np.asarray(grid), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        a.set_xticks(range(len(lengths)), [f"{L}" + (" (T)" if L == trained else "") for L in lengths])
-        a.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        a.set_xlabel("context length (tokens)")
-        a.set_ylabel("needle depth")
-        a.set_title(title)
-        for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                a.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-        fig.colorbar(im, ax=a)
-    ctx.log_figure(fig, "niah.png")
-
-    fig, a = plt.subplots(figsize=(7, 3.8))
-    xs, ys = zip(*loss["curve"], strict=True)
-    a.plot(xs, ys, marker=".")
-    a.axvline(trained, color="C3", ls="--", label=f"trained length {trained}")
-    a.set_xlabel("position (tokens)")
-    a.set_ylabel("next-token loss (nats)")
-    a.set_title(f"loss by position ({loss['windows']} held-out windows)")
-    a.legend()
-    ctx.log_figure(fig, "loss_by_position.png")
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Strict JSON (an infinite 'items needed' becomes null), written under a temporary name and renamed."""
-    write_text_atomic(path, json.dumps(_finite(obj), indent=2, allow_nan=False) + "\n")
-
-
-def _finite(o: Any) -> Any:
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_finite(v) for v in o]
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    return o
 
 
 def _pass_rate(checkpoint: Path, params: EvalParams, ctx: StageContext) -> dict[str, Any]:
     """``eval_pass_rate`` (issue 12): greedy responses of the checkpoint to the prompts stage's held-out `eval` pool,
     scored by the exact checkers; one row per prompt in ``pass_rate.jsonl``."""
-    from posttrain.policy import SamplingStats, load_policy, pass_rate
-    from posttrain.prompts import read_pool  # heavy: datatrove
-
     records = read_pool(ctx.input("prompts").path, "eval", "eval")
     if params.pass_rate_prompts:
         records = records[:params.pass_rate_prompts]
     if not records:
         raise ValueError("eval: the prompts input's eval pool holds no prompts, so eval_pass_rate cannot be measured")
-    import torch
+    import torch  # heavy: torch
 
     # on the GPU when there is one (the first H100 run of dags/gpu-recipe.yaml generated these on the CPU, at
     # 99 tokens/s: BENCHMARKS.md), in bf16 there like the Scorer
@@ -545,6 +346,21 @@ def _pass_rate(checkpoint: Path, params: EvalParams, ctx: StageContext) -> dict[
     metrics |= {f"eval_pass_rate.{metric_key(t)}": sum(v) / len(v) for t, v in sorted(by_type.items())}
     ctx.progress(f"eval_pass_rate {rate:.3f} over {len(rows)} prompts ({stats.tokens_per_second:.0f} tokens/s)")
     return {"metrics": metrics, "prompts": len(rows), "tokens_per_second": stats.tokens_per_second}
+
+
+def mc_tasks(held: HeldOut, task_files: list[MCTask], params: EvalParams, ctx: StageContext) -> list[MCTask]:
+    """The multiple-choice tasks scored: cloze and next-sentence items built from the held-out text (those that gave
+    any), then the task files; two tasks of one name are an error."""
+    built = [build_cloze_task(held.docs, params.cloze_items, params.mc_choices, params.mc_context_chars, params.seed),
+             build_next_sentence_task(held.docs, params.next_sentence_items, params.mc_choices,
+                                      params.mc_context_chars, params.seed)]
+    for task, want in zip(built, (params.cloze_items, params.next_sentence_items), strict=True):
+        if want and len(task.items) < want:
+            ctx.progress(f"WARNING: the held-out text gave {len(task.items)} {task.name} items of {want} asked for")
+    names = [t.name for t in built if t.items] + [t.name for t in task_files]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval: two multiple-choice tasks share a name ({names}); rename the task files")
+    return [t for t in built if t.items] + task_files
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
@@ -571,46 +387,11 @@ def run(params: EvalParams, ctx: StageContext) -> None:
     copy = _copy_probe(scorer, params, ctx, stream)
     mr = _multi_round(scorer, stream, lengths, params, ctx)
     loss = _loss_by_position(scorer, stream, lengths, params, ctx)
-    built = [build_cloze_task(held.docs, params.cloze_items, params.mc_choices, params.mc_context_chars, params.seed),
-             build_next_sentence_task(held.docs, params.next_sentence_items, params.mc_choices,
-                                      params.mc_context_chars, params.seed)]
-    for task, want in zip(built, (params.cloze_items, params.next_sentence_items), strict=True):
-        if want and len(task.items) < want:
-            ctx.progress(f"WARNING: the held-out text gave {len(task.items)} {task.name} items of {want} asked for")
-    names = [t.name for t in built if t.items] + [t.name for t in task_files]
-    if len(set(names)) != len(names):
-        raise ValueError(f"eval: two multiple-choice tasks share a name ({names}); rename the task files")
-    mc = _mc(scorer, [t for t in built if t.items] + task_files, T, params, ctx, ctx.out_dir / MC_ITEMS_FILE)
-
+    mc = _mc(scorer, mc_tasks(held, task_files, params, ctx), T, params, ctx, ctx.out_dir / MC_ITEMS_FILE)
     passes = _pass_rate(checkpoint, params, ctx) if "prompts" in ctx.inputs else None
 
-    _plots(ctx, niah, mr, loss, T)
-    summary: dict[str, float] = {
-        "niah_accuracy": niah["accuracy_by_length"][T], "niah_accuracy_2x": niah["accuracy_by_length"][2 * T],
-        "multi_round_niah_recall": mr["recall_by_length"][T],
-        "multi_round_niah_recall_2x": mr["recall_by_length"][2 * T],
-        "niah_choice_accuracy": niah["choice_accuracy_by_length"][T],
-        "niah_choice_accuracy_2x": niah["choice_accuracy_by_length"][2 * T],
-        "niah_answer_margin": niah["margin_by_length"][T], "niah_answer_margin_2x": niah["margin_by_length"][2 * T],
-    }
-    if copy is not None:
-        summary |= {"copy_accuracy": copy["accuracy"], "copy_loss_gain": copy["loss_gain"]}
-    if mc:
-        summary["mc_acc_norm"] = float(np.mean([r["acc_norm"] for r in mc.values()]))
-        summary["mc_log_acc_norm2"] = float(np.mean([r["log_acc_norm2"] for r in mc.values()]))
-    if passes is not None:
-        summary |= passes["metrics"]
-    summary |= {f"eval_loss_at_{L}": v for L, v in loss["loss_at"].items()}
-    summary |= {f"niah_accuracy_at_{L}": v for L, v in niah["accuracy_by_length"].items()}
-    summary |= {f"multi_round_niah_recall_at_{L}": v for L, v in mr["recall_by_length"].items()}
-    for name, r in mc.items():
-        key = metric_key(name)
-        summary |= {f"mc_acc.{key}": r["acc"], f"mc_acc_norm.{key}": r["acc_norm"],
-                    f"mc_log_acc_norm2.{key}": r["log_acc_norm2"], f"mc_items.{key}": r["items"]}
-        if math.isfinite(r["power"]["min_items"]):
-            summary[f"mc_min_items.{key}"] = r["power"]["min_items"]
-        if math.isfinite(r["power"]["detectable_gain"]):
-            summary[f"mc_mde.{key}"] = r["power"]["detectable_gain"]
+    plot_results(ctx, niah, mr, loss, T)
+    summary = summary_metrics(T, niah, copy, mr, loss, mc, passes)
     ctx.log_summary(summary)
     for pos, v in loss["curve"]:
         ctx.log_metrics({"loss_by_position": v}, step=pos)
@@ -624,8 +405,8 @@ def run(params: EvalParams, ctx: StageContext) -> None:
               "metrics": summary, "niah": niah, "copy_probe": copy, "multi_round_niah": mr, "loss_by_position": loss,
               "multiple_choice": mc, "pass_rate": passes}
     timing["sandbox"] = record_sandbox(ctx)
-    _write_json(ctx.out_dir / REPORT_FILE, report)
-    _write_json(ctx.out_dir / TIMING_FILE, timing)
+    write_strict_json(ctx.out_dir / REPORT_FILE, report)
+    write_strict_json(ctx.out_dir / TIMING_FILE, timing)
     ctx.log_artifact(ctx.out_dir / REPORT_FILE, "eval")
     ctx.set_rows("niah_prompts", len(niah["trials"]))
     ctx.set_rows("mc_items", sum(r["items"] for r in mc.values()))

@@ -33,26 +33,39 @@ Output: the checkpoint (``model/``, ``minimax/``, tokenizer, the base ``packing.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from data.reward_scoring import REWARD_MODEL_DIR
-from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
+from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
-from posttrain.policy import CHECKPOINT_EVERY_HELP
+from posttrain.policy import (
+    CHECKPOINT_EVERY_HELP,
+    MODEL_DIR,
+    NO_ACTIVATION_CHECKPOINTING,
+    SamplingStats,
+    chat_prompt,
+    last_checkpoint,
+    load_policy,
+    pass_rate,
+    publish_policy,
+    sample_responses,
+    train_from_checkpoint,
+    trainer_checkpointing,
+    trainer_log_relay,
+)
 from posttrain.prompts import PROMPTS_TYPE, read_pool, split_group
+from posttrain.report import log_finite_summary, loss_figure, write_report
 from posttrain.reward_model import REWARD_MODEL_TYPE, pairwise_accuracy
-from posttrain.rewards import RewardComponents
-from posttrain.sandbox import containment_record, record_sandbox
+from posttrain.rewards import RewardComponents, RewardHierarchy
+from posttrain.sandbox import containment_record
 from pretrain.stage import CHECKPOINT_TYPE
 
 PAIRS_DIR = "pairs"
@@ -168,7 +181,7 @@ def completion_logps(model: Any, sequences: Sequence[tuple[Sequence[int], Sequen
                      batch_size: int = 16, max_length: int | None = None) -> list[float]:
     """Σ log π(completion token | prefix) of each (prompt ids, completion ids), cut to ``max_length`` tokens as TRL
     cuts (keep the start). Right-padded batches of similar length, no gradient, the model's current mode."""
-    import torch
+    import torch  # heavy: torch
 
     seqs = [(list(p) + list(c), len(p)) for p, c in sequences]
     if max_length is not None:
@@ -211,8 +224,6 @@ def preference_accuracy(beta: float, chosen_logps: Sequence[float], rejected_log
 def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any, scorer: Any,
                 stats: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pairs, skipped): one pair row or one skipped row for every dpo-pool prompt."""
-    from posttrain.policy import chat_prompt, sample_responses
-
     records = prompt_order(read_pool(ctx.input("prompts").path, "dpo", "dpo"), params.seed)
     skipped = [{"id": r["id"], "reason": "over_max_prompts"} for r in records[params.max_prompts:]]
     candidates = []
@@ -252,48 +263,10 @@ def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any
     return pairs, skipped
 
 
-def trainer_class() -> type:
-    """The trainer this stage trains with: TRL's ``DPOTrainer`` with the model's own MoE balance loss (§2.1) in
-    place of TRL's (:mod:`posttrain.moe_loss`)."""
-    from trl import DPOTrainer
-
-    from posttrain.moe_loss import model_balance_trainer  # heavy: torch
-
-    return model_balance_trainer(DPOTrainer)
-
-
-def run(params: DPOParams, ctx: StageContext) -> None:
-    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
-    start = time.monotonic()
-    import torch
-    from datasets import Dataset
-    from transformers import PrinterCallback
-    from trl import DPOConfig
-
-    from posttrain.policy import (
-        MODEL_DIR,
-        NO_ACTIVATION_CHECKPOINTING,
-        SamplingStats,
-        last_checkpoint,
-        load_policy,
-        pass_rate,
-        save_policy,
-        train_from_checkpoint,
-        trainer_checkpointing,
-        trainer_log_relay,
-    )
-    from posttrain.rewards import RewardHierarchy
-
-    torch.manual_seed(params.seed)
-    ckpt = ctx.input("checkpoint").path
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model, tok = load_policy(ckpt, device=device)
-    rm = ctx.inputs.get("reward_model")
-    scorer = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None)
-
-    # 1. pairs (§5.4.1): sample at several temperatures, score, best vs worst
-    stats = SamplingStats()
-    pairs, skipped = build_pairs(params, ctx, model, tok, scorer, stats)
+def save_pairs(params: DPOParams, ctx: StageContext, pairs: list[dict[str, Any]], skipped: list[dict[str, Any]],
+               stats: SamplingStats) -> tuple[dict[str, list[dict[str, Any]]], Counter]:
+    """``pairs/{train,heldout,skipped}.jsonl`` and the pair counts as metrics; (pairs by split, skips by reason).
+    Both splits must hold a pair."""
     split = {s: [p for p in pairs if p["split"] == s] for s in ("train", "heldout")}
     (ctx.out_dir / PAIRS_DIR).mkdir(exist_ok=True)
     for s, rows in split.items():
@@ -314,45 +287,62 @@ def run(params: DPOParams, ctx: StageContext) -> None:
                          f"{len(pairs) + len(skipped)} dpo-pool prompts (skipped: {dict(skip_counts)}); both must be "
                          "non-empty: raise max_prompts or samples_per_temperature, lower min_margin, or change "
                          "heldout_fraction")
+    return split, skip_counts
 
-    # every pair tokenized as TRL tokenizes it (checked against TRL's own below); held-out reference log-probs once
-    encoded = {p["id"]: (encode_pair_side(tok, p["prompt"], p["chosen"]), encode_pair_side(tok, p["prompt"], p["rejected"]))
-               for p in pairs}
-    truncated = sum(len(c[0]) + max(len(c[1]), len(r[1])) > params.max_length for c, r in encoded.values())
-    held = split["heldout"]
-    held_c = [encoded[p["id"]][0] for p in held]
-    held_r = [encoded[p["id"]][1] for p in held]
-    model.eval()
 
-    def heldout_logps(m: Any) -> tuple[list[float], list[float]]:
-        lp = completion_logps(m, held_c + held_r, tok.pad_token_id, params.eval_batch_sequences, params.max_length)
-        return lp[:len(held)], lp[len(held):]
+class HeldoutPreference:
+    """``eval_preference_accuracy`` and ``eval_reward_margin`` of a policy on the held-out pairs (encoded as TRL
+    encodes them), against the log-probs of the reference: the policy given at construction, as it is then."""
 
-    ref_c, ref_r = heldout_logps(model)
+    def __init__(self, params: DPOParams, reference: Any, pad_id: int,
+                 chosen: list[tuple[list[int], list[int]]], rejected: list[tuple[list[int], list[int]]]) -> None:
+        self.params, self.pad_id, self.chosen, self.rejected = params, pad_id, chosen, rejected
+        self.ref_c, self.ref_r = self.logps(reference)
 
-    def heldout_accuracy(m: Any) -> tuple[float, float]:
+    def logps(self, m: Any) -> tuple[list[float], list[float]]:
+        lp = completion_logps(m, self.chosen + self.rejected, self.pad_id, self.params.eval_batch_sequences,
+                              self.params.max_length)
+        return lp[:len(self.chosen)], lp[len(self.chosen):]
+
+    def __call__(self, m: Any) -> tuple[float, float]:
+        """(accuracy, mean implicit reward margin) of ``m``, scored in eval mode (its mode is restored)."""
+        beta = self.params.beta
         was_training = m.training
         m.eval()
-        c, r = heldout_logps(m)
+        c, r = self.logps(m)
         m.train(was_training)
-        margins = [a - b for a, b in zip(implicit_rewards(params.beta, c, ref_c),
-                                         implicit_rewards(params.beta, r, ref_r), strict=True)]
-        return preference_accuracy(params.beta, c, r, ref_c, ref_r), sum(margins) / len(margins)
+        margins = [a - b for a, b in zip(implicit_rewards(beta, c, self.ref_c),
+                                         implicit_rewards(beta, r, self.ref_r), strict=True)]
+        return preference_accuracy(beta, c, r, self.ref_c, self.ref_r), sum(margins) / len(margins)
 
-    eval_records = read_pool(ctx.input("prompts").path, "eval", "dpo")[:params.eval_prompts]
-    pass_before, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
-                               batch_size=params.sample_batch_size)
-    acc0, margin0 = heldout_accuracy(model)
-    ctx.log_metrics({"eval_preference_accuracy": acc0, "eval_reward_margin": margin0,
-                     "eval_pass_rate": pass_before}, step=0)
 
-    # 2. DPO with TRL: a frozen reference copy, dropless like the policy (load_policy)
-    ref_model, _ = load_policy(ckpt)
+def trainer_class() -> type:
+    """The trainer this stage trains with: TRL's ``DPOTrainer`` with the model's own MoE balance loss (§2.1) in
+    place of TRL's (:mod:`posttrain.moe_loss`)."""
+    from trl import DPOTrainer  # heavy: trl
+
+    from posttrain.moe_loss import model_balance_trainer  # heavy: torch
+
+    return model_balance_trainer(DPOTrainer)
+
+
+def train_dpo(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any, checkpoint: Path,
+              train_pairs: list[dict[str, Any]], encoded: dict[str, Any],
+              heldout: HeldoutPreference) -> tuple[Any, list[tuple[int, float]], float]:
+    """TRL's DPOTrainer against a frozen reference copy of ``checkpoint``, dropless like the policy (load_policy),
+    with the held-out preference accuracy every ``eval_every`` steps; resumes from the last mid-training checkpoint
+    of a killed attempt. (trainer, (step, loss) history, training seconds)."""
+    import torch  # heavy: torch
+    from datasets import Dataset  # heavy: datasets
+    from transformers import PrinterCallback  # heavy: transformers
+    from trl import DPOConfig  # heavy: trl
+
+    ref_model, _ = load_policy(checkpoint)
     relayed = {"loss": "loss", "rewards/accuracies": "train_preference_accuracy", "rewards/margins": "reward_margin",
                "grad_norm": "grad_norm", "learning_rate": "learning_rate"}
     def heldout_every(state: Any, trained: Any) -> None:  # the held-out preference accuracy every eval_every steps
         if state.global_step % params.eval_every == 0 and state.global_step != state.max_steps:
-            acc, margin = heldout_accuracy(trained)
+            acc, margin = heldout(trained)
             ctx.log_metrics({"eval_preference_accuracy": acc, "eval_reward_margin": margin}, step=state.global_step)
 
     relay = trainer_log_relay(ctx, relayed, on_step_end=heldout_every)
@@ -371,53 +361,83 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}],
                                   "chosen": [{"role": "assistant", "content": p["chosen"]}],
                                   "rejected": [{"role": "assistant", "content": p["rejected"]}]}
-                                 for p in split["train"]])
+                                 for p in train_pairs])
     model.train()
     trainer = trainer_class()(model=model, ref_model=ref_model, args=config, train_dataset=dataset,
-                              processing_class=tok, callbacks=[relay])
+                              processing_class=tokenizer, callbacks=[relay])
     trainer.remove_callback(PrinterCallback)  # the relay reports
     trl_rows = trainer.train_dataset
-    if len(trl_rows) != len(split["train"]):
-        raise RuntimeError(f"dpo: TRL kept {len(trl_rows)} of {len(split['train'])} train pairs (prompts that fill "
+    if len(trl_rows) != len(train_pairs):
+        raise RuntimeError(f"dpo: TRL kept {len(trl_rows)} of {len(train_pairs)} train pairs (prompts that fill "
                            "max_length should have been skipped as prompt_too_long)")
-    for p, row in zip(split["train"], trl_rows, strict=True):  # the held-out metric scores what TRL trains on
+    for p, row in zip(train_pairs, trl_rows, strict=True):  # the held-out metric scores what TRL trains on
         (cp, cc), (_, rc) = encoded[p["id"]]
         if (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) != (cp, cc, rc):
             raise RuntimeError(f"dpo: pair {p['id']!r} tokenizes differently in TRL than in encode_pair_side; the "
                                "held-out preference accuracy would score other sequences than training uses")
     train_start = time.monotonic()
     train_from_checkpoint(trainer, last_checkpoint(ctx, config))
-    train_seconds = time.monotonic() - train_start
+    return trainer, relay.losses, time.monotonic() - train_start
+
+
+def run(params: DPOParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
+    start = time.monotonic()
+    import torch  # heavy: torch
+
+    torch.manual_seed(params.seed)
+    ckpt = ctx.input("checkpoint").path
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model, tok = load_policy(ckpt, device=device)
+    rm = ctx.inputs.get("reward_model")
+    scorer = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None)
+
+    # 1. pairs (§5.4.1): sample at several temperatures, score, best vs worst
+    stats = SamplingStats()
+    pairs, skipped = build_pairs(params, ctx, model, tok, scorer, stats)
+    split, skip_counts = save_pairs(params, ctx, pairs, skipped, stats)
+
+    # every pair tokenized as TRL tokenizes it (checked against TRL's own in train_dpo); held-out reference
+    # log-probs once
+    encoded = {p["id"]: (encode_pair_side(tok, p["prompt"], p["chosen"]), encode_pair_side(tok, p["prompt"], p["rejected"]))
+               for p in pairs}
+    truncated = sum(len(c[0]) + max(len(c[1]), len(r[1])) > params.max_length for c, r in encoded.values())
+    model.eval()
+    heldout = HeldoutPreference(params, model, tok.pad_token_id, [encoded[p["id"]][0] for p in split["heldout"]],
+                                [encoded[p["id"]][1] for p in split["heldout"]])
+    eval_records = read_pool(ctx.input("prompts").path, "eval", "dpo")[:params.eval_prompts]
+    pass_before, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
+                               batch_size=params.sample_batch_size)
+    acc0, margin0 = heldout(model)
+    ctx.log_metrics({"eval_preference_accuracy": acc0, "eval_reward_margin": margin0,
+                     "eval_pass_rate": pass_before}, step=0)
+
+    # 2. DPO with TRL
+    trainer, losses, train_seconds = train_dpo(params, ctx, model, tok, ckpt, split["train"], encoded, heldout)
     steps = trainer.state.global_step
 
     # 3. after: held-out preference accuracy and pass rate at the last step, the checkpoint, the report
     policy = trainer.model.eval()
-    acc1, margin1 = heldout_accuracy(policy)
+    acc1, margin1 = heldout(policy)
     pass_after, _ = pass_rate(policy, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
                               batch_size=params.sample_batch_size)
     ctx.log_metrics({"eval_preference_accuracy": acc1, "eval_reward_margin": margin1, "eval_pass_rate": pass_after},
                     step=steps)
-    tmp = ctx.out_dir / ".policy.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(policy, ckpt / MODEL_DIR, ckpt, tmp)
-    for entry in sorted(tmp.iterdir()):
-        dest = ctx.out_dir / entry.name
-        if dest.is_dir():
-            shutil.rmtree(dest)
-        os.replace(entry, dest)
-    tmp.rmdir()
+    publish_policy(policy, ckpt / MODEL_DIR, ckpt, ctx.out_dir)
+    ctx.log_figure(loss_figure(losses, xlabel="step", ylabel="DPO loss", marker="o",
+                               title=f"{ctx.stage_name}: DPO loss (β={params.beta})"), "loss.png")
+    _report(params, ctx, pairs, skipped, split, skip_counts, truncated=truncated, stats=stats,
+            accuracy=(acc0, acc1), margin=(margin0, margin1), eval_pass=(pass_before, pass_after),
+            eval_records=len(eval_records), losses=losses, steps=steps, train_seconds=train_seconds, start=start)
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
-    losses = relay.losses
-    ax.plot([s for s, _ in losses], [v for _, v in losses], marker="o")
-    ax.set(xlabel="step", ylabel="DPO loss", title=f"{ctx.stage_name}: DPO loss (β={params.beta})")
-    ctx.log_figure(fig, "loss.png")
-
+def _report(params: DPOParams, ctx: StageContext, pairs: list[dict[str, Any]], skipped: list[dict[str, Any]],
+            split: dict[str, list[dict[str, Any]]], skip_counts: Counter, *, truncated: int, stats: SamplingStats,
+            accuracy: tuple[float, float], margin: tuple[float, float], eval_pass: tuple[float, float],
+            eval_records: int, losses: list[tuple[int, float]], steps: int, train_seconds: float,
+            start: float) -> None:
+    """The summary metrics and ``dpo_report.json``; (before, after) pairs for the held-out figures."""
+    (acc0, acc1), (margin0, margin1), (pass_before, pass_after) = accuracy, margin, eval_pass
     seconds = time.monotonic() - start
     final_loss = losses[-1][1] if losses else math.nan
     summary = {"eval_preference_accuracy": acc1, "eval_preference_accuracy_untrained": acc0,
@@ -425,7 +445,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
                "dpo_pairs": len(pairs), "truncated_pairs": truncated,
                "generation_tokens_per_second": stats.tokens_per_second, "train_seconds": train_seconds,
                "stage_seconds": seconds, "steps": steps}
-    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+    log_finite_summary(ctx, summary)
     report = {"params": params.model_dump(), "prompts": len(pairs) + len(skipped),
               "pairs": {s: len(v) for s, v in split.items()}, "truncated_pairs": truncated,
               "skipped": {k: skip_counts.get(k, 0) for k in SKIP_REASONS}, "skip_reasons": SKIP_REASONS,
@@ -433,14 +453,12 @@ def run(params: DPOParams, ctx: StageContext) -> None:
                              "finished": stats.finished, "tokens_per_second": stats.tokens_per_second},
               "eval_preference_accuracy": {"before": acc0, "after": acc1},
               "eval_reward_margin": {"before": margin0, "after": margin1},
-              "eval_pass_rate": {"before": pass_before, "after": pass_after, "prompts": len(eval_records)},
+              "eval_pass_rate": {"before": pass_before, "after": pass_after, "prompts": eval_records},
               "final_loss": None if math.isnan(final_loss) else final_loss, "steps": steps,
               "train_seconds": round(train_seconds, 2), "stage_seconds": round(seconds, 2),
               "notes": {"eval_preference_accuracy": "held-out pairs whose implicit reward beta*(log pi - log pi_ref) "
                                                     "is higher for chosen; ties 1/2 (0.5 at step 0, pi = pi_ref)"}}
-    report["sandbox"] = record_sandbox(ctx)
-    write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
-    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "dpo")
+    write_report(ctx, ctx.out_dir / REPORT_FILE, report, "dpo")
     ctx.progress(f"held-out preference accuracy {acc0:.3f} -> {acc1:.3f}, pass rate {pass_before:.3f} -> "
                  f"{pass_after:.3f}, {steps} steps in {train_seconds:.1f} s; stage {seconds:.1f} s")
 

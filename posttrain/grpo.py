@@ -33,28 +33,45 @@ GPU-size settings.
 
 from __future__ import annotations
 
-import json
+import functools
 import math
-import os
 import random
-import shutil
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import Field, model_validator
 
 from data.reward_scoring import REWARD_MODEL_DIR
-from pipeline.artifacts import write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
-from posttrain.grpo_trainer import GENERATION_THROUGHPUT_METRIC, INTERFACE_METRICS
-from posttrain.policy import CHECKPOINT_EVERY_HELP
+from posttrain.grpo_trainer import (
+    GENERATION_THROUGHPUT_METRIC,
+    INTERFACE_METRICS,
+    HylightGRPOConfig,
+    select_prompts_by_pass_rate,
+    train_grpo,
+)
+from posttrain.policy import (
+    CHECKPOINT_EVERY_HELP,
+    MODEL_DIR,
+    NO_ACTIVATION_CHECKPOINTING,
+    SamplingStats,
+    last_checkpoint,
+    load_policy,
+    pass_rate,
+    publish_policy,
+    trainer_checkpointing,
+    trainer_log_relay,
+)
 from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, read_pool
+from posttrain.report import log_finite_summary, write_report
 from posttrain.reward_model import REWARD_MODEL_TYPE
 from posttrain.rewards import RewardHierarchy, RewardWeights
-from posttrain.sandbox import containment_record, record_sandbox
+from posttrain.sandbox import containment_record
 from pretrain.stage import CHECKPOINT_TYPE
 
 REPORT_FILE = "rl_report.json"
@@ -192,12 +209,109 @@ def resolve_selection(records: Sequence[dict[str, Any]], pass_rates: Sequence[fl
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
-def _write_json(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
+@dataclass
+class RLPrompts:
+    """The rl pool, the verifiable records selection considers, what was dropped before selection (by reason), and
+    the eval pool with the records ``eval_pass_rate`` scores."""
+
+    pool: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    dropped: dict[str, int]
+    eval_pool: list[dict[str, Any]]
+    eval_records: list[dict[str, Any]]
+
+
+def rl_prompts(params: GRPOParams, ctx: StageContext) -> RLPrompts:
+    """Every rl-pool record is used, or dropped with a counted reason (no checker; beyond a seeded sample of
+    ``max_prompts``)."""
+    prompts_dir = ctx.input("prompts").path
+    pool = read_pool(prompts_dir, "rl", "grpo")
+    dropped: dict[str, int] = defaultdict(int)
+    verifiable = [r for r in pool if r.get("checker")]
+    dropped["no_checker"] = len(pool) - len(verifiable)
+    rng = random.Random(params.seed)
+    considered = sorted(rng.sample(range(len(verifiable)), min(params.max_prompts, len(verifiable))))
+    records = [verifiable[i] for i in considered]
+    dropped["over_max_prompts"] = len(verifiable) - len(records)
+    eval_pool = read_pool(prompts_dir, "eval", "grpo")
+    eval_records = eval_pool[:params.eval_prompts]
+    if not records or not eval_records:
+        raise ValueError(f"grpo: {len(records)} verifiable rl prompts and {len(eval_records)} eval prompts in "
+                         f"{prompts_dir / POOLS_DIR}; both must be non-empty (prompts stage: verifiable counts, "
+                         "rl_fraction, eval_fraction)")
+    ctx.set_rows("rl_pool_prompts", len(pool))
+    ctx.set_rows("eval_prompts", len(eval_records))
+    return RLPrompts(pool, records, dropped, eval_pool, eval_records)
+
+
+class MetricSeries:
+    """The stage's metrics as it logs them, kept by name as (step, value) series for the plot and the report."""
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.ctx.log_metrics(metrics, step=step)
+        for k, v in metrics.items():
+            self.series[k].append((step, float(v)))
+
+    def restore(self, metrics: dict[str, float], step: int) -> None:  # a resumed attempt's earlier steps, not re-logged
+        for k, v in metrics.items():
+            self.series[k].append((step, v))
+
+    def last(self, name: str) -> float:
+        return self.series[name][-1][1] if self.series.get(name) else math.nan
+
+
+def eval_pass_rate(model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int,
+                   stats: SamplingStats) -> float:
+    """``eval_pass_rate`` of ``model``, decoded in eval mode (its mode is restored)."""
+    was = model.training
+    model.eval()
+    try:
+        rate, _ = pass_rate(model, tokenizer, records, max_new_tokens=max_new_tokens, stats=stats)
+    finally:
+        model.train(was)
+    return rate
+
+
+def train(params: GRPOParams, ctx: StageContext, policy: Any, tokenizer: Any, records: list[dict[str, Any]],
+          reward: HierarchyReward, series: MetricSeries, measure: Callable[[Any], float]) -> tuple[dict[str, Any],
+                                                                                                float]:
+    """:func:`posttrain.grpo_trainer.train_grpo` with the §5.4.2 switches, TRL's logs relayed into ``series``,
+    ``measure`` (the eval pass rate) every ``eval_every`` steps; resumes from the last mid-training checkpoint of a
+    killed attempt. (train_grpo's result, training seconds)."""
+    on_gpu = torch.cuda.is_available()
+
+    def pass_rate_every(state: Any, model: Any) -> None:
+        if params.eval_every and state.global_step % params.eval_every == 0 and state.global_step < state.max_steps:
+            series.log({"eval_pass_rate": measure(model)}, state.global_step)
+
+    relay = trainer_log_relay(ctx, RELAYED, log=series.log, shown=("loss", "reward_mean", "kl", "clip_fraction"),
+                              on_step_end=pass_rate_every, restore=series.restore)
+
+    eps_high = params.epsilon_high if params.epsilon_high is not None else (5.0 if params.loss_type == "cispo"
+                                                                              else params.epsilon)
+    config = HylightGRPOConfig(
+        max_steps=params.max_steps, learning_rate=params.learning_rate, **trainer_checkpointing(ctx, params.checkpoint_every),
+        per_device_train_batch_size=params.prompts_per_step * params.num_generations,
+        num_generations=params.num_generations, max_completion_length=params.max_completion_length,
+        temperature=params.temperature, num_iterations=params.num_iterations, loss_type=params.loss_type,
+        epsilon=params.epsilon, epsilon_high=eps_high, beta=params.beta, kl_estimator=params.kl_estimator,
+        clip_large_ratio_negative_advantage=params.clip_large_ratio_negative_advantage,
+        balance_advantages=params.balance_advantages, seed=params.seed, logging_steps=1,
+        report_to="none", disable_tqdm=True, use_cpu=not on_gpu, bf16=on_gpu,  # the stage's GPU when it has one
+        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, dataloader_num_workers=0)
+    t0 = time.monotonic()
+    result = train_grpo(policy, tokenizer, [chat(r["prompt"]) for r in records], [reward], config,
+                        ctx.work_dir / "grpo", callbacks=[relay],
+                        resume_from_checkpoint=last_checkpoint(ctx, config))
+    return result, time.monotonic() - t0
 
 
 def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib (a plot at the end of a run)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -217,160 +331,82 @@ def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None
 def run(params: GRPOParams, ctx: StageContext) -> None:
     containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
     start = time.monotonic()
-    import torch
-
-    from posttrain.grpo_trainer import (  # heavy: trl, torch
-        HylightGRPOConfig,
-        select_prompts_by_pass_rate,
-        train_grpo,
-    )
-    from posttrain.policy import (
-        MODEL_DIR,
-        NO_ACTIVATION_CHECKPOINTING,
-        SamplingStats,
-        last_checkpoint,
-        load_policy,
-        pass_rate,
-        save_policy,
-        trainer_checkpointing,
-        trainer_log_relay,
-    )
-
     checkpoint = ctx.input("checkpoint").path
-    prompts_dir = ctx.input("prompts").path
     rm_art = ctx.inputs.get("reward_model")
     rm_dir = rm_art.path / REWARD_MODEL_DIR if rm_art is not None and not isinstance(rm_art, list) else None
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda") if on_gpu else torch.device("cpu")
-
-    # prompts: every rl-pool record is used, or dropped with a counted reason
-    pool = read_pool(prompts_dir, "rl", "grpo")
-    dropped: dict[str, int] = defaultdict(int)
-    verifiable = [r for r in pool if r.get("checker")]
-    dropped["no_checker"] = len(pool) - len(verifiable)
-    rng = random.Random(params.seed)
-    considered = sorted(rng.sample(range(len(verifiable)), min(params.max_prompts, len(verifiable))))
-    records = [verifiable[i] for i in considered]
-    dropped["over_max_prompts"] = len(verifiable) - len(records)
-    eval_pool = read_pool(prompts_dir, "eval", "grpo")
-    eval_records = eval_pool[:params.eval_prompts]
-    if not records or not eval_records:
-        raise ValueError(f"grpo: {len(records)} verifiable rl prompts and {len(eval_records)} eval prompts in "
-                         f"{prompts_dir / POOLS_DIR}; both must be non-empty (prompts stage: verifiable counts, "
-                         "rl_fraction, eval_fraction)")
-    ctx.set_rows("rl_pool_prompts", len(pool))
-    ctx.set_rows("eval_prompts", len(eval_records))
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    prompts = rl_prompts(params, ctx)
 
     policy, tok = load_policy(checkpoint, device=device)  # fp32 master weights; bf16 autocast on GPU (TRL)
     weights = RewardWeights(params.weight_correctness, params.weight_rm, params.weight_constraints)
-    reward = HierarchyReward(records, RewardHierarchy(weights, reward_model_dir=rm_dir))
+    reward = HierarchyReward(prompts.records, RewardHierarchy(weights, reward_model_dir=rm_dir))
     eval_stats = SamplingStats()
-
-    def eval_pass_rate(model: Any) -> float:
-        was = model.training
-        model.eval()
-        try:
-            rate, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
-                                stats=eval_stats)
-        finally:
-            model.train(was)
-        return rate
-
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-
-    def log(metrics: dict[str, float], step: int) -> None:
-        ctx.log_metrics(metrics, step=step)
-        for k, v in metrics.items():
-            series[k].append((step, float(v)))
-
-    before = eval_pass_rate(policy)
-    log({"eval_pass_rate": before}, 0)
-    ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(eval_records)} held-out prompts")
+    measure = functools.partial(eval_pass_rate, tokenizer=tok, records=prompts.eval_records,
+                                max_new_tokens=params.eval_max_new_tokens, stats=eval_stats)
+    series = MetricSeries(ctx)
+    before = measure(policy)
+    series.log({"eval_pass_rate": before}, 0)
+    ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(prompts.eval_records)} held-out prompts")
 
     # §5.4.2 prompt selection by a sampling pass
     t0 = time.monotonic()
-    sel = select_prompts_by_pass_rate(policy, tok, [chat(r["prompt"]) for r in records], [reward],
+    sel = select_prompts_by_pass_rate(policy, tok, [chat(r["prompt"]) for r in prompts.records], [reward],
                                       k=params.selection_k, lo=params.pass_rate_lo, hi=params.pass_rate_hi,
                                       pass_threshold=weights.correctness, max_new_tokens=params.max_completion_length,
                                       temperature=params.temperature, seed=params.seed)
     selection_seconds = time.monotonic() - t0
-    train_records, counts = resolve_selection(records, sel.pass_rates, params.pass_rate_lo, params.pass_rate_hi,
-                                              params.min_prompts, params.keep_unsolved)
+    train_records, counts = resolve_selection(prompts.records, sel.pass_rates, params.pass_rate_lo,
+                                              params.pass_rate_hi, params.min_prompts, params.keep_unsolved)
     counts_log = {f"prompts_{k}": v for k, v in counts.items()} | {f"prompts_dropped_{k}": v
-                                                                   for k, v in dropped.items()}
+                                                                   for k, v in prompts.dropped.items()}
     ctx.log_metrics(counts_log)
     for k, v in counts_log.items():
         ctx.set_rows(k, v)
-    assert sum(counts.values()) + sum(dropped.values()) == len(pool), (counts, dropped, len(pool))
+    assert sum(counts.values()) + sum(prompts.dropped.values()) == len(prompts.pool), (counts, prompts.dropped,
+                                                                                       len(prompts.pool))
     ctx.progress(f"selection ({params.selection_k} samples/prompt, {selection_seconds:.1f} s): {counts}; "
-                 f"dropped before selection: {dict(dropped)}")
+                 f"dropped before selection: {dict(prompts.dropped)}")
 
-    def pass_rate_every(state: Any, model: Any) -> None:
-        if params.eval_every and state.global_step % params.eval_every == 0 and state.global_step < state.max_steps:
-            log({"eval_pass_rate": eval_pass_rate(model)}, state.global_step)
-
-    def restore(metrics: dict[str, float], step: int) -> None:  # a resumed attempt's earlier steps, not re-logged
-        for k, v in metrics.items():
-            series[k].append((step, v))
-
-    relay = trainer_log_relay(ctx, RELAYED, log=log, shown=("loss", "reward_mean", "kl", "clip_fraction"),
-                              on_step_end=pass_rate_every, restore=restore)
-
-    eps_high = params.epsilon_high if params.epsilon_high is not None else (5.0 if params.loss_type == "cispo"
-                                                                              else params.epsilon)
-    config = HylightGRPOConfig(
-        max_steps=params.max_steps, learning_rate=params.learning_rate, **trainer_checkpointing(ctx, params.checkpoint_every),
-        per_device_train_batch_size=params.prompts_per_step * params.num_generations,
-        num_generations=params.num_generations, max_completion_length=params.max_completion_length,
-        temperature=params.temperature, num_iterations=params.num_iterations, loss_type=params.loss_type,
-        epsilon=params.epsilon, epsilon_high=eps_high, beta=params.beta, kl_estimator=params.kl_estimator,
-        clip_large_ratio_negative_advantage=params.clip_large_ratio_negative_advantage,
-        balance_advantages=params.balance_advantages, seed=params.seed, logging_steps=1,
-        report_to="none", disable_tqdm=True, use_cpu=not on_gpu, bf16=on_gpu,  # the stage's GPU when it has one
-        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, dataloader_num_workers=0)
-    t0 = time.monotonic()
-    result = train_grpo(policy, tok, [chat(r["prompt"]) for r in train_records], [reward], config,
-                        ctx.work_dir / "grpo", callbacks=[relay],
-                        resume_from_checkpoint=last_checkpoint(ctx, config))
-    train_seconds = time.monotonic() - t0
+    result, train_seconds = train(params, ctx, policy, tok, train_records, reward, series, measure)
     steps = result["steps"]
-
     trained, _ = load_policy(result["policy_dir"], device=device)
-    after = eval_pass_rate(trained)
-    log({"eval_pass_rate": after}, steps)
+    after = measure(trained)
+    series.log({"eval_pass_rate": after}, steps)
     ctx.progress(f"eval_pass_rate after {steps} steps: {after:.3f} (before {before:.3f})")
 
-    tmp = ctx.out_dir / ".policy.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(trained, checkpoint / MODEL_DIR, checkpoint, tmp)
-    for child in tmp.iterdir():
-        dest = ctx.out_dir / child.name
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(child, dest)
-    tmp.rmdir()
-    _plot(ctx, series)
+    publish_policy(trained, checkpoint / MODEL_DIR, checkpoint, ctx.out_dir)
+    _plot(ctx, series.series)
+    _report(params, ctx, prompts, counts, sel.pass_rates, train_records, series, weights, rm_dir, eval_stats,
+            eval_pass=(before, after), steps=steps, seconds=(selection_seconds, train_seconds), start=start)
 
-    def last(name: str) -> float:
-        return series[name][-1][1] if series.get(name) else math.nan
 
-    gen = [v for _, v in series.get(GENERATION_THROUGHPUT_METRIC, [])]
-    seconds = time.monotonic() - start
+def _report(params: GRPOParams, ctx: StageContext, prompts: RLPrompts, counts: dict[str, int],
+            pass_rates: Sequence[float], train_records: list[dict[str, Any]], series: MetricSeries,
+            weights: RewardWeights, rm_dir: Path | None, eval_stats: SamplingStats, *, eval_pass: tuple[float, float],
+            steps: int, seconds: tuple[float, float], start: float) -> None:
+    """The summary metrics and ``rl_report.json``. ``seconds``: (selection, training)."""
+    before, after = eval_pass
+    selection_seconds, train_seconds = seconds
+    last = series.last
+    gen = [v for _, v in series.series.get(GENERATION_THROUGHPUT_METRIC, [])]
+    stage_seconds = time.monotonic() - start
     summary = {"eval_pass_rate": after, "eval_pass_rate_before": before, "loss": last("loss"),
                "reward_mean": last("reward_mean"), "kl": last("kl"), "clip_fraction": last("clip_fraction"),
                "response_length": last("response_length"),
                "generation_tokens_per_second_mean": sum(gen) / len(gen) if gen else math.nan,
                "eval_tokens_per_second": eval_stats.tokens_per_second, "train_prompts": len(train_records),
                "steps": steps, "selection_seconds": selection_seconds, "train_seconds": train_seconds,
-               "stage_seconds": seconds}
-    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+               "stage_seconds": stage_seconds}
+    log_finite_summary(ctx, summary)
     report = {
         "params": params.model_dump(), "steps": steps, "summary": summary,
-        "prompts": {"rl_pool": len(pool), "dropped_before_selection": dict(dropped), "selection": counts,
-                    "pass_rates": {r.get("id", str(i)): p for i, (r, p) in enumerate(zip(records, sel.pass_rates,
+        "prompts": {"rl_pool": len(prompts.pool), "dropped_before_selection": dict(prompts.dropped),
+                    "selection": counts,
+                    "pass_rates": {r.get("id", str(i)): p for i, (r, p) in enumerate(zip(prompts.records, pass_rates,
                                                                                           strict=True))},
-                    "trained_on": [r.get("id") for r in train_records], "eval_scored": len(eval_records),
-                    "eval_not_scored": len(eval_pool) - len(eval_records)},
-        "metrics_by_step": {k: v for k, v in series.items()},
+                    "trained_on": [r.get("id") for r in train_records], "eval_scored": len(prompts.eval_records),
+                    "eval_not_scored": len(prompts.eval_pool) - len(prompts.eval_records)},
+        "metrics_by_step": {k: v for k, v in series.series.items()},
         "reward_weights": {"correctness": weights.correctness, "rm": weights.helpfulness_rm,
                            "constraints": weights.constraints, "pass_threshold": weights.correctness},
         "reward_model": str(rm_dir) if rm_dir else None,
@@ -381,10 +417,8 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
                                             "TRL's rollout generate (HylightGRPOTrainer._generate_single_turn)",
             "eval_pass_rate": "greedy responses to the first eval_prompts eval-pool prompts, exact checkers"},
     }
-    report["sandbox"] = record_sandbox(ctx)
-    _write_json(ctx.out_dir / REPORT_FILE, report)
-    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "grpo")
-    ctx.progress(f"done in {seconds:.1f} s (selection {selection_seconds:.1f} s, training {train_seconds:.1f} s)")
+    write_report(ctx, ctx.out_dir / REPORT_FILE, report, "grpo", default=float)
+    ctx.progress(f"done in {stage_seconds:.1f} s (selection {selection_seconds:.1f} s, training {train_seconds:.1f} s)")
 
 
 STAGE = StageKind(

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from posttrain.grpo_loss import balanced_advantages, grpo_loss
@@ -267,9 +269,6 @@ def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs:
     trainer then trains the copy loaded from there). Returns the policy path, step count, training loss, the last
     logged value of each interface metric and its per-log history. ``callbacks`` (transformers
     ``TrainerCallback``s, e.g. MLflow's) see every TRL log, the interface metrics among them."""
-    from datasets import Dataset
-    from transformers import PreTrainedModel
-
     import model as _hylight_model  # noqa: F401  (registers HybridForCausalLM with the Auto classes)
 
     output_dir = Path(output_dir)
@@ -281,8 +280,6 @@ def train_grpo(model: Any, tokenizer: Any, prompts: Sequence[Any], reward_funcs:
                                  train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
                                  processing_class=tokenizer, callbacks=list(callbacks) or None)
     if config.disable_tqdm:  # no bar and no printed log dicts: the caller relays logs through its callbacks
-        from transformers import PrinterCallback
-
         trainer.remove_callback(PrinterCallback)
     result = train_from_checkpoint(trainer, resume_from_checkpoint)
     policy_dir = output_dir / "policy"

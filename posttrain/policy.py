@@ -10,17 +10,23 @@ batches, measure the held-out pass rate, and write it back as a checkpoint artif
 * :func:`pass_rate` is ``eval_pass_rate``: greedy responses to held-out verifiable prompts, scored by the exact
   checkers of ``posttrain.verifiable``.
 * :func:`save_policy` writes ``model/`` and ``minimax/`` (via ``pretrain.export.write_checkpoint_dirs``) and carries
-  the base checkpoint's ``packing.json``, so the ``eval`` stage finds the pretraining run's held-out documents.
+  the base checkpoint's ``packing.json``, so the ``eval`` stage finds the pretraining run's held-out documents;
+  :func:`publish_policy` writes them beside a stage's output and moves each into place whole.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from data.tokenizer import END_OF_TURN_TOKEN
+from pipeline.artifacts import publish_dir
+from posttrain.verifiable import CHECKERS, check
 
 MODEL_DIR = "model"
 PACKING_FILE = "packing.json"
@@ -69,8 +75,8 @@ class SamplingStats:
 
 def load_policy(checkpoint: str | Path, dtype: Any = None, device: Any = None) -> tuple[Any, Any]:
     """(model, tokenizer) of a checkpoint artifact (or a ``model/`` directory itself), dropless MoE, eval mode."""
-    import torch
-    from transformers import AutoTokenizer
+    import torch  # heavy: torch
+    from transformers import AutoTokenizer  # heavy: transformers
 
     import model as _registers  # noqa: F401  (hylight_hybrid with the Auto classes)
     from model import HybridForCausalLM  # heavy: transformers, torch
@@ -101,8 +107,6 @@ def chat_prompt(tokenizer: Any, prompt: str) -> str:
 def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
     """eos ids generation stops at: the generation config's (export puts eos and end-of-turn there), else the
     tokenizer's eos and the chat template's end-of-turn marker."""
-    from data.tokenizer import END_OF_TURN_TOKEN
-
     eos = getattr(model.generation_config, "eos_token_id", None)
     ids = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
     for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)):
@@ -118,7 +122,7 @@ def sample_responses(model: Any, tokenizer: Any, prompts: Sequence[str], *, temp
     """``len(temperatures) * samples_per_temperature`` responses for each prompt (temperature 0 = greedy, one
     sample whatever ``samples_per_temperature``). Prompts are sorted by length so a batch pads little; the result
     is in prompt order. Deterministic for a seed (each batch reseeds from ``seed`` and its position)."""
-    import torch
+    import torch  # heavy: torch
 
     if not prompts:
         return []
@@ -172,8 +176,6 @@ def pass_rate(model: Any, tokenizer: Any, records: Sequence[dict[str, Any]], *, 
               batch_size: int = 16, stats: SamplingStats | None = None) -> tuple[float, list[dict[str, Any]]]:
     """``eval_pass_rate``: the share of verifiable records whose greedy response the exact checker accepts, and
     one row per record (id, task type, response, correct, reason). Records without a checker are an error."""
-    from posttrain.verifiable import CHECKERS, check
-
     bad = [r.get("id") for r in records if r.get("checker") not in CHECKERS]
     if bad:
         raise ValueError(f"pass rate: {len(bad)} records have no exact checker (first ids: {bad[:5]}); the eval pool "
@@ -221,8 +223,6 @@ def last_checkpoint(ctx: Any, args: Any) -> str | None:
 
     transformers writes ``checkpoint-N/`` in place and its ``trainer_state.json`` last, so a directory without a
     readable one is an attempt killed mid-save: it is skipped (and overwritten when step N is saved again)."""
-    import json
-
     if getattr(args, "save_strategy", "no") in ("no", None) or not Path(args.output_dir).is_dir():
         return None
     found: list[tuple[int, Path]] = []
@@ -248,7 +248,7 @@ def train_from_checkpoint(trainer: Any, checkpoint: str | None) -> Any:
     step, so when the last epoch is unfinished (``max_steps`` not a multiple of the steps per epoch) it would train
     step ``max_steps + 1``. Here the trainer loads the weights as ``train`` does, takes the checkpoint's state, and
     its callbacks see a training that began and ended (the log relay takes back the steps the attempt logged)."""
-    from transformers import TrainerState
+    from transformers import TrainerState  # heavy: transformers
     from transformers.trainer_utils import TrainOutput
 
     if checkpoint is None:
@@ -276,7 +276,7 @@ def trainer_log_relay(ctx: Any, renames: dict[str, str], *, log: Callable[[dict[
     When training resumes from a checkpoint, the steps before it were logged to MLflow by the attempt that ran
     them; the relay takes them back from the checkpoint's log history into ``losses`` (and passes them to
     ``restore(metrics, step)``, for a stage's own series) without logging them again."""
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # heavy: transformers
 
     emit = log or (lambda metrics, step: ctx.log_metrics(metrics, step=step))
 
@@ -329,3 +329,16 @@ def save_policy(model: Any, tokenizer_dir: str | Path, base_checkpoint: str | Pa
     packing = Path(base_checkpoint) / PACKING_FILE
     if packing.is_file():
         shutil.copy2(packing, out / PACKING_FILE)
+
+
+def publish_policy(model: Any, tokenizer_dir: str | Path, base_checkpoint: str | Path, out_dir: str | Path) -> None:
+    """:func:`save_policy` into ``out_dir/.policy.tmp``, then each entry it wrote (``model/``, ``minimax/``,
+    ``packing.json``) moved onto ``out_dir/<entry>`` by ``publish_dir`` (fsynced, one rename each), so a crash leaves
+    every one of them whole or absent."""
+    out_dir = Path(out_dir)
+    tmp = out_dir / ".policy.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(model, tokenizer_dir, base_checkpoint, tmp)
+    for entry in sorted(tmp.iterdir()):
+        publish_dir(entry, out_dir / entry.name)  # packing.json is a file: publish_dir fsyncs and renames it alike
+    tmp.rmdir()

@@ -42,12 +42,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
-import math
 import re
 import time
 from collections import Counter
 from collections.abc import Iterator
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +56,8 @@ from data.documents import ANY_DOCUMENTS, iter_documents, unit_hash
 from data.minhash import jaccard, ngram_hashes
 from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
-from pipeline.user_jsonl import iter_checked_jsonl, jsonl_file_problems
-from posttrain.sandbox import parse_tests
+from pipeline.user_jsonl import jsonl_file_problems
+from posttrain.prompt_records import TAG_FIELDS, heuristic_tags, iter_user_file, record_problem
 from posttrain.verifiable import (
     ANSWER_INSTRUCTION,
     CHECKERS,
@@ -80,7 +78,6 @@ DROP_REASONS = {
     "too_long": "more than max_prompt_chars characters",
     "invalid_record": "a user JSONL line that is not a valid prompt record (changed since spec validation)",
 }
-TAG_FIELDS = ("task_type", "domain", "difficulty")
 OPEN_ENDED_TEMPLATES: dict[str, str] = {
     "summarization": "Summarize the following text in three sentences.\n\n{excerpt}",
     "explanation": "Explain to a newcomer what the following text is about and why it matters.\n\n{excerpt}",
@@ -137,83 +134,6 @@ class PromptsParams(StageParams):
         return self
 
 
-# --- user prompts -------------------------------------------------------------------------------------------------
-def record_problem(obj: Any) -> str | None:
-    """Why a user JSONL object is not a prompt record, or None (the one rule for validation and the stage)."""
-    if not isinstance(obj, dict):
-        return f"expected a JSON object, got {type(obj).__name__}"
-    if not isinstance(obj.get("prompt"), str):
-        return "needs a string field 'prompt'"
-    for key in ("id", "response", *TAG_FIELDS):
-        if key in obj and not isinstance(obj[key], str):
-            return f"field {key!r} must be a string"
-    if "checker" in obj:
-        if obj["checker"] not in CHECKERS:
-            return f"checker {obj['checker']!r} is unknown (known: {', '.join(CHECKERS)})"
-        ref = obj.get("reference")
-        need = ("function", "tests") if obj["checker"] == "python_tests" else ("answer",)
-        if not isinstance(ref, dict) or any(k not in ref for k in need):
-            return f"checker {obj['checker']!r} needs a 'reference' object with {', '.join(need)}"
-        why = _reference_problem(obj["checker"], ref)
-        if why:
-            return why
-    return _value_problem(obj, "")
-
-
-def _reference_problem(checker: str, ref: dict[str, Any]) -> str | None:
-    """Why a checker's reference values cannot be checked against (types, not only keys), or None."""
-    if checker == "python_tests":
-        if not isinstance(ref["function"], str) or not ref["function"].isidentifier():
-            return "reference.function must be a Python identifier (a string)"
-        tests = ref["tests"]
-        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
-            return "reference.tests must be a non-empty list of strings (one test statement each), not " + (
-                "a string" if isinstance(tests, str) else type(tests).__name__)
-        try:  # the sandbox takes only tests whose expected value the parent can hold (posttrain/sandbox.py)
-            parse_tests(tests)
-        except ValueError as e:
-            return f"reference.{e}"
-    elif checker == "exact_number":
-        answer = ref["answer"]
-        if isinstance(answer, bool) or not isinstance(answer, int | float | str):
-            return f"reference.answer must be a number (or a numeric string), got {type(answer).__name__}"
-        try:
-            ok = Decimal(str(answer)).is_finite()
-        except InvalidOperation:
-            ok = False
-        if not ok:
-            return f"reference.answer {answer!r} is not a finite number"
-    elif not isinstance(ref["answer"], str | int | float) or isinstance(ref["answer"], bool):
-        return f"reference.answer must be a string (or a number), got {type(ref['answer']).__name__}"
-    if "casefold" in ref and not isinstance(ref["casefold"], bool):
-        return f"reference.casefold must be true or false, got {ref['casefold']!r}"
-    return None
-
-
-def _value_problem(value: Any, where: str) -> str | None:
-    """Values JSON cannot hold (NaN, Infinity: Python's parser takes them, strict JSON has none) or text with a
-    NUL character, anywhere in the record."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{where or 'a value'} is {value!r}, which is not a JSON number"
-    if isinstance(value, str) and "\x00" in value:
-        return f"{where or 'a string'} holds a NUL character"
-    if isinstance(value, dict):
-        for k, v in value.items():
-            why = _value_problem(v, f"{where}.{k}" if where else str(k))
-            if why:
-                return why
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            why = _value_problem(v, f"{where}[{i}]")
-            if why:
-                return why
-    return None
-
-
-def iter_user_file(path: str | Path) -> Iterator[tuple[int, Any, str | None]]:
-    return iter_checked_jsonl(path, record_problem)
-
-
 def validate_external(params: PromptsParams) -> list[tuple[str, str]]:
     """At spec validation: every user file exists and each line is a prompt record (first 5 problems a file), and
     no id is given twice (across all the files)."""
@@ -231,32 +151,6 @@ def validate_external(params: PromptsParams) -> list[tuple[str, str]]:
 
 def fingerprint(params: PromptsParams) -> list[dict[str, Any]]:
     return [file_fingerprint(p) for p in params.user_files]
-
-
-# --- tagging ------------------------------------------------------------------------------------------------------
-_CODE_HINT = re.compile(r"```|\bdef |\bfunction\b|\bpython\b|\bjavascript\b|\bsql\b|\bcode\b|\bbug\b", re.I)
-_MATH_HINT = re.compile(r"\d+\s*[-+*/^=]\s*\d+|\bsolve\b|\bequation\b|\bintegral\b|\bprobability\b|\bprove\b", re.I)
-_CREATIVE_HINT = re.compile(r"\b(poem|story|essay|haiku|lyrics|fiction)\b", re.I)
-_SUMMARY_HINT = re.compile(r"\bsummari[sz]e|\btl;?dr\b", re.I)
-
-
-def heuristic_tags(prompt: str) -> dict[str, str]:
-    """Rule-derived tags for a prompt that brings none (keyword and length rules, not a trained classifier)."""
-    if _CODE_HINT.search(prompt):
-        task, domain = "code", "programming"
-    elif _MATH_HINT.search(prompt):
-        task, domain = "math", "math"
-    elif _CREATIVE_HINT.search(prompt):
-        task, domain = "creative_writing", "creative-writing"
-    elif _SUMMARY_HINT.search(prompt):
-        task, domain = "summarization", "general-knowledge"
-    elif prompt.rstrip().endswith("?"):
-        task, domain = "question_answering", "general-knowledge"
-    else:
-        task, domain = "instruction", "general-knowledge"
-    words = len(prompt.split())
-    difficulty = "easy" if words < 30 else "medium" if words < 200 else "hard"
-    return {"task_type": task, "domain": domain, "difficulty": difficulty}
 
 
 # --- the sources --------------------------------------------------------------------------------------------------
@@ -344,7 +238,7 @@ class NearDuplicateIndex:
     exact shingle Jaccard reaches the threshold (exact duplicates by hash first)."""
 
     def __init__(self, params: PromptsParams) -> None:
-        from datasketch import MinHash, MinHashLSH
+        from datasketch import MinHash, MinHashLSH  # heavy: datasketch
 
         self.p = params
         self.minhash_cls = MinHash
@@ -414,7 +308,7 @@ def _tag_table(pools: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, di
 
 
 def _plot(ctx: StageContext, tags: dict[str, dict[str, dict[str, int]]]) -> None:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib (a plot at the end of a run)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -434,16 +328,10 @@ def _plot(ctx: StageContext, tags: dict[str, dict[str, dict[str, int]]]) -> None
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
-def run(params: PromptsParams, ctx: StageContext) -> None:
-    start = time.monotonic()
-    docs_art = ctx.inputs.get("documents")
-    docs_path = docs_art.path if docs_art is not None and not isinstance(docs_art, list) else None
-    n_retrieval = params.verifiable.get("retrieval", 0)
-    if docs_path is None and (n_retrieval or params.open_ended):
-        ctx.progress("WARNING: no documents input: no retrieval or open-ended prompts")
-    sample = _sample_documents(docs_path, n_retrieval + params.open_ended, params.seed,
-                               max(params.excerpt_words) * 4)
-    passages, open_docs = sample[:n_retrieval], sample[n_retrieval:]  # disjoint documents
+def collect_prompts(params: PromptsParams, passages: list[tuple[str, str, str]], open_docs: list[tuple[str, str, str]]
+                    ) -> tuple[Counter, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(inputs by source, kept records, dropped rows): the user, verifiable and open-ended prompts in that order,
+    each kept or dropped (empty, too long, a duplicate of one kept before it, an invalid user line)."""
     generated = generate_verifiable(params.seed, params.verifiable, passages, params.code_tests)
     for rec in generated:
         rec["tag_source"] = "generator"
@@ -478,11 +366,30 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
         consider(rec)
     for rec in open_ended_prompts(open_docs, params.open_ended, params):
         consider(rec)
+    return inputs, kept, dropped
 
+
+def split_pools(kept: list[dict[str, Any]], params: PromptsParams) -> dict[str, list[dict[str, Any]]]:
+    """The kept records by pool (:func:`assign_pool`); ``dpo`` a seeded ``dpo_fraction`` of ``sft``."""
     pools: dict[str, list[dict[str, Any]]] = {p: [] for p in POOLS}
     for rec in kept:
         pools[assign_pool(rec, params)].append(rec)
     pools["dpo"] = [r for r in pools["sft"] if unit_hash(params.seed, "prompts/dpo", r["id"]) < params.dpo_fraction]
+    return pools
+
+
+def run(params: PromptsParams, ctx: StageContext) -> None:
+    start = time.monotonic()
+    docs_art = ctx.inputs.get("documents")
+    docs_path = docs_art.path if docs_art is not None and not isinstance(docs_art, list) else None
+    n_retrieval = params.verifiable.get("retrieval", 0)
+    if docs_path is None and (n_retrieval or params.open_ended):
+        ctx.progress("WARNING: no documents input: no retrieval or open-ended prompts")
+    sample = _sample_documents(docs_path, n_retrieval + params.open_ended, params.seed,
+                               max(params.excerpt_words) * 4)
+    passages, open_docs = sample[:n_retrieval], sample[n_retrieval:]  # disjoint documents
+    inputs, kept, dropped = collect_prompts(params, passages, open_docs)
+    pools = split_pools(kept, params)
     n_in, n_kept = sum(inputs.values()), len(kept)
     partition = len(pools["sft"]) + len(pools["rl"]) + len(pools["eval"])
     if n_in != n_kept + len(dropped) or partition != n_kept:

@@ -25,20 +25,20 @@ baseline; time).
 
 from __future__ import annotations
 
-import json
+import functools
 import math
-import os
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from data.documents import ANY_DOCUMENTS
 from data.reward_scoring import REWARD_MODEL_DIR, chat_messages, score_sequences
-from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
+from pipeline.artifacts import publish_dir, write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
@@ -50,7 +50,8 @@ from posttrain.policy import (
 )
 from posttrain.preference_pairs import PreferencePair, build_pairs, pair_file_problems
 from posttrain.prompts import POOLS, PROMPTS_TYPE, read_pool
-from posttrain.sandbox import containment_record, record_sandbox
+from posttrain.report import log_finite_summary, write_report
+from posttrain.sandbox import containment_record
 from pretrain.stage import CHECKPOINT_TYPE
 
 REWARD_MODEL_TYPE = "reward_model"
@@ -121,48 +122,26 @@ def _accuracies(pairs: list[PreferencePair], chosen: list[float], rejected: list
 def trainer_class() -> type:
     """The trainer this stage trains with: TRL's ``RewardTrainer`` with the model's own MoE balance loss (§2.1) in
     place of TRL's (:mod:`posttrain.moe_loss`)."""
-    from trl import RewardTrainer
+    from trl import RewardTrainer  # heavy: trl
 
     from posttrain.moe_loss import model_balance_trainer  # heavy: torch
 
     return model_balance_trainer(RewardTrainer)
 
 
-def run(params: RewardModelParams, ctx: StageContext) -> None:
-    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
-    start = time.monotonic()
-    import torch
-    from datasets import Dataset
-    from transformers import (
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        PrinterCallback,
-    )
-    from trl import RewardConfig
+EncodedPairs = tuple[list[PreferencePair], list[list[int]], list[list[int]]]  # pairs, chosen ids, rejected ids
 
-    import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
-    from model.moe import make_dropless  # heavy: transformers, torch
 
-    model_dir = ctx.input("checkpoint").path / "model"
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"reward_model: {model_dir} holds no model: the checkpoint input must be a pretrain "
-                                "or long_context stage's artifact (with model/)")
-    docs = ctx.inputs.get("documents")
-    pair_set = build_pairs([r for pool in params.pools for r in read_pool(ctx.input("prompts").path, pool, "reward_model")], seed=params.seed,
-                           heldout_fraction=params.heldout_fraction,
-                           documents=docs.path if docs is not None and not isinstance(docs, list) else None,
-                           continuation_words=params.continuation_words, user_files=params.user_pair_files,
-                           check_workers=params.check_workers)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token_id is None or not tokenizer.chat_template:
-        raise ValueError(f"reward_model: the tokenizer in {model_dir} needs a pad token and a chat template (the "
-                         "project's tokenizer stage, data/tokenizer.py, saves both)")
+def encode_splits(params: RewardModelParams, ctx: StageContext, tokenizer: Any,
+                  pair_set: Any) -> tuple[dict[str, EncodedPairs], dict[str, int]]:
+    """Each split's pairs tokenized in the chat template, those with a side over ``max_length`` tokens dropped (and
+    counted), the kept ones written to ``pairs/<split>.jsonl``; both splits must keep a pair."""
 
     def encode(prompt: str, response: str) -> list[int]:
         enc = tokenizer.apply_chat_template(chat_messages(prompt, response), tokenize=True, return_dict=True)
         return list(enc["input_ids"])
 
-    splits: dict[str, tuple[list[PreferencePair], list[list[int]], list[list[int]]]] = {}
+    splits: dict[str, EncodedPairs] = {}
     too_long: dict[str, int] = {}
     for split in ("train", "heldout"):
         kept, c_ids, r_ids = [], [], []
@@ -185,21 +164,27 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
                          "max_length, or change heldout_fraction")
     ctx.progress(f"pairs: {len(train[0])} train, {len(heldout[0])} held out ({dict(pair_set.skipped)} prompts "
                  f"without a pair, {too_long} over {params.max_length} tokens)")
+    return splits, too_long
 
-    torch.manual_seed(params.seed)  # the new score head
-    # dropless like every post-training model: a pair's scores must not depend on the rest of its batch
-    rm = make_dropless(AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1,
-                                                                           dtype=torch.float32))
-    rm.config.pad_token_id = tokenizer.pad_token_id
-    pad = tokenizer.pad_token_id
 
-    def heldout_accuracy(m: Any) -> tuple[float, list[float], list[float]]:
-        n = len(heldout[0])
-        scores = score_sequences(m, heldout[1] + heldout[2], pad, params.eval_batch_sequences)
-        return pairwise_accuracy(scores[:n], scores[n:]), scores[:n], scores[n:]
+def pair_accuracy(m: Any, pairs: EncodedPairs, pad: int, batch_sequences: int) -> tuple[float, list[float],
+                                                                                        list[float]]:
+    """(accuracy, chosen scores, rejected scores) of the reward model ``m`` on encoded pairs (score_sequences: the
+    scorer :class:`RewardModelScorer` uses later)."""
+    n = len(pairs[0])
+    scores = score_sequences(m, pairs[1] + pairs[2], pad, batch_sequences)
+    return pairwise_accuracy(scores[:n], scores[n:]), scores[:n], scores[n:]
 
-    before, c0, r0 = heldout_accuracy(rm)
-    ctx.log_metrics({"eval_preference_accuracy": before}, step=0)
+
+def train_reward_model(params: RewardModelParams, ctx: StageContext, rm: Any, tokenizer: Any, train: EncodedPairs,
+                       heldout_accuracy: Callable[[Any], tuple[float, Any, Any]]) -> tuple[Any, float]:
+    """TRL's RewardTrainer on the train pairs, the held-out accuracy every ``eval_every`` steps and at the last;
+    resumes from the last mid-training checkpoint of a killed attempt. (trainer, training seconds)."""
+    import torch  # heavy: torch
+    from datasets import Dataset  # heavy: datasets
+    from transformers import PrinterCallback  # heavy: transformers
+    from trl import RewardConfig  # heavy: trl
+
     relayed = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate",
                "accuracy": "train_preference_accuracy", "margin": "train_reward_margin"}
 
@@ -221,7 +206,54 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
     trainer.remove_callback(PrinterCallback)  # the relay reports; no log dict printed every step
     train_start = time.monotonic()
     train_from_checkpoint(trainer, last_checkpoint(ctx, config))
-    train_seconds = time.monotonic() - train_start
+    return trainer, time.monotonic() - train_start
+
+
+def save_reward_model(rm: Any, tokenizer: Any, dest: Path) -> None:
+    """The reward model and its tokenizer in HF format, written beside ``dest`` and moved onto it whole."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    rm.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    publish_dir(tmp, dest)
+
+
+def run(params: RewardModelParams, ctx: StageContext) -> None:
+    containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
+    start = time.monotonic()
+    import torch  # heavy: torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer  # heavy: transformers
+
+    import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
+    from model.moe import make_dropless  # heavy: transformers, torch
+
+    model_dir = ctx.input("checkpoint").path / "model"
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"reward_model: {model_dir} holds no model: the checkpoint input must be a pretrain "
+                                "or long_context stage's artifact (with model/)")
+    docs = ctx.inputs.get("documents")
+    pair_set = build_pairs([r for pool in params.pools for r in read_pool(ctx.input("prompts").path, pool, "reward_model")], seed=params.seed,
+                           heldout_fraction=params.heldout_fraction,
+                           documents=docs.path if docs is not None and not isinstance(docs, list) else None,
+                           continuation_words=params.continuation_words, user_files=params.user_pair_files,
+                           check_workers=params.check_workers)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None or not tokenizer.chat_template:
+        raise ValueError(f"reward_model: the tokenizer in {model_dir} needs a pad token and a chat template (the "
+                         "project's tokenizer stage, data/tokenizer.py, saves both)")
+    splits, too_long = encode_splits(params, ctx, tokenizer, pair_set)
+    train, heldout = splits["train"], splits["heldout"]
+
+    torch.manual_seed(params.seed)  # the new score head
+    # dropless like every post-training model: a pair's scores must not depend on the rest of its batch
+    rm = make_dropless(AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1,
+                                                                           dtype=torch.float32))
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    heldout_accuracy = functools.partial(pair_accuracy, pairs=heldout, pad=tokenizer.pad_token_id,
+                                         batch_sequences=params.eval_batch_sequences)
+    before, c0, r0 = heldout_accuracy(rm)
+    ctx.log_metrics({"eval_preference_accuracy": before}, step=0)
+    trainer, train_seconds = train_reward_model(params, ctx, rm, tokenizer, train, heldout_accuracy)
 
     after, c1, r1 = heldout_accuracy(rm)
     lengths_c = [float(len(x)) for x in heldout[1]]
@@ -229,13 +261,16 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
     acc = {**_accuracies(heldout[0], c1, r1, "eval_preference_accuracy"),
            **_accuracies(heldout[0], c0, r0, "eval_preference_accuracy_untrained"),
            **_accuracies(heldout[0], lengths_c, lengths_r, "eval_preference_accuracy_longer_wins")}
-    tmp = ctx.out_dir / f".{REWARD_MODEL_DIR}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    rm.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(ctx.out_dir / REWARD_MODEL_DIR, ignore_errors=True)
-    os.replace(tmp, ctx.out_dir / REWARD_MODEL_DIR)
+    save_reward_model(rm, tokenizer, ctx.out_dir / REWARD_MODEL_DIR)
+    _report(params, ctx, splits, pair_set, too_long, acc, accuracy=(before, after), trainer=trainer,
+            train_seconds=train_seconds, start=start)
 
+
+def _report(params: RewardModelParams, ctx: StageContext, splits: dict[str, EncodedPairs], pair_set: Any,
+            too_long: dict[str, int], acc: dict[str, float], *, accuracy: tuple[float, float], trainer: Any,
+            train_seconds: float, start: float) -> None:
+    """The summary metrics and ``reward_report.json``: pair counts by split, source and kind, the accuracies."""
+    before, after = accuracy
     counts = {s: {"total": len(splits[s][0])} for s in splits}
     for s, (kept, _, _) in splits.items():
         for attr in ("source", "kind"):
@@ -246,11 +281,11 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
     seconds = time.monotonic() - start
     summary = {"eval_preference_accuracy": after, "eval_preference_accuracy_untrained": before,
                "eval_preference_accuracy_longer_wins": acc["eval_preference_accuracy_longer_wins"],
-               "loss": final_loss, "pairs_train": len(train[0]), "pairs_heldout": len(heldout[0]),
+               "loss": final_loss, "pairs_train": len(splits["train"][0]), "pairs_heldout": len(splits["heldout"][0]),
                "train_seconds": train_seconds, "stage_seconds": seconds}
     summary |= {f"pairs_heldout.{k}": v for k, v in counts["heldout"].items() if k != "total"}
     summary |= {k: v for k, v in acc.items() if k.startswith("eval_preference_accuracy.")}
-    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
+    log_finite_summary(ctx, summary)
     report = {"params": params.model_dump(), "pairs": counts, "skipped_prompts": dict(pair_set.skipped),
               "too_long_pairs": too_long, "accuracy": {k: (None if math.isnan(v) else v) for k, v in acc.items()},
               "final_loss": final_loss, "steps": trainer.state.global_step, "train_seconds": round(train_seconds, 2),
@@ -259,11 +294,10 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
                         "eval_preference_accuracy_untrained": "the same before training (pretrained backbone, "
                                                               "random score head)",
                         "eval_preference_accuracy_longer_wins": "trivial baseline: the longer response (tokens) wins"}}
-    report["sandbox"] = record_sandbox(ctx)
-    write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
-    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "reward_model")
+    write_report(ctx, ctx.out_dir / REPORT_FILE, report, "reward_model")
     ctx.progress(f"held-out preference accuracy {after:.3f} (untrained {before:.3f}, longer-wins baseline "
-                 f"{acc['eval_preference_accuracy_longer_wins']:.3f}) on {len(heldout[0])} pairs; {seconds:.1f} s")
+                 f"{acc['eval_preference_accuracy_longer_wins']:.3f}) on {len(splits['heldout'][0])} pairs; "
+                 f"{seconds:.1f} s")
 
 
 STAGE = StageKind(

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data.reward_scoring import RewardModelScorer
 from posttrain.verifiable import ANSWER_INSTRUCTION, CHECKERS, CODE_INSTRUCTION, answer_line, check
 
 RULES = ("length_within_limits", "required_format", "no_repetition_loop", "same_script_as_prompt")
@@ -151,8 +152,6 @@ class RewardHierarchy:
         ``reward_model_dir`` via RewardModelScorer; neither: no helpfulness_rm component)."""
         self.weights, self.limits = weights, limits
         if scorer is None and reward_model_dir is not None:
-            from data.reward_scoring import RewardModelScorer
-
             scorer = RewardModelScorer(reward_model_dir)
         self.scorer = scorer
 

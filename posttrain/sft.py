@@ -45,21 +45,17 @@ Defaults are sized for the tiny CPU DAG (few prompts, short responses); docs/not
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
 from data.documents import unit_hash
-from data.reward_scoring import REWARD_MODEL_DIR, chat_messages
-from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
+from data.reward_scoring import REWARD_MODEL_DIR
+from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
@@ -68,17 +64,25 @@ from posttrain.policy import (
     last_checkpoint,
     load_policy,
     pass_rate,
+    publish_policy,
     sample_responses,
-    save_policy,
     train_from_checkpoint,
     trainer_checkpointing,
     trainer_log_relay,
 )
 from posttrain.preference_pairs import reference_response
 from posttrain.prompts import PROMPTS_TYPE, read_pool
+from posttrain.report import log_finite_summary, loss_figure, write_report
 from posttrain.reward_model import REWARD_MODEL_TYPE
 from posttrain.rewards import RewardComponents, RewardHierarchy
-from posttrain.sandbox import containment_record, record_sandbox
+from posttrain.sandbox import containment_record
+from posttrain.sft_selection import (
+    Target,
+    diversity_filter,
+    example_messages,
+    policy_embeddings,
+    select_target,
+)
 from posttrain.verifiable import CHECKERS
 from pretrain.stage import CHECKPOINT_TYPE
 
@@ -163,127 +167,7 @@ class SFTParams(StageParams):
         return self
 
 
-# --- selection ------------------------------------------------------------------------------------------------------
-@dataclass
-class Target:
-    """The SFT target chosen for one prompt."""
-
-    record: dict[str, Any]
-    response: str
-    source: str  # one of SOURCES
-    components: RewardComponents
-    temperature: float | None  # the sample's temperature; None for a reference
-
-
-def select_target(record: dict[str, Any], texts: Sequence[str], components: Sequence[RewardComponents], *,
-                  reference_fallback: bool, reference_components: RewardComponents | None = None,
-                  min_open_ended_reward: float | None = None,
-                  temperatures: Sequence[float] | None = None) -> tuple[Target | None, str]:
-    """(target, '') or (None, drop reason) for one prompt from its candidate samples (already filtered: finished,
-    non-empty) and their hierarchy components. Ties go to the earlier candidate."""
-    temps = list(temperatures) if temperatures is not None else [None] * len(texts)
-
-    def best(idx: list[int]) -> int:
-        return max(idx, key=lambda i: (components[i].total, -i))
-
-    if record.get("checker") in CHECKERS:
-        correct = [i for i, c in enumerate(components) if c.correct]
-        if correct:
-            i = best(correct)
-            return Target(record, texts[i], "sampled", components[i], temps[i]), ""
-        if not reference_fallback:
-            return None, "no_correct_sample"
-        if reference_components is None or not reference_components.correct:
-            return None, "reference_incorrect"
-        return Target(record, reference_response(record), "reference", reference_components, None), ""
-    if not texts:
-        return None, "no_finished_sample"
-    i = best(list(range(len(texts))))
-    if min_open_ended_reward is not None and components[i].total < min_open_ended_reward:
-        return None, "below_min_reward"
-    return Target(record, texts[i], "sampled", components[i], temps[i]), ""
-
-
-def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    """Casefolded word n-grams of ``text`` (its words as one gram when it has fewer than n)."""
-    words = text.casefold().split()
-    if len(words) < n:
-        return {tuple(words)} if words else set()
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
-
-
-def ngram_jaccard(a: set, b: set) -> float:
-    return len(a & b) / len(a | b) if a or b else 0.0
-
-
-def diversity_filter(texts: Sequence[str], embeddings: Sequence[Sequence[float]] | None, *, ngram_size: int,
-                     ngram_jaccard_max: float, embedding_cosine_max: float,
-                     min_words: int) -> list[str]:
-    """One verdict per text, in order: '' (kept), 'ngram_duplicate' or 'embedding_duplicate'. Each text is compared
-    with the texts KEPT before it (a dropped one blocks nothing); texts under ``min_words`` words are kept and not
-    compared. ``embeddings`` (one vector per text; None: no embedding filter) need not be normalised."""
-    import torch
-
-    verdicts: list[str] = []
-    kept_grams: list[set] = []
-    kept_vecs: list[Any] = []
-    for i, text in enumerate(texts):
-        if len(text.split()) < min_words:
-            verdicts.append("")
-            continue
-        grams = word_ngrams(text, ngram_size)
-        if any(ngram_jaccard(grams, g) > ngram_jaccard_max for g in kept_grams):
-            verdicts.append("ngram_duplicate")
-            continue
-        vec = None
-        if embeddings is not None:
-            vec = torch.nn.functional.normalize(torch.as_tensor(embeddings[i], dtype=torch.float32), dim=0)
-            if kept_vecs and float((torch.stack(kept_vecs) @ vec).max()) > embedding_cosine_max:
-                verdicts.append("embedding_duplicate")
-                continue
-            kept_vecs.append(vec)
-        kept_grams.append(grams)
-        verdicts.append("")
-    return verdicts
-
-
-def policy_embeddings(model: Any, tokenizer: Any, texts: Sequence[str], batch_size: int = 16) -> list[list[float]]:
-    """Mean over a text's tokens of the policy's last hidden state (the backbone's output, before the LM head).
-    Right-padded batches: the model is causal, so the pads after a text do not change its states."""
-    import torch
-
-    out: list[list[float]] = [[] for _ in texts]
-    device = next(model.parameters()).device
-    encoded = [tokenizer(t, add_special_tokens=False).input_ids or [tokenizer.pad_token_id] for t in texts]
-    was_training = model.training
-    model.eval()
-    with torch.inference_mode():
-        for start in range(0, len(texts), batch_size):
-            chunk = encoded[start:start + batch_size]
-            width = max(len(e) for e in chunk)
-            ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, e in enumerate(chunk):
-                ids[row, :len(e)] = torch.tensor(e)
-                mask[row, :len(e)] = 1
-            hidden = model.model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 use_cache=False).last_hidden_state.float()
-            m = mask.to(device).unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * m).sum(1) / m.sum(1)
-            for row in range(len(chunk)):
-                out[start + row] = pooled[row].cpu().tolist()
-    model.train(was_training)
-    return out
-
-
 # --- the stage ------------------------------------------------------------------------------------------------------
-def example_messages(target: Target) -> list[dict[str, str]]:
-    """The training conversation. The target's leading whitespace is dropped: the template ends the assistant
-    header with a newline, and byte-level BPE would merge that newline with a leading newline or space of the
-    response into one token, which the assistant mask then labels (half of it is the template)."""
-    return chat_messages(target.record["prompt"], target.response.lstrip())
-
-
 def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: Any, hierarchy: RewardHierarchy,
                    records: list[dict[str, Any]], stats: SamplingStats
                    ) -> tuple[list[Target], list[dict[str, Any]], Counter]:
@@ -345,7 +229,20 @@ def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: 
             continue
         selected.append(target)
 
-    texts = [t.response for t in selected]
+    verdicts, compared = diversity_verdicts(params, model, tokenizer, [t.response for t in selected])
+    kept = []
+    for target, verdict in zip(selected, verdicts, strict=True):
+        if verdict:
+            dropped.append({"id": target.record.get("id"), "reason": verdict})
+        else:
+            kept.append(target)
+    cand["diversity_compared"] = compared
+    return kept, dropped, cand
+
+
+def diversity_verdicts(params: SFTParams, model: Any, tokenizer: Any, texts: list[str]) -> tuple[list[str], int]:
+    """:func:`diversity_filter`'s verdict on each selected target, with the policy's own embeddings of the texts long
+    enough to be compared (none when the embedding filter is off); (verdicts, texts compared)."""
     use_embeddings = params.embedding_cosine_max < 1.0
     long_idx = [i for i, t in enumerate(texts) if len(t.split()) >= params.diversity_min_words]
     embeddings = None
@@ -358,14 +255,26 @@ def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: 
                                 ngram_jaccard_max=params.ngram_jaccard_max,
                                 embedding_cosine_max=params.embedding_cosine_max,
                                 min_words=params.diversity_min_words)
-    kept = []
-    for target, verdict in zip(selected, verdicts, strict=True):
-        if verdict:
-            dropped.append({"id": target.record.get("id"), "reason": verdict})
-        else:
-            kept.append(target)
-    cand["diversity_compared"] = len(long_idx)
-    return kept, dropped, cand
+    return verdicts, len(long_idx)
+
+
+@dataclass
+class SFTData:
+    """What rejection sampling kept (:func:`build_sft_data`), with the account of every sft-pool prompt."""
+
+    targets: list[Target]
+    dropped: list[dict[str, Any]]
+    candidates: Counter
+    example_tokens: list[int]  # the whole chat-formatted example
+    target_tokens: list[int]  # what the loss covers: the response and its <|end|>
+
+    @property
+    def reasons(self) -> Counter:
+        return Counter(d["reason"] for d in self.dropped)
+
+    @property
+    def sources(self) -> Counter:
+        return Counter(t.source for t in self.targets)
 
 
 def _target_row(t: Target, tokens: int) -> dict[str, Any]:
@@ -374,38 +283,78 @@ def _target_row(t: Target, tokens: int) -> dict[str, Any]:
             "reward": t.components.as_json()}
 
 
-def _loss_figure(history: list[tuple[int, float]], name: str) -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot([s for s, _ in history], [v for _, v in history], marker=".")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (assistant tokens)")
-    ax.set_title(f"SFT loss: {name}")
-    ax.grid(alpha=0.3)
-    return fig
+def save_sft_data(params: SFTParams, ctx: StageContext, tokenizer: Any, pool: list[dict[str, Any]],
+                  built: tuple[list[Target], list[dict[str, Any]], Counter], stats: SamplingStats) -> SFTData:
+    """Checks that every prompt is kept or dropped and that some example survived, then writes ``sft_data.jsonl``
+    (with each target's loss tokens) and ``dropped.jsonl``."""
+    targets, dropped, cand = built
+    reasons = Counter(d["reason"] for d in dropped)
+    if len(targets) + len(dropped) != len(pool):  # every prompt is accounted for
+        raise RuntimeError(f"sft: {len(pool)} prompts but {len(targets)} kept + {len(dropped)} dropped")
+    if not targets:
+        raise ValueError(f"sft: no SFT example survived selection ({dict(reasons)} of {len(pool)} prompts; "
+                         f"samples: {dict(cand)}). A policy that never ends its turn within max_new_tokens has no "
+                         "finished samples: raise max_new_tokens, set require_finished: false, or allow "
+                         "reference_fallback for verifiable prompts")
+    masks = [tokenizer.apply_chat_template(example_messages(t), tokenize=True, return_assistant_tokens_mask=True,
+                                           return_dict=True)["assistant_masks"] for t in targets]
+    data = SFTData(targets, dropped, cand, example_tokens=[len(m) for m in masks],
+                   target_tokens=[sum(m) for m in masks])
+    write_jsonl_atomic(ctx.out_dir / DATA_FILE,
+                       [_target_row(t, n) for t, n in zip(targets, data.target_tokens, strict=True)])
+    write_jsonl_atomic(ctx.out_dir / DROPPED_FILE, dropped)
+    ctx.set_rows("sft_examples", len(targets))
+    ctx.progress(f"{len(targets)} SFT examples from {len(pool)} prompts ({dict(data.sources)}); dropped "
+                 f"{dict(reasons)}; {stats.tokens} tokens sampled at {stats.tokens_per_second:.0f} tokens/s")
+    return data
 
 
 def trainer_class() -> type:
     """The trainer this stage trains with: TRL's ``SFTTrainer`` with the model's own MoE balance loss (§2.1) in
     place of TRL's (:mod:`posttrain.moe_loss`)."""
-    from trl import SFTTrainer
+    from trl import SFTTrainer  # heavy: trl
 
     from posttrain.moe_loss import model_balance_trainer  # heavy: torch
 
     return model_balance_trainer(SFTTrainer)
 
 
+def train_sft(params: SFTParams, ctx: StageContext, model: Any, tokenizer: Any,
+              targets: list[Target]) -> tuple[Any, list[tuple[int, float]], float]:
+    """TRL's SFTTrainer on the targets, assistant-only loss in the chat template, Table 7's schedule; resumes from
+    the last mid-training checkpoint of a killed attempt. (trainer, (step, loss) history, training seconds)."""
+    import torch  # heavy: torch
+    from datasets import Dataset  # heavy: datasets
+    from transformers import PrinterCallback  # heavy: transformers
+    from trl import SFTConfig  # heavy: trl
+
+    relay = trainer_log_relay(ctx, {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"})
+    scheduler, scheduler_kwargs = params.lr_scheduler_type, {}
+    if params.min_learning_rate is not None:  # Table 7's Min LR: cosine to a floor
+        scheduler, scheduler_kwargs = "cosine_with_min_lr", {"min_lr": params.min_learning_rate}
+    config = SFTConfig(
+        assistant_only_loss=True, max_length=params.max_length,
+        packing=False, learning_rate=params.learning_rate, lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs=scheduler_kwargs, warmup_steps=params.warmup_ratio, num_train_epochs=params.epochs,
+        max_steps=params.max_steps or -1, per_device_train_batch_size=params.batch_size,
+        gradient_accumulation_steps=params.gradient_accumulation_steps, weight_decay=params.weight_decay,
+        logging_steps=1, eval_strategy="no", report_to="none", **trainer_checkpointing(ctx, params.checkpoint_every),
+        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
+        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
+    dataset = Dataset.from_dict({"messages": [example_messages(t) for t in targets]})
+    model.train()
+    trainer = trainer_class()(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                              callbacks=[relay])
+    trainer.remove_callback(PrinterCallback)
+    train_start = time.monotonic()
+    train_from_checkpoint(trainer, last_checkpoint(ctx, config))
+    return trainer, relay.losses, time.monotonic() - train_start
+
+
 def run(params: SFTParams, ctx: StageContext) -> None:
     containment_record()  # this stage's sandbox runs only (a Ray worker may have run another)
     start = time.monotonic()
-    import torch
-    from datasets import Dataset
-    from transformers import PrinterCallback
-    from trl import SFTConfig
+    import torch  # heavy: torch
 
     ckpt = ctx.input("checkpoint").path
     rm = ctx.inputs.get("reward_model")
@@ -430,54 +379,14 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     eval_seconds = time.monotonic() - eval_start
     ctx.progress(f"eval_pass_rate before SFT: {before:.3f} on {len(eval_pool)} held-out prompts")
 
+    # 1-2. rejection sampling, selection and diversity filters (§5.3)
     t0 = time.monotonic()
-    targets, dropped, cand = build_sft_data(params, ctx, model, tok, hierarchy, sft_pool, stats)
+    built = build_sft_data(params, ctx, model, tok, hierarchy, sft_pool, stats)
     sampling_seconds = time.monotonic() - t0
-    reasons = Counter(d["reason"] for d in dropped)
-    if len(targets) + len(dropped) != len(sft_pool):  # every prompt is accounted for
-        raise RuntimeError(f"sft: {len(sft_pool)} prompts but {len(targets)} kept + {len(dropped)} dropped")
-    if not targets:
-        raise ValueError(f"sft: no SFT example survived selection ({dict(reasons)} of {len(sft_pool)} prompts; "
-                         f"samples: {dict(cand)}). A policy that never ends its turn within max_new_tokens has no "
-                         "finished samples: raise max_new_tokens, set require_finished: false, or allow "
-                         "reference_fallback for verifiable prompts")
-    masks = [tok.apply_chat_template(example_messages(t), tokenize=True, return_assistant_tokens_mask=True,
-                                     return_dict=True)["assistant_masks"] for t in targets]
-    token_counts = [len(m) for m in masks]  # the whole example
-    target_tokens = [sum(m) for m in masks]  # what the loss covers: the response and its <|end|>
-    write_jsonl_atomic(ctx.out_dir / DATA_FILE, [_target_row(t, n) for t, n in zip(targets, target_tokens, strict=True)])
-    write_jsonl_atomic(ctx.out_dir / DROPPED_FILE, dropped)
-    sampled_prompts = min(len(sft_pool), params.max_prompts or len(sft_pool))
-    sources = Counter(t.source for t in targets)
-    acceptance = sources["sampled"] / sampled_prompts
-    ctx.set_rows("sft_examples", len(targets))
-    ctx.progress(f"{len(targets)} SFT examples from {len(sft_pool)} prompts ({dict(sources)}); dropped "
-                 f"{dict(reasons)}; {stats.tokens} tokens sampled at {stats.tokens_per_second:.0f} tokens/s")
+    data = save_sft_data(params, ctx, tok, sft_pool, built, stats)
 
-    # --- training (Table 7)
-    relay = trainer_log_relay(ctx, {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate"})
-    history = relay.losses
-
-    scheduler, scheduler_kwargs = params.lr_scheduler_type, {}
-    if params.min_learning_rate is not None:  # Table 7's Min LR: cosine to a floor
-        scheduler, scheduler_kwargs = "cosine_with_min_lr", {"min_lr": params.min_learning_rate}
-    config = SFTConfig(
-        assistant_only_loss=True, max_length=params.max_length,
-        packing=False, learning_rate=params.learning_rate, lr_scheduler_type=scheduler,
-        lr_scheduler_kwargs=scheduler_kwargs, warmup_steps=params.warmup_ratio, num_train_epochs=params.epochs,
-        max_steps=params.max_steps or -1, per_device_train_batch_size=params.batch_size,
-        gradient_accumulation_steps=params.gradient_accumulation_steps, weight_decay=params.weight_decay,
-        logging_steps=1, eval_strategy="no", report_to="none", **trainer_checkpointing(ctx, params.checkpoint_every),
-        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),  # the stage's GPU when it has one
-        gradient_checkpointing=NO_ACTIVATION_CHECKPOINTING, seed=params.seed, disable_tqdm=True, dataloader_num_workers=0)
-    dataset = Dataset.from_dict({"messages": [example_messages(t) for t in targets]})
-    model.train()
-    trainer = trainer_class()(model=model, args=config, train_dataset=dataset, processing_class=tok,
-                              callbacks=[relay])
-    trainer.remove_callback(PrinterCallback)
-    train_start = time.monotonic()
-    train_from_checkpoint(trainer, last_checkpoint(ctx, config))
-    train_seconds = time.monotonic() - train_start
+    # 3. training (Table 7)
+    trainer, history, train_seconds = train_sft(params, ctx, model, tok, data.targets)
     steps = trainer.state.global_step
     model = trainer.model.eval()
     tok.padding_side = "left"  # sampling pads left (the collator may have changed it)
@@ -489,48 +398,50 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     eval_seconds += time.monotonic() - eval_start
     ctx.progress(f"eval_pass_rate after SFT: {after:.3f} (before {before:.3f}) after {steps} steps")
 
-    tmp = ctx.out_dir / ".policy.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(model, ckpt / "model", ckpt, tmp)
-    for child in tmp.iterdir():
-        dest = ctx.out_dir / child.name
-        if dest.is_dir():
-            shutil.rmtree(dest)
-        os.replace(child, dest)
-    tmp.rmdir()
+    publish_policy(model, ckpt / "model", ckpt, ctx.out_dir)
     if history:
-        ctx.log_figure(_loss_figure(history, ctx.stage_name), "loss.png")
+        ctx.log_figure(loss_figure(history, xlabel="optimizer step", ylabel="loss (assistant tokens)",
+                                   title=f"SFT loss: {ctx.stage_name}", marker=".", grid=True), "loss.png")
+    _report(params, ctx, data, prompts=len(sft_pool), stats=stats, eval_pass=(before, after),
+            eval_records=len(eval_pool), eval_rows=eval_rows, history=history, steps=steps,
+            seconds=(sampling_seconds, train_seconds, eval_seconds, time.monotonic() - start))
 
-    seconds = time.monotonic() - start
+
+def _report(params: SFTParams, ctx: StageContext, data: SFTData, *, prompts: int, stats: SamplingStats,
+            eval_pass: tuple[float, float], eval_records: int, eval_rows: list[dict[str, Any]],
+            history: list[tuple[int, float]], steps: int, seconds: tuple[float, float, float, float]) -> None:
+    """The summary metrics and ``sft_report.json``. ``seconds``: (sampling, training, eval, the whole stage)."""
+    before, after = eval_pass
+    sampling_seconds, train_seconds, eval_seconds, stage_seconds = seconds
+    sources, reasons = data.sources, data.reasons
+    sampled_prompts = min(prompts, params.max_prompts or prompts)
     final_loss = history[-1][1] if history else math.nan
     summary = {"eval_pass_rate": after, "eval_pass_rate_before": before, "loss": final_loss,
-               "sft_examples": len(targets), "rejection_acceptance": acceptance,
-               "response_length": sum(target_tokens) / len(target_tokens),
-               "example_length": sum(token_counts) / len(token_counts),
+               "sft_examples": len(data.targets), "rejection_acceptance": sources["sampled"] / sampled_prompts,
+               "response_length": sum(data.target_tokens) / len(data.target_tokens),
+               "example_length": sum(data.example_tokens) / len(data.example_tokens),
                "generation_tokens_per_second": stats.tokens_per_second,
                "generation_padding_waste": stats.padding_waste,
                "samples_finished_share": stats.finished / stats.sequences if stats.sequences else 0.0,
                "steps": steps, "sampling_seconds": sampling_seconds, "train_seconds": train_seconds,
-               "eval_seconds": eval_seconds, "stage_seconds": seconds}
+               "eval_seconds": eval_seconds, "stage_seconds": stage_seconds}
     summary |= {f"sft_source.{s}": sources[s] for s in SOURCES}
     summary |= {f"dropped.{metric_key(r)}": reasons[r] for r in DROP_REASONS}
-    ctx.log_summary({k: v for k, v in summary.items() if not (isinstance(v, float) and math.isnan(v))})
-    report = {"params": params.model_dump(), "prompts": len(sft_pool), "kept": len(targets),
+    log_finite_summary(ctx, summary)
+    report = {"params": params.model_dump(), "prompts": prompts, "kept": len(data.targets),
               "sources": dict(sources), "dropped": {r: reasons[r] for r in DROP_REASONS},
-              "drop_reasons": DROP_REASONS, "candidates": dict(cand),
+              "drop_reasons": DROP_REASONS, "candidates": dict(data.candidates),
               "sampling": {"tokens": stats.tokens, "seconds": round(stats.seconds, 3), "sequences": stats.sequences,
                            "finished": stats.finished, "tokens_per_second": stats.tokens_per_second},
-              "eval": {"before": before, "after": after, "records": len(eval_pool),
+              "eval": {"before": before, "after": after, "records": eval_records,
                        "after_rows": eval_rows[:20]},
               "training": {"steps": steps, "final_loss": final_loss, "loss_history": history,
                            "seconds": round(train_seconds, 2)},
-              "stage_seconds": round(seconds, 2),
+              "stage_seconds": round(stage_seconds, 2),
               "embeddings": "mean-pooled last hidden state of the policy itself (no separate encoder)"}
-    report["sandbox"] = record_sandbox(ctx)
-    write_text_atomic(ctx.out_dir / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
-    ctx.log_artifact(ctx.out_dir / REPORT_FILE, "sft")
-    ctx.progress(f"done in {seconds:.1f} s: {steps} steps, loss {final_loss:.4f}, eval_pass_rate {before:.3f} -> "
-                 f"{after:.3f}")
+    write_report(ctx, ctx.out_dir / REPORT_FILE, report, "sft")
+    ctx.progress(f"done in {stage_seconds:.1f} s: {steps} steps, loss {final_loss:.4f}, eval_pass_rate "
+                 f"{before:.3f} -> {after:.3f}")
 
 
 STAGE = StageKind(

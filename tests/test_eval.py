@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluation.eval import EvalParams, heldout_documents
+from evaluation.eval import EvalParams
+from evaluation.heldout import heldout_documents
 from evaluation.metrics import (
     choice_scores,
     log_acc_norm2,
@@ -659,7 +660,7 @@ def test_stage_niah_answers_are_greedy_decoding_with_and_without_the_recurrent_c
 def test_stage_choice_logliks_equal_an_unpadded_forward_per_choice(evaluated: EvalRun) -> None:
     import torch
 
-    from evaluation.eval import Scorer
+    from evaluation.scorer import Scorer
 
     scorer = Scorer(evaluated.checkpoint)
     item = MCItem("The capital of France is", ["Paris", "a big yellow banana", "x"], 0)

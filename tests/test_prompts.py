@@ -13,12 +13,12 @@ import pytest
 from data.documents import DocumentWriter, read_jsonl_gz
 from pipeline.registry import resolve
 from pipeline.stage import Artifact, StageContext
+from posttrain.prompt_records import heuristic_tags
 from posttrain.prompts import (
     POOLS,
     REPORT_FILE,
     NearDuplicateIndex,
     PromptsParams,
-    heuristic_tags,
     split_group,
     validate_external,
 )

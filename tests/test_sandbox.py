@@ -330,13 +330,13 @@ def test_missing_containment_is_refused_by_name_unless_weaker_is_accepted(monkey
     is refused before any code runs, naming what is missing; HYLIGHT_SANDBOX_CONTAINMENT=best_effort accepts it."""
     from posttrain import sandbox
 
-    real = sandbox._MemoryCgroup
+    real = sandbox.MemoryCgroup
 
     class Unwritable(real):
         def __init__(self, limit, pids=None):
             super().__init__(None)
 
-    monkeypatch.setattr(sandbox, "_MemoryCgroup", Unwritable)
+    monkeypatch.setattr(sandbox, "MemoryCgroup", Unwritable)
     marker = own_temp_root / "ran"
     code = f"open({str(marker)!r}, 'w').write('x')\n" + SQUARE
     with pytest.raises(sandbox.SandboxUnavailable, match="memory cgroup.*HYLIGHT_SANDBOX_CONTAINMENT=best_effort"):
@@ -346,7 +346,7 @@ def test_missing_containment_is_refused_by_name_unless_weaker_is_accepted(monkey
     r = run_python(SQUARE, SQUARE_TESTS)
     assert (r.status, r.tests_passed, r.memory_limit) == ("ok", 3, "rlimit")
     monkeypatch.setenv(sandbox.CONTAINMENT_ENV, "require")
-    monkeypatch.setattr(sandbox, "_MemoryCgroup", real)
+    monkeypatch.setattr(sandbox, "MemoryCgroup", real)
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
     with pytest.raises(sandbox.SandboxUnavailable, match=r"root \(for the mount and PID namespaces\)"):
         run_python(SQUARE, SQUARE_TESTS)

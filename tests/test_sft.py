@@ -15,15 +15,8 @@ import torch
 
 from posttrain.preference_pairs import reference_response
 from posttrain.rewards import RewardHierarchy
-from posttrain.sft import (
-    DROP_REASONS,
-    SOURCES,
-    SFTParams,
-    diversity_filter,
-    ngram_jaccard,
-    select_target,
-    word_ngrams,
-)
+from posttrain.sft import DROP_REASONS, SOURCES, SFTParams
+from posttrain.sft_selection import diversity_filter, ngram_jaccard, select_target, word_ngrams
 from posttrain.verifiable import ANSWER_INSTRUCTION
 
 ARITH = {"id": "arith/1", "prompt": f"Compute 40 + 2. {ANSWER_INSTRUCTION}", "task_type": "arithmetic",
@@ -274,7 +267,7 @@ def test_a_target_with_leading_whitespace_labels_no_token_of_the_template(tmp_pa
     would merge with it into one labelled token. The labelled tokens are exactly the response and <|end|>."""
     from transformers import AutoTokenizer
 
-    from posttrain.sft import Target, example_messages
+    from posttrain.sft_selection import Target, example_messages
     from tests.pretrain_fixtures import build_inputs
 
     inputs = build_inputs(tmp_path / "in", documents=20, vocab_size=512)

@@ -1,0 +1,110 @@
+"""The ``eval`` stage's view of a checkpoint: its model and tokenizer, and what the stage asks of them (greedy answers
+in one packed generate call, per-token log-probabilities, the log-likelihood of continuations and of a multiple-choice
+item's choices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from evaluation.tasks import MCItem
+
+
+class Scorer:
+    """The checkpoint's model and tokenizer, and the three things the stage asks of them."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        import torch  # heavy: torch
+        from tokenizers import Tokenizer  # heavy: tokenizers
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
+
+        import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
+
+        model_dir = checkpoint / "model"
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"eval: {model_dir} holds no model: the checkpoint must have pretrain's model/")
+        self.torch = torch
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.chat = AutoTokenizer.from_pretrained(model_dir)  # for its chat template
+        cfg = self.model.config
+        self.bos, self.pad = int(cfg.bos_token_id), int(cfg.pad_token_id)
+        eos = cfg.eos_token_id
+        self.eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[str]:
+        """Greedy answers, one generate call for all prompts: prompts of different lengths are left-padded, and
+        model/generation.py packs their real tokens (no compute on padding)."""
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.as_tensor(np.asarray(p, np.int64))
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      do_sample=False, use_cache=True, pad_token_id=self.pad, eos_token_id=self.eos)
+        return [self.decode(row[width:].tolist()) for row in out]
+
+    def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024, hits: bool = False) -> Any:
+        """log p(ids[:, t + 1] | ids[:, :t + 1]) as float32 [B, T - 1]; the vocabulary projection in position chunks
+        (memory O(B x chunk x V), not O(B x T x V)). With ``hits``, also bool [B, T - 1]: whether that token is the
+        model's top-1 prediction."""
+        torch = self.torch
+        with torch.no_grad():
+            h = self.model.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                                 output_router_logits=False).last_hidden_state
+            out, top = [], []
+            for s in range(0, ids.shape[1] - 1, chunk):
+                e = min(s + chunk, ids.shape[1] - 1)
+                logp = self.model.lm_head(h[:, s:e]).float().log_softmax(-1)
+                out.append(logp.gather(-1, ids[:, s + 1:e + 1, None]).squeeze(-1))
+                if hits:
+                    top.append(logp.argmax(-1) == ids[:, s + 1:e + 1])
+        return (torch.cat(out, dim=1), torch.cat(top, dim=1)) if hits else torch.cat(out, dim=1)
+
+    def continuation_logliks(self, prefix: Sequence[int], conts: Sequence[Sequence[int]]) -> list[float]:
+        """Sum of log p over each continuation's tokens after ``prefix``; the continuations run as one right-padded
+        batch."""
+        torch = self.torch
+        seqs = [[*prefix, *c] for c in conts]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, s in enumerate(seqs):
+            ids[b, :len(s)] = torch.tensor(s)
+            mask[b, :len(s)] = 1
+        logp = self.token_logprobs(ids.to(self.device), mask.to(self.device)).cpu()
+        start = len(prefix)  # first continuation token; its log-prob sits at index start - 1
+        return [float(logp[b, start - 1:start - 1 + len(c)].sum()) for b, c in enumerate(conts)]
+
+    def ordinary_token_ids(self) -> list[int]:
+        """Every vocabulary id that is not a special (added) token."""
+        special = set(self.tokenizer.get_added_tokens_decoder())
+        return [i for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)) if i not in special]
+
+    def choice_logliks(self, item: MCItem, max_len: int) -> list[float]:
+        """Sum of log p over each choice's continuation tokens after ``[BOS] context`` (the context cut from the left
+        so the longest choice fits in ``max_len`` tokens); the choices of an item run as one right-padded batch."""
+        ctx = self.encode(item.context)
+        conts = [self.encode(item.continuation(i)) for i in range(len(item.choices))]
+        room = max_len - 1 - max(len(c) for c in conts)
+        ctx = ctx[-room:] if room > 0 else []
+        return self.continuation_logliks([self.bos, *ctx], conts)
