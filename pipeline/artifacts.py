@@ -313,7 +313,7 @@ def explain_write_failure(exc: BaseException, stage: str, written: list[Path],
         where = (f"(the file it wrote last: {newest})" if newest
                  else "(the error names no file and the stage's output held none)")
     if cause.errno == errno.EFBIG:
-        import resource
+        import resource  # Unix only: the module imports on any platform
 
         soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"

@@ -2,6 +2,9 @@
 
 Exit codes: 0 success, 1 a stage failed (``verify``: an artifact changed), 2 the spec or the command line is
 invalid (nothing ran), 130 interrupted.
+
+The pipeline modules are imported inside each command: ``hylight --help`` starts in ~0.06 s, where importing
+``pipeline.spec``/``pipeline.orchestrator`` (pydantic, the stage registry) takes ~0.4 s.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.worker_env import apply_env_defaults
+
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from pipeline.orchestrator import local_capacity, ray_capacity
-    from pipeline.spec import SpecError, load_raw, load_spec
+    from pipeline.orchestrator import local_capacity, ray_capacity  # lazy: start-up
+    from pipeline.spec import SpecError, load_raw, load_spec  # lazy: start-up
 
     address = getattr(args, "ray_address", None)
     if address is None:
@@ -37,7 +42,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from pipeline.spec import SpecError, load_spec
+    from pipeline.spec import SpecError, load_spec  # lazy: start-up
 
     def is_resource(problem: str) -> bool:
         return "resources." in problem
@@ -79,8 +84,8 @@ def _json_target_problem(path: str) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pipeline.orchestrator import RunOptions, report_json, run_pipeline, summary_table
-    from pipeline.spec import SpecError
+    from pipeline.orchestrator import RunOptions, report_json, run_pipeline, summary_table  # lazy: start-up
+    from pipeline.spec import SpecError  # lazy: start-up
 
     try:
         spec = _load(args)
@@ -102,7 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if problem:  # found before anything runs, not after the whole DAG
         print(f"--json {args.json}: {problem}", file=sys.stderr)
         return EXIT_INVALID
-    from pipeline.tracking import TrackingUnavailable, check_reachable, journal_summary
+    from pipeline.tracking import TrackingUnavailable, check_reachable, journal_summary  # lazy: start-up
 
     try:
         if not opts.dry_run:  # before any stage starts
@@ -134,7 +139,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _last_run() -> dict[str, Any] | None:
-    from pipeline.orchestrator import state_dir
+    from pipeline.orchestrator import state_dir  # lazy: start-up
 
     p = state_dir() / "last_run.json"
     return json.loads(p.read_text()) if p.exists() else None
@@ -145,8 +150,8 @@ def _tracking_from(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.tracking_uri:
         return args.tracking_uri, None
     if args.spec:
-        from pipeline.spec import SpecError, load_spec
-        from pipeline.tracking import default_tracking_uri
+        from pipeline.spec import SpecError, load_spec  # lazy: start-up
+        from pipeline.tracking import default_tracking_uri  # lazy: start-up
 
         try:
             spec = load_spec(args.spec, check_external=False)  # only its tracking settings are needed
@@ -160,7 +165,7 @@ def _tracking_from(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from pipeline import tracking
+    from pipeline import tracking  # lazy: start-up
 
     uri, exp_name = _tracking_from(args)
     c = tracking.client(uri)
@@ -202,15 +207,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows.append((tags.get(tracking.TAG_STAGE, r.info.run_name), tags.get(tracking.TAG_STATE, r.info.status),
                      {"true": "hit", "false": "miss"}.get(tags.get(tracking.TAG_CACHE_HIT, ""), "-"),
                      f"{secs:.1f}s" if secs is not None else "-", key))
-    from pipeline.orchestrator import format_table
+    from pipeline.orchestrator import format_table  # lazy: start-up
 
     print(format_table(rows))
     return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pipeline.orchestrator import format_table, verify_spec, verify_store
-    from pipeline.spec import SpecError, load_spec
+    from pipeline.orchestrator import format_table, verify_spec, verify_store  # lazy: start-up
+    from pipeline.spec import SpecError, load_spec  # lazy: start-up
 
     t0 = time.monotonic()
     if args.spec:
@@ -255,7 +260,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from pipeline import mlflow_ui, tracking
+    from pipeline import mlflow_ui, tracking  # lazy: start-up
 
     uri, exp_name = _tracking_from(args)
     base = f"http://127.0.0.1:{args.port}"
@@ -281,7 +286,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_stages(args: argparse.Namespace) -> int:
-    from pipeline.registry import BUILTIN_STAGES, describe_markdown, resolve
+    from pipeline.registry import BUILTIN_STAGES, describe_markdown, resolve  # lazy: start-up
 
     if args.markdown:
         print(describe_markdown())
@@ -348,8 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.worker_env import apply_env_defaults
-
     apply_env_defaults()  # defaults it fills in are not forwarded: each stage worker picks its own
     args = build_parser().parse_args(argv)
     return args.fn(args)

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import yaml
+
 from pipeline import tracking
 from pipeline.artifacts import ArtifactCheck, ArtifactStore, cache_key, check_artifact, write_json_atomic
 from pipeline.launch import pid_alive, process_start_ticks, start_watchdog
@@ -129,14 +131,12 @@ def local_capacity() -> ClusterCapacity:
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
     """Fail fast on a host:port nobody listens on (ray.init would retry for minutes)."""
-    import socket as _socket
-
     hostport = address.split("://", 1)[-1]
     if address in ("auto", "local") or ":" not in hostport:
         return
     host, _, port = hostport.rpartition(":")
     try:
-        with _socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
             pass
     except (OSError, ValueError) as e:
         raise ConnectionError(f"cannot reach the Ray cluster at {address}: {e}") from None
@@ -144,7 +144,7 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
 
 def ray_capacity(address: str) -> ClusterCapacity:
     """The live nodes of an existing Ray cluster (attaches to it)."""
-    import ray
+    import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
 
     os.environ.update({k: v for k, v in _RAY_ENV.items() if k not in os.environ})
     _check_reachable(address)
@@ -213,7 +213,7 @@ def stage_remote(fn: Any, name: str, opts: dict[str, Any]) -> Any:
     (``max_calls=1``): on an H100, SFT hit CUDA out-of-memory in the worker that had run long_context and the reward
     model before it. What one stage leaves on the device (an engine, a captured graph pool, the caching allocator's
     blocks) must not starve the next. CPU stages keep reusing workers (no process start per stage)."""
-    import ray
+    import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
 
     remote = ray.remote(max_calls=1)(fn) if opts.get("num_gpus") else ray.remote(fn)
     return remote.options(name=f"stage:{name}", **opts)
@@ -257,7 +257,7 @@ class Orchestrator:
     def _ensure_ray(self) -> None:
         if self._ray_ready:
             return
-        import ray
+        import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
 
         for k, v in _RAY_ENV.items():
             os.environ.setdefault(k, v)
@@ -435,7 +435,7 @@ class Orchestrator:
                     if not progressed:
                         break
                     continue
-                import ray
+                import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
 
                 done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
                 for ref in done:
@@ -459,7 +459,7 @@ class Orchestrator:
             raise
         finally:
             if self._ray_started:
-                import ray
+                import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
 
                 ray.shutdown()
 
@@ -480,7 +480,7 @@ class Orchestrator:
     def _abandon(self, running: dict[Any, tuple[str, str, float]], results: dict[str, StageResult], c: Any,
                  why: str, status: str) -> None:
         """Cancel the stages still running and close their runs."""
-        import ray
+        import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
 
         for ref, (name, run_id, _) in running.items():
             try:
@@ -496,8 +496,6 @@ class Orchestrator:
                     pass
 
     def _log_spec(self, c: Any, parent: str) -> None:
-        import yaml
-
         resolved = self.spec.resolved()
         tmp = self.spec.artifact_root / ".tmp"
         tmp.mkdir(parents=True, exist_ok=True)
@@ -598,7 +596,7 @@ class Orchestrator:
 
     def _collect(self, ref: Any, name: str, run_id: str, start: float, results: dict[str, StageResult],
                  artifacts: dict[str, Artifact], c: Any) -> None:
-        import ray
+        import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
 
         res = results[name]
         try:

@@ -20,6 +20,7 @@ from pipeline.artifacts import ArtifactStore, explain_write_failure
 from pipeline.registry import resolve
 from pipeline.shards import RayShardRunner
 from pipeline.stage import Artifact, MetricSink, Resources, StageContext
+from pipeline.tracking import JOURNAL_DIR, MLflowSink
 from pipeline.worker_env import THREAD_VARS, apply_env_defaults
 
 
@@ -125,8 +126,6 @@ def _execute(task: StageTask) -> StageOutcome:
     tmp = store.begin(kind.name, task.key)
     sink: MetricSink
     if task.run_id and task.tracking_uri:
-        from pipeline.tracking import JOURNAL_DIR, MLflowSink
-
         # out_dir: artifacts it could not send yet are found again in the committed artifact
         sink = MLflowSink(task.tracking_uri, task.run_id, journal_dir=Path(task.root) / JOURNAL_DIR, out_dir=tmp)
     else:

@@ -92,7 +92,7 @@ class RayShardRunner(ShardRunner):
 
     def map(self, fn: Callable[[Any, Callable[[str], None]], R], shards: list[Any], ctx: StageContext,
             what: str) -> list[ShardResult[R]]:
-        import ray
+        import ray  # heavy: ray, only where shards run as Ray tasks
 
         ref, env, cwd = _function_ref(fn), launched_worker_env(1, 0), os.getcwd()
         label = f"{ctx.stage_name} {what}"

@@ -9,10 +9,13 @@ supplies a context whose sink forwards to MLflow; tests and notebooks use the de
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -124,14 +127,10 @@ class Artifact:
 
 def metric_key(part: str) -> str:
     """A name part made safe for MLflow metric names (letters, digits, _ - . / and space)."""
-    import re
-
     return re.sub(r"[^A-Za-z0-9_.\- /]", "_", part)
 
 
 def sha256_file(path: str | Path) -> str:
-    import hashlib
-
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -246,7 +245,7 @@ class ShardResult(Generic[R]):
 
 def peak_rss_mib() -> float:
     """Peak resident memory of this process so far (ru_maxrss: KiB on Linux)."""
-    import resource
+    import resource  # Unix only: the module imports on any platform
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -265,8 +264,6 @@ class InProcessShardRunner(ShardRunner):
 
     def map(self, fn: Callable[[Any, Callable[[str], None]], R], shards: list[Any], ctx: StageContext,
             what: str) -> list[ShardResult[R]]:
-        import socket
-
         out: list[ShardResult[R]] = []
         for i, shard in enumerate(shards):
             start = time.monotonic()
@@ -373,7 +370,7 @@ class StageContext:
         plots.mkdir(exist_ok=True)
         path = plots / name
         fig.savefig(path, dpi=110, bbox_inches="tight")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # heavy: matplotlib, only where a stage plots
 
         plt.close(fig)
         self.log_artifact(path, "plots")

@@ -21,6 +21,8 @@ import math
 import os
 import re
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +64,6 @@ def check_reachable(tracking_uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast, before any stage starts, when an http(s) tracking server does not answer its /health."""
     if not tracking_uri.startswith(("http://", "https://")):
         return
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout_s):
             return
@@ -105,7 +104,7 @@ def client(tracking_uri: str) -> Any:
     # server is down; outages are handled here instead (retry(), the journal)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # heavy: mlflow
 
     return MlflowClient(tracking_uri=tracking_uri)
 
@@ -179,7 +178,7 @@ def log_record(c: Any, run_id: str, params: dict[str, Any] | None = None, tags: 
     """Params (nested ones flattened, :func:`flatten`), tags and metrics in as few ``log_batch`` calls as MLflow's
     limits allow (100 params, 100 tags, 500 metrics a call): one for a stage's usual few dozen, where separate
     calls would cost one database transaction each."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param, RunTag  # heavy: mlflow
 
     now_ms = int(time.time() * 1000)
     ps = [Param(k, v[:6000]) for k, v in flatten(params or {}).items()]
@@ -202,7 +201,7 @@ def set_tags(c: Any, run_id: str, tags: dict[str, Any]) -> None:
 def _log_metric_rows(c: Any, run_id: str, rows: list[tuple[str, float, int | None, int]],
                      wait_s: float | None = None) -> None:
     """(name, value, step, timestamp ms) rows, in MLflow's batches of at most 500."""
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # heavy: mlflow
 
     items = [Metric(k, float(v), ts, step or 0) for k, v, step, ts in rows]
     for i in range(0, len(items), 500):
@@ -215,7 +214,7 @@ def log_metrics_now(c: Any, run_id: str, metrics: dict[str, float], step: int | 
 
 def log_lineage(c: Any, run_id: str, inputs: dict[str, list[dict[str, Any]]]) -> None:
     """Input artifacts as MLflow dataset inputs (shown as 'Datasets used' in the UI)."""
-    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.entities import Dataset, DatasetInput, InputTag  # heavy: mlflow
 
     datasets = []
     for role, arts in inputs.items():
@@ -320,7 +319,7 @@ def _send_entry(c: Any, run_id: str, entry: dict[str, Any], out_dir: Path | None
     if "metrics" in entry:
         _log_metric_rows(c, run_id, [tuple(r) for r in entry["metrics"]], wait_s)
     elif "tags" in entry:
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # heavy: mlflow
 
         retry(c.log_batch, run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in entry["tags"].items()], wait_s=wait_s)
     elif "artifact" in entry:

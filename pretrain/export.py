@@ -38,7 +38,7 @@ def export_checkpoint(module: torch.nn.Module, model_config: Any, cfg: Any, rank
 def write_checkpoint_dirs(model: Any, tokenizer_dir: str | Path, out: Path) -> None:
     """``out/model`` (HybridForCausalLM) and ``out/minimax`` (transformers MiniMax), each with the tokenizer files
     and generation config (bos/pad, eos = [eos, end-of-turn]). Post-training stages write their policies with it."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig  # heavy: transformers
 
     from model.hf_minimax import save_as_minimax  # heavy: transformers
 

@@ -32,8 +32,10 @@ from typing import Any
 import numpy as np
 
 from data.documents import JsonlGzWriter, read_jsonl_gz
+from data.mix import iter_mixture
 from data.retrieval import word_starts as word_start_tokens  # noqa: F401  (one definition, re-exported for long_mix)
-from pretrain.packed_data import TOKEN_DTYPE
+from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from pretrain.packed_data import TOKEN_DTYPE, _choose_eval, _Progress, _read_mixture, _tokenize_used
 
 SEPARATOR_TEXT = "\n\n"  # between the documents of a long document
 NEEDLE_TEMPLATE = " The access code of {name} is {number}."
@@ -276,11 +278,7 @@ def build_long_data(mixture_dir: str | Path, documents_dir: str | Path, tokenize
     trained on (sample_count > 0, not held out), and each phase's eval rows of held-out documents assembled to the
     phase length. Returns (and writes to ``long_data.json``) the counts.
     """
-    from tokenizers import Tokenizer
-
-    from data.mix import iter_mixture
-    from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-    from pretrain.packed_data import _choose_eval, _Progress, _read_mixture, _tokenize_used  # heavy: torch
+    from tokenizers import Tokenizer  # heavy: tokenizers (Rust extension), only where documents are tokenized
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -358,8 +359,6 @@ def phase_sources(data: Any, *, phase: int, seq_len: int, short_max: int, medium
     """The queues of a phase (``data`` is a ``pretrain.long_data.LongData``): corpus documents the pretraining run
     trained on, each ``sample_count`` times per pass, and the assembled long documents, by length category; long
     QA made from assembled documents that fit the phase; eval rows of held-out documents assembled to its length."""
-    from functools import partial
-
     from pretrain.long_data import make_long_qa, word_start_tokens  # heavy: torch
 
     held = np.flatnonzero(data.counts > 0)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from deepspeed.moe import ep_experts
 from deepspeed.moe.experts import Experts
 from deepspeed.moe.layer import MoE
+from deepspeed.utils import groups
 from torch import nn
 
 from model.moe import MoEFeedForward, SwiGLUExperts, TopKRouter, expert_capacity
@@ -107,8 +108,6 @@ class DeepSpeedMoEFeedForward(MoEFeedForward, MoE):
 
     # --- DeepSpeed hooks ----------------------------------------------------------------------------
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        from deepspeed.utils import groups
-
         if self.expert_group_name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(self.ep_size,
                                                     use_data_before_expert_parallel_=use_data_before_expert_parallel_)

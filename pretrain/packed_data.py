@@ -350,7 +350,7 @@ def build_packed_dataset(mixture_dir: str | Path, documents_dir: str | Path, tok
     ``scratch_dir`` holds the temporary unique-token file (about the size of the used documents'
     tokens x 4 bytes); default ``out_dir``. It is removed before returning.
     """
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # heavy: tokenizers (Rust extension), only where documents are tokenized
 
     mixture_dir, documents_dir, tokenizer_dir = Path(mixture_dir), Path(documents_dir), Path(tokenizer_dir)
     out_dir = Path(out_dir)

@@ -47,7 +47,7 @@ class RetrievalProbe:
 
     def __init__(self, tokenizer_dir: str | Path, eval_rows: Any, *, seq_len: int, trials: int, seed: int,
                  distractors: int = DISTRACTORS, copy_tokens: int = 64, copy_pool: str = "seen") -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # heavy: tokenizers (Rust extension)
 
         tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
         special = set(tok.get_added_tokens_decoder())
@@ -137,7 +137,7 @@ def probe_figure(history: list[dict[str, Any]], chance: float | None = CHANCE,
     rows = probe_history(history)
     if not rows:
         return None
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     steps = [h["step"] for h in rows]
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))

@@ -418,7 +418,7 @@ def plot_power_law(fit: PowerLawFit, losses: Sequence[float], batch_sizes: Seque
                    doubling_losses: Sequence[float] = (), batch_unit: str = "tokens") -> Figure:
     """Log-log scatter of the measured points and the fitted line (like Figure 13); optional dashed gray
     vertical lines where the batch size is doubled. Rendered with the Agg backend, no pyplot state."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: matplotlib
     from matplotlib.figure import Figure  # no pyplot: no global backend state in a worker
 
     where = "plot_power_law"
