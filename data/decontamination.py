@@ -109,7 +109,7 @@ class ContaminationIndex:
 
     def __init__(self, params: DedupParams, shingler: Shingler,
                  eval_files: list[tuple[str, Path]]) -> None:
-        from datasketch import MinHash, MinHashLSH
+        from datasketch import MinHash, MinHashLSH  # heavy: datasketch (scipy), only with eval sets to check
 
         self.p = params
         self.shingler = shingler

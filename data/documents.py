@@ -231,7 +231,7 @@ def record_from_datatrove(doc: Any) -> DocumentRecord:
 
 def datatrove_reader(artifact_path: str | Path, subdir: str = DOCUMENTS_DIR, **kwargs: Any) -> Any:
     """A datatrove ``JsonlReader`` over a documents artifact; ``source``/``domain`` land in metadata."""
-    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.readers import JsonlReader  # heavy: datatrove
 
     return JsonlReader(str(Path(artifact_path) / subdir), glob_pattern="*.jsonl.gz",
                        add_file_path=False, **kwargs)

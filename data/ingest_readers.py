@@ -315,7 +315,7 @@ class IngestParquetReader(_AccountingReader, ParquetReader):
 
     def read_file(self, filepath: str) -> Iterator[Document]:
         import pyarrow as pa  # heavy: only Parquet inputs need it
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: pyarrow, only for Parquet inputs
 
         limit = self.params.limit
         row_no = 0

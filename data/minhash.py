@@ -225,7 +225,7 @@ class FastMinhashSignature(BoundedMinhashSignature):
 @contextmanager
 def quiet_datatrove() -> Iterator[None]:
     """datatrove logs every step at INFO through loguru; the stages report their own progress."""
-    from datatrove.utils.logging import logger
+    from datatrove.utils.logging import logger  # heavy: datatrove
 
     logger.disable("datatrove")
     try:

@@ -86,7 +86,7 @@ class CausalLMLabeler:
 
     def __init__(self, params: CausalLMLabelerParams, taxonomy: Sequence[str]) -> None:
         import torch  # heavy: torch and transformers, only for this labeler
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
 
         self.params = params
         self.taxonomy = tuple(taxonomy)

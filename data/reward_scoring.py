@@ -21,7 +21,7 @@ def chat_messages(prompt: str, response: str) -> list[dict[str, str]]:
 def score_sequences(model: Any, sequences: Sequence[Sequence[int]], pad_id: int, batch_size: int = 32) -> list[float]:
     """Reward of each token sequence: right-padded batches of similar length, no gradient. Memory is bounded by
     ``batch_size`` x the longest sequence of a batch."""
-    import torch
+    import torch  # heavy: torch (data stages import this module without it)
 
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out = [0.0] * len(sequences)
@@ -50,7 +50,7 @@ class RewardModelScorer:
     chat format it was trained on."""
 
     def __init__(self, model_dir: str | Path, batch_size: int = 32, max_length: int | None = None) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer  # heavy: transformers
 
         import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
         from model.moe import make_dropless  # heavy: transformers, torch

@@ -327,11 +327,11 @@ def render_markdown(variants: list[Variant], table: list[tuple[str, str, list[An
 
 
 def _plot(ctx: StageContext, variants: list[Variant]) -> Path:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # heavy: matplotlib
+    import numpy as np  # with matplotlib: the comparison's tables need neither
 
     T = variants[0].report["trained_length"]
     fig, ax = plt.subplots(1, 3, figsize=(17, 4.2))

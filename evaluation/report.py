@@ -55,7 +55,7 @@ def plot_results(ctx: StageContext, niah: dict[str, Any], mr: dict[str, Any], lo
     import matplotlib  # heavy: matplotlib (plots at the end of a run)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 0.45 * len(niah["depths"]) + 2.6))
     for a, grid, depths, lengths, title in (

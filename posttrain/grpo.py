@@ -314,7 +314,7 @@ def _plot(ctx: StageContext, series: dict[str, list[tuple[int, float]]]) -> None
     import matplotlib  # heavy: matplotlib (a plot at the end of a run)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for name in ("reward_mean", "reward_correctness", "reward_constraints", "reward_rm"):

@@ -249,7 +249,7 @@ def train_from_checkpoint(trainer: Any, checkpoint: str | None) -> Any:
     step ``max_steps + 1``. Here the trainer loads the weights as ``train`` does, takes the checkpoint's state, and
     its callbacks see a training that began and ended (the log relay takes back the steps the attempt logged)."""
     from transformers import TrainerState  # heavy: transformers
-    from transformers.trainer_utils import TrainOutput
+    from transformers.trainer_utils import TrainOutput  # heavy: transformers (the trainer stack)
 
     if checkpoint is None:
         return trainer.train()

@@ -311,7 +311,7 @@ def _plot(ctx: StageContext, tags: dict[str, dict[str, dict[str, int]]]) -> None
     import matplotlib  # heavy: matplotlib (a plot at the end of a run)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     fig, axes = plt.subplots(1, len(TAG_FIELDS), figsize=(15, 4.5))
     for ax, field in zip(axes, TAG_FIELDS, strict=True):

@@ -39,7 +39,7 @@ def loss_figure(losses: Sequence[tuple[int, float]], *, xlabel: str, ylabel: str
     import matplotlib  # heavy: matplotlib (a plot at the end of a run)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.plot([s for s, _ in losses], [v for _, v in losses], marker=marker)

@@ -56,7 +56,7 @@ def _leave_network(libc, want):
 
 
 def _install_socket_guard():
-    import socket
+    import socket  # only in the sandboxed child, before the untrusted code
 
     def refuse(*_a, **_k):
         raise PermissionError("network access is disabled in the sandbox")
@@ -68,7 +68,7 @@ def _install_socket_guard():
     socket.socket = NoSocket
     for name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo", "gethostbyname"):
         setattr(socket, name, refuse)
-    import _socket
+    import _socket  # the C module too: code could reach it directly
 
     _socket.socket = NoSocket
 
