@@ -52,7 +52,7 @@ from pipeline.artifacts import publish_dir, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from pretrain import events
 from pretrain.engine_config import EngineConfig, RunShape
-from pretrain.launch import RankLayout, Relay, launch_ranks, layout_problems
+from pretrain.launch import RankLayout, Relay, launch_ranks, layout_problems, ranks_per_node
 from pretrain.params import TrainingParams
 from pretrain.stage import CHECKPOINT_TYPE, write_loss_curve
 
@@ -479,13 +479,13 @@ def long_context_resource_problems(params: LongContextParams, resources: Any) ->
     run" (an RMSNorm output), where the same compiled layers train in ``pretrain``. The cause is not found; until it
     is, the stage says so before any work instead of failing a minute into a phase."""
     problems = layout_problems(params, resources)
-    layout = RankLayout.of(params.processes, resources)
-    replicas = layout.world // params.sequence_parallel  # a sequence-parallel group reads one set of rows
+    world = ranks_per_node(params.processes, resources.gpus) * resources.nodes
+    replicas = world // params.sequence_parallel  # a sequence-parallel group reads one set of rows
     for i, p in enumerate(params.phases):
         rows, micro = params.batch_tokens // p.seq_len, params.micro_batch_tokens // p.seq_len
-        if layout.world % params.sequence_parallel == 0 and rows % (micro * replicas):
+        if world % params.sequence_parallel == 0 and rows % (micro * replicas):
             problems.append(("params.batch_tokens", f"phase {i} has {rows} rows per batch, not a multiple of {micro} "
-                             f"rows per forward call x {replicas} data-parallel replicas ({layout.world} ranks / "
+                             f"rows per forward call x {replicas} data-parallel replicas ({world} ranks / "
                              f"sequence_parallel={params.sequence_parallel}); raise batch_tokens"))
     if params.compile and resources.gpus > 0:
         problems.append(("params.compile", "compile: true is not supported on GPUs in long_context yet: on an H100 "

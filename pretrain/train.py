@@ -319,11 +319,8 @@ def train(cfg: EngineConfig) -> dict[str, float]:
         raise ValueError(f"packed rows are {packing['seq_len']} tokens but seq_len={cfg.seq_len}")
     rows = PackedRows(cfg.data_dir, "train")
     eval_rows = PackedRows(cfg.data_dir, "eval")
-    probe = None
+    probe = None  # its params were checked with the stage's (pretrain/params.py): a multiple of log_every, SP 1
     if cfg.probe_every:
-        if cfg.probe_every % cfg.log_every or grid.sequence_parallel > 1:
-            raise ValueError(f"probe_every={cfg.probe_every} must be a multiple of log_every={cfg.log_every}, "
-                             "without sequence parallelism")
         probe = RetrievalProbe(cfg.tokenizer_dir, eval_rows, seq_len=cfg.seq_len, trials=cfg.probe_trials,
                                seed=cfg.seed)
 
@@ -443,7 +440,7 @@ def evaluate(engine: Any, eval_rows: Any, make_batch: Any, cfg: EngineConfig, de
 
 def run_rank(config_path: str | Path, events_path: str | Path | None = None) -> dict[str, float]:
     """One rank's whole job, whoever launched it: :func:`main` (a lone process or a local rank) and a Ray Train
-    worker (``pretrain/stage.py``) both call this. ``events_path``: rank 0 appends its stdout, the ``@@hylight`` lines
+    worker (``pretrain/launch.py``) both call this. ``events_path``: rank 0 appends its stdout, the ``@@hylight`` lines
     included, to that file (a Ray Train worker's stdout does not reach the stage's process)."""
     config_path = Path(config_path)
     if not config_path.is_file():

@@ -925,6 +925,7 @@ def test_layout_problems_are_the_one_rule_the_params_the_spec_and_the_run_apply(
     from pydantic import ValidationError
 
     from pipeline.registry import resolve
+    from pipeline.spec import ResourcesSpec
     from pipeline.stage import Resources, StageContext
     from pretrain.launch import layout_problems
 
@@ -942,7 +943,8 @@ def test_layout_problems_are_the_one_rule_the_params_the_spec_and_the_run_apply(
     expected = layout_problems(unchecked, r)
     assert expected and not layout_problems(unchecked)  # the ranks per node only: the params alone are fine
     params = params_type(**bad)
-    assert [p for p in stage.validate_resources(params, r) if p[0] != "params.batch_tokens"] == expected
+    spec_resources = ResourcesSpec(**resources)  # what the spec's validation passes
+    assert [p for p in stage.validate_resources(params, spec_resources) if p[0] != "params.batch_tokens"] == expected
     ctx = StageContext(tmp_path / "out", {}, stage_name=kind, resources=r, resume_dir=tmp_path / "resume")
     with pytest.raises(ValueError) as e:
         stage.run(params, ctx)
