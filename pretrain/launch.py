@@ -22,15 +22,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pipeline.launch
 from pipeline.stage import Resources, StageContext
 from pipeline.worker_env import launched_worker_env
 from pretrain import events
-
-if TYPE_CHECKING:
-    from pretrain.engine_config import EngineConfig
+from pretrain.engine_config import EngineConfig
 
 MIN_TOKENS_PER_SEQUENCE_RANK = 16  # the smallest chunk of the Triton lightning kernel
 

@@ -126,7 +126,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if not cuda:
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce with g++ on first use (50-85 s, ENV-NOTES);
         # gloo does the job for our sizes.
-        import deepspeed.ops
+        import deepspeed.ops  # heavy: deepspeed
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if dist.is_initialized():
