@@ -1,8 +1,9 @@
 """Stage ``pretrain``: train the hybrid lightning/softmax MoE (``model/``) on the mixture (artifact ``checkpoint``).
 
 Inputs: the ``mixture`` (how many times each document is trained on), the ``scored_documents`` it was planned
-from (the texts) and the ``tokenizer``. The stage packs the mixture into rows (``pretrain/packed_data.py``), launches the
-training processes (``pretrain/train.py``: one process for a CPU or one GPU, ``pretrain/local_ranks.py`` with one
+from (the texts) and the ``tokenizer``. The stage packs the mixture into rows (``pretrain/packed_data.py``), builds the
+engine's config from its params (``pretrain/engine_config.py``; the loop is ``pretrain/trainer.py``), launches the
+training processes (``pretrain/launch.py``, ``pretrain/train.py``: one process for a CPU or one GPU, ``pretrain/local_ranks.py`` with one
 rank per GPU for several; the stage's ``resources.gpus`` decides) under ``pipeline.launch.run_process_tree`` (nothing
 outlives a cancelled stage), or, when the stage spans nodes or was not given the resources itself (``resources.nodes > 1``,
 GPUs on a Ray cluster), as Ray Train workers; forwards their metrics to MLflow, and writes the artifact:
