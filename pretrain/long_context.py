@@ -39,28 +39,23 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+from tokenizers import Tokenizer
 
 from data.documents import SCORED_DOCUMENTS_TYPE
-from data.mix import MIXTURE_TYPE
+from data.mix import MIXTURE_TYPE, iter_mixture
 from data.tokenizer import TOKENIZER_TYPE, special_token_ids
+from pipeline.artifacts import publish_dir, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
-from pretrain.sequence_parallel_checks import sequence_parallel_problems
-from pretrain.stage import (
-    CHECKPOINT_TYPE,
-    PretrainParams,
-    RankLayout,
-    _Relay,
-    launch_ranks,
-    retrieval_problems,
-    sequence_parallel_rank_problems,
-    write_loss_curve,
-)
+from pretrain import events
+from pretrain.engine_config import EngineConfig, RunShape
+from pretrain.launch import RankLayout, Relay, launch_ranks, layout_problems, ranks_per_node
+from pretrain.params import TrainingParams
+from pretrain.stage import CHECKPOINT_TYPE, write_loss_curve
 
-_SHARED = PretrainParams.model_fields  # the training engine's knobs: one definition for both stages
 LONG_DATA_DIR = "long_data"
 PHASES_DIR = "phases"
 QA_SAMPLES = "long_qa"
@@ -95,7 +90,10 @@ TINY_PHASES = (
 )
 
 
-class LongContextParams(StageParams):
+class LongContextPlan(BaseModel):
+    """What long_context trains: its phases, the sources and QA they mix, their batches. (Its own fields, first in
+    its params and in ``hylight stages --markdown``.)"""
+
     phases: list[LongContextPhase] = Field(
         default_factory=lambda: [dict(p) for p in TINY_PHASES], min_length=1, description=(
             "The phases, in order. Default: two CPU-sized phases for the tiny model (512 then 1024 tokens, RoPE base "
@@ -120,41 +118,21 @@ class LongContextParams(StageParams):
         "Tokens per forward call on each rank (with sequence_parallel: on each group, every rank holding "
         "1/sequence_parallel of them); a multiple of every phase length, dividing batch_tokens."))
     eval_rows: int = Field(16, ge=1, description="Held-out long documents (rows of the phase length) for eval_loss.")
+
+
+class LongContextParams(TrainingParams, LongContextPlan):
+    """The phases (``LongContextPlan``); the engine's knobs and the training stages' shared params
+    (``TrainingParams``), with long_context's own defaults for some."""
+
     peak_lr: float = Field(1e-3, gt=0, description="Peak learning rate of each phase's WSD schedule.")
     warmup_frac: float = Field(0.1, ge=0, lt=1, description="Linear warm-up of each phase (fresh optimizer).")
-    decay_frac: float = _SHARED["decay_frac"]
-    final_lr_ratio: float = _SHARED["final_lr_ratio"]
-    weight_decay: float = _SHARED["weight_decay"]
-    beta1: float = _SHARED["beta1"]
-    beta2: float = _SHARED["beta2"]
-    grad_clip: float = _SHARED["grad_clip"]
-    zero_stage: Literal[1, 2] = _SHARED["zero_stage"]
-    expert_parallel_size: int = _SHARED["expert_parallel_size"]
-    sequence_parallel: int = _SHARED["sequence_parallel"]
-    global_router: bool = _SHARED["global_router"]
-    token_drop: bool = _SHARED["token_drop"]
-    capacity_factor: float = _SHARED["capacity_factor"]
-    min_capacity: int = _SHARED["min_capacity"]
-    aux_loss_coef: float = _SHARED["aux_loss_coef"]
-    checkpoint_every: int = _SHARED["checkpoint_every"]
-    log_every: int = _SHARED["log_every"]
     seed: int = Field(0, ge=0, description="Row order of every phase, QA facts and loader.")
-    spike_factor: float = _SHARED["spike_factor"]
-    max_consecutive_skips: int = _SHARED["max_consecutive_skips"]
-    max_spike_skips: int = _SHARED["max_spike_skips"]
-    lightning_impl: str = _SHARED["lightning_impl"]
     compile: bool = Field(False, description=(
         "torch.compile the RMSNorms and MoE feed-forwards. Refused with GPUs for now: on an H100 the first compiled "
         "backward of a phase failed under CUDA graphs (BENCHMARKS.md); the eager path is the one measured."))
-    processes: int | None = _SHARED["processes"]
     retrieval_share: float = Field(0.0, ge=0, lt=1, description=(
         "Share of each phase's training rows made of retrieval-bearing samples of up to the phase length "
         "(pretrain/retrieval_rows.py), spread evenly through the phase; the phase's token budget stays the same."))
-    retrieval_kinds: list[str] = _SHARED["retrieval_kinds"]
-    retrieval_min_tokens: int = _SHARED["retrieval_min_tokens"]
-    retrieval_loss: Literal["all", "answers"] = _SHARED["retrieval_loss"]
-    probe_every: int = _SHARED["probe_every"]
-    probe_trials: int = _SHARED["probe_trials"]
 
     @model_validator(mode="after")
     def _consistent(self) -> LongContextParams:
@@ -165,22 +143,22 @@ class LongContextParams(StageParams):
         if self.batch_tokens % self.micro_batch_tokens:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must divide "
                              f"batch_tokens={self.batch_tokens}")
-        if self.checkpoint_every % self.log_every:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be a multiple of "
-                             f"log_every={self.log_every}")
-        problems = retrieval_problems(self, [p.seq_len for p in self.phases])
-        if problems:
-            raise ValueError("; ".join(problems))
         if self.short_bound >= self.medium_bound:
             raise ValueError(f"short_max_tokens={self.short_bound} must be below medium_max_tokens={self.medium_bound}")
         if min(self.document_lengths) < 3:
             raise ValueError(f"long_document_lengths={self.document_lengths}: lengths of 3 tokens or more")
-        problems = sequence_parallel_problems(
-            self.sequence_parallel, seq_lens={f"phases.{i}.seq_len": p.seq_len for i, p in enumerate(self.phases)},
-            expert_parallel_size=self.expert_parallel_size, compile_=self.compile)
-        if problems:
-            raise ValueError("; ".join(problems))
         return self
+
+    def row_lengths(self) -> dict[str, int]:
+        return {f"phases.{i}.seq_len": p.seq_len for i, p in enumerate(self.phases)}
+
+    def phase_run(self, i: int) -> RunShape:
+        """Phase ``i`` as a training run: its row length, RoPE base and budget, a fixed batch."""
+        p = self.phases[i]
+        rows = self.batch_tokens // p.seq_len
+        return RunShape(seq_len=p.seq_len, model_overrides={"rope_theta": p.rope_theta, "max_position_embeddings": p.seq_len},
+                        micro_batch_rows=self.micro_batch_tokens // p.seq_len, batch_rows=rows, max_batch_rows=rows,
+                        train_tokens=self.phase_rows(i) * p.seq_len, eval_max_rows=self.eval_rows)
 
     @property
     def short_bound(self) -> int:
@@ -219,7 +197,7 @@ class LongContextParams(StageParams):
                                        qa_share=self.qa_share, qa_last_frac=self.qa_last_frac)
 
 
-class _PhaseRelay(_Relay):
+class _PhaseRelay(Relay):
     """The ranks' lines of one phase: metrics at the stage-wide step (the phases' curves continue one another),
     ``tokens`` counted over the whole stage, progress prefixed with the phase."""
 
@@ -228,10 +206,8 @@ class _PhaseRelay(_Relay):
         self.phase, self.seq_len, self.step0, self.tokens0 = phase, seq_len, step0, tokens0
 
     def __call__(self, line: str) -> None:
-        from pretrain.train import METRIC_PREFIX  # heavy: torch
-
-        if line.startswith(METRIC_PREFIX):
-            msg = json.loads(line[len(METRIC_PREFIX):])
+        msg = events.parse(line)
+        if msg is not None:
             if msg["kind"] == "metrics":
                 self.ctx.log_metrics(self.shift(msg["metrics"]), step=self.step0 + msg["step"])
                 return
@@ -246,8 +222,6 @@ class _PhaseRelay(_Relay):
 
 def _checkpoint_packing(checkpoint: Path, mixture: Path) -> dict[str, Any]:
     """The pretraining run's packing.json, checked against the mixture given: the held-out documents are its."""
-    from data.mix import iter_mixture
-
     for name in ("packing.json", "model/config.json"):
         if not (checkpoint / name).exists():
             raise FileNotFoundError(f"long_context: the checkpoint {checkpoint} has no {name}; give it the artifact of "
@@ -285,115 +259,113 @@ def _history(export: Path) -> list[dict[str, Any]]:
 
 
 def run(params: LongContextParams, ctx: StageContext) -> None:
-    from tokenizers import Tokenizer
-
-    from pretrain.long_data import LongData, TokenSampleWriter, build_long_data  # heavy: torch
-    from pretrain.long_mix import SOURCES, corpus_shares, phase_sources, write_phase_rows  # heavy: torch
-    from pretrain.retrieval_rows import add_retrieval_rows, read_retrieval, retrieval_metrics  # heavy: torch
-
     problems = long_context_resource_problems(params, ctx.resources)  # also without spec validation
     if problems:
         raise ValueError("long_context: " + "; ".join(msg for _, msg in problems))
-    checkpoint, mixture = ctx.input("checkpoint"), ctx.input("mixture")
-    documents, tokenizer = ctx.input("documents"), ctx.input("tokenizer")
-    base = _checkpoint_packing(checkpoint.path, mixture.path)
-    layout = RankLayout.of(params.processes, ctx.resources, "long_context")
-    replicas = layout.world // params.sequence_parallel  # a sequence-parallel group reads one set of rows
-    for i, p in enumerate(params.phases):
-        rows, micro = params.batch_tokens // p.seq_len, params.micro_batch_tokens // p.seq_len
-        if rows % (micro * replicas):
-            raise ValueError(f"long_context: phase {i} has {rows} rows per batch, not a multiple of {micro} rows per "
-                             f"forward call x {replicas} data-parallel replicas ({layout.world} ranks / "
-                             f"sequence_parallel={params.sequence_parallel}); raise batch_tokens")
+    checkpoint = ctx.input("checkpoint")
+    base = _checkpoint_packing(checkpoint.path, ctx.input("mixture").path)
+    layout = RankLayout.of(params.processes, ctx.resources)
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    data = _long_data(params, ctx, base)
+    step0 = tokens0 = 0
+    init = checkpoint.path / "model"
+    phases: list[dict[str, Any]] = []
+    for i, phase in enumerate(params.phases):
+        summary = _run_phase(params, i, ctx, data, base, layout, init=init, step0=step0, tokens0=tokens0)
+        step0 += summary["steps"]
+        tokens0 += summary["tokens"]
+        phases.append({"phase": i, "seq_len": phase.seq_len, "rope_theta": phase.rope_theta, "end_step": step0,
+                       "end_tokens": tokens0, **summary})
+        init = ctx.resume_dir / f"phase{i}" / "export" / "model"
+    _write_artifact(params, ctx, phases)
+
+
+def _long_data(params: LongContextParams, ctx: StageContext, base: dict[str, Any]) -> Any:
+    """The long documents made from the corpus (once: kept in the resume directory); their counts logged."""
+    from pretrain.long_data import LongData, build_long_data  # heavy: torch
 
     long_dir = ctx.resume_dir / LONG_DATA_DIR
     if not (long_dir / "long_data.json").exists():
         ctx.progress(f"making long documents of {params.document_lengths} tokens from the corpus")
         tmp = ctx.resume_dir / f"{LONG_DATA_DIR}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        build_long_data(mixture.path, documents.path, tokenizer.path, tmp, held_out_seed=base["seed"],
-                        held_out_documents=base["eval"]["documents"], lengths=params.document_lengths,
-                        eval_lengths=[p.seq_len for p in params.phases], progress=ctx.progress)
-        os.replace(tmp, long_dir)
+        build_long_data(ctx.input("mixture").path, ctx.input("documents").path, ctx.input("tokenizer").path, tmp,
+                        held_out_seed=base["seed"], held_out_documents=base["eval"]["documents"],
+                        lengths=params.document_lengths, eval_lengths=[p.seq_len for p in params.phases],
+                        progress=ctx.progress)
+        publish_dir(tmp, long_dir)
     data = LongData(long_dir)
-    tok = Tokenizer.from_file(str(tokenizer.path / "tokenizer.json"))
+    _log_long_data(ctx, data.stats)
+    return data
+
+
+def _run_phase(params: LongContextParams, i: int, ctx: StageContext, data: Any, base: dict[str, Any],
+               layout: RankLayout, *, init: Path, step0: int, tokens0: int) -> dict[str, Any]:
+    """Phase ``i``: its rows packed, its ranks trained from ``init`` (or, finished in an earlier attempt, its logged
+    curve again), its metrics logged at the stage-wide step. Returns the phase's summary."""
+    from pretrain.long_mix import SOURCES  # heavy: torch
+    from pretrain.retrieval_rows import read_retrieval, retrieval_metrics  # heavy: torch
+
+    phase, pdir = params.phases[i], ctx.resume_dir / f"phase{i}"
+    export, data_dir = pdir / "export", pdir / "data"
+    relay = _PhaseRelay(ctx, i, phase.seq_len, step0, tokens0)
+    if (export / "summary.json").exists():  # finished in an earlier attempt: its curve again, no training
+        ctx.progress(f"phase {i} ({phase.seq_len} tokens) finished in an earlier attempt")
+        for h in _history(export):
+            ctx.log_metrics(relay.shift({k: v for k, v in h.items() if k != "step"}), step=step0 + h["step"])
+    else:
+        if not (data_dir / "packing.json").exists():
+            _pack_phase(params, i, ctx, data, base, data_dir)
+        cfg = EngineConfig.for_run(params, params.phase_run(i), seed=params.seed + i, data_dir=str(data_dir),
+                                   tokenizer_dir=str(ctx.input("tokenizer").path), resume_dir=str(pdir),
+                                   export_dir=str(export), init_from=str(init), ordered_rows=True)
+        ctx.progress(f"phase {i}: training {phase.seq_len}-token rows, RoPE base {phase.rope_theta:g}, "
+                     f"{cfg.train_tokens:,} tokens, from {init}")
+        launch_ranks(cfg, layout, relay, ctx, name="long_context", config_name=f"train_config_phase{i}.json")
+    shutil.rmtree(pdir / "deepspeed", ignore_errors=True)  # the export is what the next phase starts from
+    summary = json.loads((export / "summary.json").read_text())
+    phase_data = json.loads((data_dir / "phase_data.json").read_text())
+    end_step = step0 + summary["steps"]
+    ctx.log_metrics({"eval_loss": summary["eval_loss"], "unigram_loss": summary["unigram_loss"],
+                     "seq_len": phase.seq_len, "rope_theta": phase.rope_theta}, step=end_step)
+    total = sum(phase_data["tokens_by_source"].values())
+    ctx.log_metrics({f"phase{i}.share.{s}": phase_data["tokens_by_source"][s] / total for s in SOURCES}
+                    | {f"phase{i}.qa_samples": phase_data["qa_samples"]}
+                    | retrieval_metrics(read_retrieval(data_dir), prefix=f"phase{i}.retrieval"))
+    return summary
+
+
+def _pack_phase(params: LongContextParams, i: int, ctx: StageContext, data: Any, base: dict[str, Any],
+                data_dir: Path) -> None:
+    """Phase ``i``'s rows: the mixture's sources on the phase's schedule, its long QA, its retrieval rows."""
+    from pretrain.long_data import TokenSampleWriter  # heavy: torch
+    from pretrain.long_mix import corpus_shares, phase_sources, write_phase_rows  # heavy: torch
+    from pretrain.retrieval_rows import add_retrieval_rows  # heavy: torch
+
+    phase, pdir = params.phases[i], ctx.resume_dir / f"phase{i}"
+    tokenizer = ctx.input("tokenizer").path
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
     special = {k: int(v) for k, v in data.stats["special_ids"].items()}
-    vocab = special_token_ids(tokenizer.path)["vocab_size"]
     corpus = corpus_shares(data, params.short_bound, params.medium_bound)
     inherited = {k: base[k] for k in ("mixture_documents", "mixture_tokens", "unused_documents", "eval_from_unsampled",
                                       "held_out_from_training", "held_out_training_tokens")}
-    _log_long_data(ctx, data.stats)
-
-    step0 = tokens0 = 0
-    init = checkpoint.path / "model"
-    phases: list[dict[str, Any]] = []
-    for i, phase in enumerate(params.phases):
-        pdir = ctx.resume_dir / f"phase{i}"
-        export, data_dir = pdir / "export", pdir / "data"
-        relay = _PhaseRelay(ctx, i, phase.seq_len, step0, tokens0)
-        if (export / "summary.json").exists():  # finished in an earlier attempt: its curve again, no training
-            ctx.progress(f"phase {i} ({phase.seq_len} tokens) finished in an earlier attempt")
-            for h in _history(export):
-                ctx.log_metrics(relay.shift({k: v for k, v in h.items() if k != "step"}), step=step0 + h["step"])
-        else:
-            if not (data_dir / "packing.json").exists():
-                ctx.progress(f"phase {i}: packing {params.phase_rows(i):,} rows of {phase.seq_len} tokens")
-                tmp = pdir / "data.partial"
-                shutil.rmtree(tmp, ignore_errors=True)
-                with TokenSampleWriter(tmp, QA_SAMPLES) as qa:
-                    sources = phase_sources(
-                        data, phase=i, seq_len=phase.seq_len, short_max=params.short_bound,
-                        medium_max=params.medium_bound, previous=params.previous_weights(i, corpus),
-                        target=phase.weights, qa_share=params.qa_share, eval_rows=params.eval_rows, seed=params.seed,
-                        tokenizer=tok, qa_writer=qa, special_ids=special)
-                    write_phase_rows(tmp, sources, seq_len=phase.seq_len,
-                                     rows=params.phase_rows(i) - params.retrieval_rows(i), seed=params.seed,
-                                     weights_of_row=params.weights_of_row(i, corpus), vocab_size=vocab,
-                                     special_ids=special, inherited=inherited,
-                                     describe={"phase": i, "rope_theta": phase.rope_theta})
-                if params.retrieval_rows(i):
-                    add_retrieval_rows(tmp, tok, added_rows=params.retrieval_rows(i), seed=params.seed + i,
-                                       kinds=params.retrieval_kinds, min_tokens=params.retrieval_min_tokens,
-                                       loss_on=params.retrieval_loss, progress=ctx.progress)
-                os.replace(tmp, data_dir)
-            cfg = _train_config(params, i, data_dir=data_dir, tokenizer_dir=tokenizer.path, resume_dir=pdir,
-                                export_dir=export, init_from=init)
-            ctx.progress(f"phase {i}: training {phase.seq_len}-token rows, RoPE base {phase.rope_theta:g}, "
-                         f"{cfg.train_tokens:,} tokens, from {init}")
-            launch_ranks(cfg, layout, relay, ctx, name="long_context", config_name=f"train_config_phase{i}.json")
-        shutil.rmtree(pdir / "deepspeed", ignore_errors=True)  # the export is what the next phase starts from
-        summary = json.loads((export / "summary.json").read_text())
-        phase_data = json.loads((data_dir / "phase_data.json").read_text())
-        step0 += summary["steps"]
-        tokens0 += summary["tokens"]
-        ctx.log_metrics({"eval_loss": summary["eval_loss"], "unigram_loss": summary["unigram_loss"],
-                         "seq_len": phase.seq_len, "rope_theta": phase.rope_theta}, step=step0)
-        total = sum(phase_data["tokens_by_source"].values())
-        ctx.log_metrics({f"phase{i}.share.{s}": phase_data["tokens_by_source"][s] / total for s in SOURCES}
-                        | {f"phase{i}.qa_samples": phase_data["qa_samples"]}
-                        | retrieval_metrics(read_retrieval(data_dir), prefix=f"phase{i}.retrieval"))
-        phases.append({"phase": i, "seq_len": phase.seq_len, "rope_theta": phase.rope_theta, "end_step": step0,
-                       "end_tokens": tokens0, **summary})
-        init = export / "model"
-
-    _write_artifact(params, ctx, phases)
-
-
-def _train_config(params: LongContextParams, i: int, *, data_dir: Path, tokenizer_dir: Path, resume_dir: Path,
-                  export_dir: Path, init_from: Path) -> Any:
-    from pretrain.train import TrainConfig  # heavy: torch
-
-    p = params.phases[i]
-    shared = {k: v for k, v in params.model_dump().items() if k in TrainConfig.__dataclass_fields__}
-    shared.pop("seed")
-    rows = params.batch_tokens // p.seq_len
-    return TrainConfig(
-        **shared, data_dir=str(data_dir), tokenizer_dir=str(tokenizer_dir), resume_dir=str(resume_dir),
-        export_dir=str(export_dir), init_from=str(init_from), ordered_rows=True, seq_len=p.seq_len,
-        model_overrides={"rope_theta": p.rope_theta, "max_position_embeddings": p.seq_len},
-        micro_batch_rows=params.micro_batch_tokens // p.seq_len, batch_rows=rows, max_batch_rows=rows,
-        train_tokens=params.phase_rows(i) * p.seq_len, eval_max_rows=params.eval_rows, seed=params.seed + i)
+    ctx.progress(f"phase {i}: packing {params.phase_rows(i):,} rows of {phase.seq_len} tokens")
+    tmp = pdir / "data.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with TokenSampleWriter(tmp, QA_SAMPLES) as qa:
+        sources = phase_sources(
+            data, phase=i, seq_len=phase.seq_len, short_max=params.short_bound, medium_max=params.medium_bound,
+            previous=params.previous_weights(i, corpus), target=phase.weights, qa_share=params.qa_share,
+            eval_rows=params.eval_rows, seed=params.seed, tokenizer=tok, qa_writer=qa, special_ids=special)
+        write_phase_rows(tmp, sources, seq_len=phase.seq_len, rows=params.phase_rows(i) - params.retrieval_rows(i),
+                         seed=params.seed, weights_of_row=params.weights_of_row(i, corpus),
+                         vocab_size=special_token_ids(tokenizer)["vocab_size"], special_ids=special,
+                         inherited=inherited, describe={"phase": i, "rope_theta": phase.rope_theta})
+    if params.retrieval_rows(i):
+        add_retrieval_rows(tmp, tok, added_rows=params.retrieval_rows(i), seed=params.seed + i,
+                           kinds=params.retrieval_kinds, min_tokens=params.retrieval_min_tokens,
+                           loss_on=params.retrieval_loss, progress=ctx.progress)
+    publish_dir(tmp, data_dir)
 
 
 def _log_long_data(ctx: StageContext, stats: dict[str, Any]) -> None:
@@ -435,14 +407,14 @@ def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[d
         _link_tree(ctx.resume_dir / LONG_DATA_DIR / name, out / LONG_DATA_DIR / name)
     np.save(out / "expert_routed.npy", routed)
     np.save(out / "expert_dropped.npy", dropped)
-    (out / "train_log.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    write_text_atomic(out / "train_log.jsonl", "".join(json.dumps(h) + "\n" for h in history))
     write_loss_curve(out, history)  # the payload a compare stage reads (train_log.jsonl is a record)
     f = phases[last]
     summary = {"eval_loss": f["eval_loss"], "unigram_loss": f["unigram_loss"], "seq_len": f["seq_len"],
                "rope_theta": f["rope_theta"], "steps": f["end_step"], "tokens": f["end_tokens"],
                "skipped_steps": sum(p["skipped_steps"] for p in phases),
                "drop_rate": float(dropped.sum() / max(routed.sum(), 1.0)), "phases": phases}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     _plots(params, ctx, history, phases)
     ctx.log_artifact(out / LONG_DATA_DIR / "long_data.json", LONG_DATA_DIR)
     ctx.log_artifact(out / "summary.json")
@@ -461,7 +433,7 @@ def _write_artifact(params: LongContextParams, ctx: StageContext, phases: list[d
 
 def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str, Any]],
            phases: list[dict[str, Any]]) -> None:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib (the report only)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -500,12 +472,21 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
 
 
 def long_context_resource_problems(params: LongContextParams, resources: Any) -> list[tuple[str, str]]:
-    """Spec-time checks of the params against the stage's resources: :func:`sequence_parallel_rank_problems`, and
-    ``compile: true`` on GPUs refused. On an H100 (2026-11-23, dags/ablation-retrieval-gpu.yaml, BENCHMARKS.md) the
-    first backward of a compiled long-context phase failed with "accessing tensor output of CUDAGraphs that has been
-    overwritten by a subsequent run" (an RMSNorm output), where the same compiled layers train in ``pretrain``. The
-    cause is not found; until it is, the stage says so before any work instead of failing a minute into a phase."""
-    problems = sequence_parallel_rank_problems(params, resources)
+    """Spec-time checks of the params against the stage's resources: the rank layout (:func:`layout_problems`),
+    every phase's batch in whole micro-batches of every data-parallel replica, and ``compile: true`` on GPUs refused.
+    On an H100 (2026-11-23, dags/ablation-retrieval-gpu.yaml, BENCHMARKS.md) the first backward of a compiled
+    long-context phase failed with "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent
+    run" (an RMSNorm output), where the same compiled layers train in ``pretrain``. The cause is not found; until it
+    is, the stage says so before any work instead of failing a minute into a phase."""
+    problems = layout_problems(params, resources)
+    world = ranks_per_node(params.processes, resources.gpus) * resources.nodes
+    replicas = world // params.sequence_parallel  # a sequence-parallel group reads one set of rows
+    for i, p in enumerate(params.phases):
+        rows, micro = params.batch_tokens // p.seq_len, params.micro_batch_tokens // p.seq_len
+        if world % params.sequence_parallel == 0 and rows % (micro * replicas):
+            problems.append(("params.batch_tokens", f"phase {i} has {rows} rows per batch, not a multiple of {micro} "
+                             f"rows per forward call x {replicas} data-parallel replicas ({world} ranks / "
+                             f"sequence_parallel={params.sequence_parallel}); raise batch_tokens"))
     if params.compile and resources.gpus > 0:
         problems.append(("params.compile", "compile: true is not supported on GPUs in long_context yet: on an H100 "
                          "the first compiled backward failed with a CUDA-graphs error (overwritten RMSNorm output; "

@@ -792,7 +792,7 @@ def _guard_rank(rank: int, init_file: str, cases: list[list[float]], out_dir: st
 
     import torch.distributed as dist
 
-    from pretrain.train import GradGuard, _install_spike_guard
+    from pretrain.grad_guard import GradGuard, install_spike_guard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     seen = []
@@ -805,7 +805,7 @@ def _guard_rank(rank: int, init_file: str, cases: list[list[float]], out_dir: st
 
         opt, guard = ZeroLike(), GradGuard(spike_factor=10.0, max_consecutive=5)
         guard.history = collections.deque([1.0] * 8, maxlen=64)
-        _install_spike_guard(opt, guard)
+        install_spike_guard(opt, guard)
         opt.scaled_global_norm()
         seen.append({"overflow": opt.overflow, "norm": guard.last_norm})
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
@@ -849,7 +849,7 @@ def test_foreach_gradient_norm_equals_deepspeeds_per_gradient_norm(tmp_path: Pat
 
 
 def test_divergence_guard_skips_a_spike_but_takes_a_norm_that_stays_high() -> None:
-    from pretrain.train import GradGuard
+    from pretrain.grad_guard import GradGuard
 
     guard = GradGuard(spike_factor=10.0, max_consecutive=5, max_spike_skips=2)
 
@@ -874,3 +874,202 @@ def test_divergence_guard_skips_a_spike_but_takes_a_norm_that_stays_high() -> No
         never.last_norm = 1.0
         never.after_step(False)
     assert never.skip_spike(50.0) is False  # max_spike_skips=0: spikes are taken (clipped), never skipped
+
+
+# --- 6. the engine's pieces: config, layout rules, the loop and its callbacks (no training) -----------------------
+
+
+def test_engine_config_is_built_from_the_stage_params_and_round_trips_through_the_rank_config_file(
+        tmp_path: Path) -> None:
+    """Every knob a user sets on the stage reaches the rank under its own name; the file the ranks read is the typed
+    config itself (``EngineConfig.load`` gives back an equal model)."""
+    from pretrain.engine_config import EngineConfig, EngineKnobs, RunShape
+    from pretrain.long_context import LongContextParams
+    from pretrain.stage import PretrainParams
+
+    params = PretrainParams(seq_len=128, batch_rows=16, micro_batch_rows=2, max_batch_rows=32, peak_lr=1e-3,
+                            double_batch_at_tokens=[4096], double_batch_below_loss=[5.0], spike_factor=7.0,
+                            inject_nan_at_steps=[3], probe_every=20, log_every=10, checkpoint_every=20, seed=5)
+    cfg = EngineConfig.for_run(params, params, data_dir="d", tokenizer_dir="t", resume_dir="r", export_dir="e")
+    for name in [*EngineKnobs.model_fields, *RunShape.model_fields]:
+        assert getattr(cfg, name) == getattr(params, name), name
+    path = tmp_path / "train_config.json"
+    cfg.write(path)
+    on_disk = json.loads(path.read_text())
+    assert set(on_disk) == set(EngineConfig.model_fields)
+    assert EngineConfig.load(path) == cfg
+    with pytest.raises(ValueError, match="peak_lrr"):  # a misspelt knob in a rank config is an error, not a default
+        EngineConfig.model_validate({**on_disk, "peak_lrr": 1.0})
+
+    lc = LongContextParams(seed=3)
+    phase = EngineConfig.for_run(lc, lc.phase_run(1), seed=lc.seed + 1, data_dir="d", tokenizer_dir="t",
+                                 resume_dir="r", export_dir="e", init_from="m", ordered_rows=True)
+    assert (phase.peak_lr, phase.warmup_frac, phase.seed) == (1e-3, 0.1, 4)  # long_context's own defaults
+    assert (phase.seq_len, phase.batch_rows, phase.max_batch_rows, phase.micro_batch_rows) == (1024, 4, 4, 2)
+    assert phase.model_overrides == {"rope_theta": 40_000.0, "max_position_embeddings": 1024}
+    assert phase.train_tokens == lc.phase_rows(1) * 1024 and phase.eval_max_rows == lc.eval_rows
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "long_context"])
+@pytest.mark.parametrize("bad, resources", [
+    (dict(sequence_parallel=3), None),  # 256 (512/1024) is not divisible by 3
+    (dict(sequence_parallel=2, expert_parallel_size=2), None),
+    (dict(sequence_parallel=2, processes=3), dict(cpus=1)),
+    (dict(processes=4), dict(gpus=2)),
+])
+def test_layout_problems_are_the_one_rule_the_params_the_spec_and_the_run_apply(kind: str, bad: dict,
+                                                                                 resources: dict | None,
+                                                                                 tmp_path: Path) -> None:
+    """The same words whichever way the stage is reached: params validation (without resources), the spec's
+    ``validate_resources`` and the stage's ``run`` (params built in code) all report ``layout_problems``'s."""
+    from pydantic import ValidationError
+
+    from pipeline.registry import resolve
+    from pipeline.spec import ResourcesSpec
+    from pipeline.stage import Resources, StageContext
+    from pretrain.launch import layout_problems
+
+    stage = resolve(kind)
+    params_type = stage.params
+    unchecked = params_type().model_copy(update=bad)  # the defaults with the fields as given, not validated
+    if resources is None:
+        expected = [msg for _, msg in layout_problems(unchecked)]
+        assert expected
+        with pytest.raises(ValidationError) as e:
+            params_type(**bad)
+        assert all(msg in str(e.value) for msg in expected), (expected, str(e.value))
+        return
+    r = Resources(**resources)
+    expected = layout_problems(unchecked, r)
+    assert expected and not layout_problems(unchecked)  # the ranks per node only: the params alone are fine
+    params = params_type(**bad)
+    spec_resources = ResourcesSpec(**resources)  # what the spec's validation passes
+    assert [p for p in stage.validate_resources(params, spec_resources) if p[0] != "params.batch_tokens"] == expected
+    ctx = StageContext(tmp_path / "out", {}, stage_name=kind, resources=r, resume_dir=tmp_path / "resume")
+    with pytest.raises(ValueError) as e:
+        stage.run(params, ctx)
+    assert str(e.value).startswith(f"{kind}: " + "; ".join(msg for _, msg in expected))
+    assert not (tmp_path / "resume").exists()
+
+
+class _FakeEngine:
+    """The part of DeepSpeed's engine the Trainer uses: a model config, forward/backward/step, the batch size."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.module = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_experts=2,
+                                                             router_aux_loss_coef=0.0))
+        self.gas, self.forwards = 1, 0
+
+    def __call__(self, **kw: torch.Tensor) -> object:
+        from types import SimpleNamespace
+
+        self.forwards += 1
+        return SimpleNamespace(loss=torch.tensor(2.0), aux_loss=torch.tensor(0.0),
+                               moe_routed=torch.ones(1, 2, dtype=torch.float64), moe_dropped=torch.zeros(1, 2))
+
+    def train(self) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> None: ...
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
+    def set_train_batch_size(self, n: int) -> None:
+        self.gas = n
+
+
+def _fake_trainer(callbacks: list, *, steps: int = 4, log_every: int = 2) -> object:
+    """A Trainer on a fake engine: one row of 8 tokens a step, ``steps`` steps."""
+    from types import SimpleNamespace
+
+    from pretrain.engine_config import EngineConfig
+    from pretrain.grad_guard import GradGuard
+    from pretrain.schedules import BatchSizeSchedule
+    from pretrain.trainer import Trainer
+
+    cfg = EngineConfig(data_dir="", tokenizer_dir="", resume_dir="", export_dir="", seq_len=16, batch_rows=1,
+                       micro_batch_rows=1, train_tokens=16 * steps, log_every=log_every, checkpoint_every=log_every)
+    micro = SimpleNamespace(input_ids=torch.zeros(1, 16, dtype=torch.long), labels=torch.zeros(1, 16),
+                            cu_seqlens=torch.tensor([0, 16]), position_ids=torch.zeros(1, 16))
+    return Trainer(cfg, engine=_FakeEngine(), optimizer=SimpleNamespace(param_groups=[{}]),
+                   grid=SimpleNamespace(rank=0, world=1, data_parallel=1, sequence_parallel=1),
+                   device=torch.device("cpu"), rows=None, loader=SimpleNamespace(next_indices=lambda n: [0] * n),
+                   make_batch=lambda rows, idx: micro, lr_schedule=SimpleNamespace(lr=lambda step: 0.1),
+                   batch_schedule=BatchSizeSchedule(1, 1), guard=GradGuard(10.0, 5), sp=None,
+                   flops_of=lambda b: 1.0, callbacks=callbacks)
+
+
+class _Recorder:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def on_fit_start(self, trainer: object) -> None:
+        self.calls.append(f"{self.name}.fit_start")
+
+    def on_step(self, trainer: object, result: object) -> None:
+        self.calls.append(f"{self.name}.step{result.step}")
+
+    def on_log(self, trainer: object, metrics: dict) -> None:
+        self.calls.append(f"{self.name}.log{trainer.state.step}:{sorted(metrics)}")
+        metrics[self.name] = trainer.state.step
+
+    def on_step_end(self, trainer: object, result: object) -> None:
+        self.calls.append(f"{self.name}.end{result.step}")
+
+    def on_fit_end(self, trainer: object) -> None:
+        self.calls.append(f"{self.name}.fit_end")
+
+
+def test_trainer_calls_its_callbacks_in_list_order_around_every_step_and_logs_every_log_every_steps() -> None:
+    calls: list[str] = []
+    trainer = _fake_trainer([_Recorder("a", calls), _Recorder("b", calls)], steps=3, log_every=2)
+    trainer.fit()
+    assert calls == [
+        "a.fit_start", "b.fit_start",
+        "a.step1", "b.step1", "a.end1", "b.end1",
+        "a.step2", "b.step2", "a.log2:[]", "b.log2:['a']", "a.end2", "b.end2",  # b sees what a added
+        "a.step3", "b.step3", "a.log3:[]", "b.log3:['a']", "a.end3", "b.end3",  # the last step is always logged
+        "a.fit_end", "b.fit_end",
+    ]
+    assert (trainer.state.step, trainer.state.tokens_seen) == (3, 48)
+    assert trainer.engine.forwards == 3
+
+
+def test_a_callback_can_stop_training_after_its_step_and_the_run_still_ends_normally() -> None:
+    from pretrain.trainer import Callback
+
+    class StopAtTwo(Callback):
+        def on_step(self, trainer: object, result: object) -> None:
+            if result.step == 2:
+                trainer.stop("enough")
+
+    calls: list[str] = []
+    trainer = _fake_trainer([StopAtTwo(), _Recorder("r", calls)], steps=10, log_every=5)
+    trainer.fit()
+    assert trainer.state.step == 2 and trainer.stop_reason == "enough"
+    assert calls[-3:] == ["r.step2", "r.end2", "r.fit_end"]  # the step's callbacks ran, then the end of the fit
+
+
+def test_divergence_guard_callback_stops_training_with_an_error_naming_the_checkpoints(tmp_path: Path) -> None:
+    from pretrain.callbacks import DivergenceGuardCallback
+    from pretrain.grad_guard import DivergenceError
+
+    trainer = _fake_trainer([DivergenceGuardCallback(2, 10.0, tmp_path / "ckpt")], steps=10)
+    trainer.optimizer.overflow = True  # every step skipped, as DeepSpeed reports a non-finite gradient
+    with pytest.raises(DivergenceError, match=r"2 optimizer steps in a row were skipped .* at step 2; the last valid "
+                                              rf"checkpoint is in {tmp_path / 'ckpt'}"):
+        trainer.fit()
+    assert trainer.state.step == 2 and trainer.guard.skipped == 2
+
+
+def test_batch_size_schedule_callback_feeds_only_accepted_steps_and_the_next_batch_reads_it() -> None:
+    from pretrain.callbacks import BatchSizeScheduleCallback
+    from pretrain.schedules import BatchSizeSchedule
+
+    trainer = _fake_trainer([BatchSizeScheduleCallback()], steps=6)
+    trainer.batch_schedule = BatchSizeSchedule(1, 2, double_at_tokens=[32])
+    trainer.fit()
+    # two steps of one 16-token row reach 32 tokens; then two rows a step (two micro-batches)
+    assert trainer.engine.forwards == 2 + 2 * 2 and trainer.state.tokens_seen == 96

@@ -158,13 +158,13 @@ def _launch_without_shared_storage(tmp: str) -> str:
     """The stage's Ray Train launch, as in a Ray task of a multi-node stage, with a config file the workers cannot
     read; the error the stage raises."""
     from pipeline.stage import Resources, StageContext
-    from pretrain.stage import _launch_ray_train, _Relay
+    from pretrain.launch import Relay, launch_ray_train
 
     ctx = StageContext(Path(tmp) / "out", stage_name="pretrain", resources=Resources(cpus=1, nodes=2,
                                                                                     reserved_for_task=False))
     ctx.work_dir.mkdir(parents=True)
     try:
-        _launch_ray_train(Path(tmp) / "not-shared" / "train_config.json", ctx.resources, 1, _Relay(ctx), ctx)
+        launch_ray_train(Path(tmp) / "not-shared" / "train_config.json", ctx.resources, 1, Relay(ctx), ctx)
     except RuntimeError as e:
         return str(e)
     return "no error"
