@@ -436,7 +436,7 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
     import matplotlib  # heavy: matplotlib (the report only)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     from pretrain.long_mix import SOURCES, row_sources  # heavy: torch
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from pretrain.long_data import make_long_qa, word_start_tokens
 from pretrain.packed_data import (
     EVAL_IDS_FILE,
     FORMAT_VERSION,
@@ -359,8 +360,6 @@ def phase_sources(data: Any, *, phase: int, seq_len: int, short_max: int, medium
     """The queues of a phase (``data`` is a ``pretrain.long_data.LongData``): corpus documents the pretraining run
     trained on, each ``sample_count`` times per pass, and the assembled long documents, by length category; long
     QA made from assembled documents that fit the phase; eval rows of held-out documents assembled to its length."""
-    from pretrain.long_data import make_long_qa, word_start_tokens  # heavy: torch
-
     held = np.flatnonzero(data.counts > 0)
     corpus = np.repeat(held, data.counts[held])
     corpus_cat = length_category(data.lengths[corpus], short_max, medium_max)

@@ -171,7 +171,7 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
     import matplotlib  # heavy: matplotlib (the report only)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     summary = json.loads((ctx.out_dir / "summary.json").read_text())
     if history:

@@ -169,3 +169,48 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch) -> None:
             assert needle in str(e), str(e)
         else:
             raise AssertionError(f"{test.__name__} missed: {needle}")
+
+
+def _unexplained_function_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """Function-level imports of ``path`` with no reason: no comment on the import's lines or on the line above, and
+    not inside a ``try`` (an optional import, whose ``except ImportError`` says what happens without it)."""
+    src = path.read_text(encoding="utf-8")
+    lines = src.splitlines()
+    tree = ast.parse(src)
+    guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in guarded:
+                continue
+            if not any("#" in t for t in lines[node.lineno - 1:node.end_lineno]) and not _explained_above(
+                    lines, node.lineno - 1):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
+
+
+def _explained_above(lines: list[str], i: int) -> bool:
+    """A comment line just above line ``i``, or a comment on an import of the block of imports it continues."""
+    j = i - 1
+    while j >= 0 and lines[j].strip().startswith(("import ", "from ")):
+        if "#" in lines[j]:
+            return True
+        j -= 1
+    return j >= 0 and lines[j].strip().startswith("#")
+
+
+def test_every_function_level_import_says_why() -> None:
+    """Issue 24 item 5: an import inside a function hides an edge of the import graph, so it is there only for a
+    reason (a heavy or optional library, start-up time, the sandboxed child) that a comment names."""
+    found = [f for p in sorted(_modules().values()) for f in _unexplained_function_imports(p)]
+    assert not found, "function-level imports without a reason comment:\n" + "\n".join(found)
+
+
+def test_the_reason_checker_flags_a_bare_function_import(tmp_path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("def a():\n    import json\n\n\ndef b():\n    import json  # heavy: nothing\n    import os\n\n\n"
+                 "def c():\n    try:\n        import json\n    except ImportError:\n        pass\n\n\n"
+                 "def d():\n    x = 1\n    import os\n")
+    assert _unexplained_function_imports(f, tmp_path) == ["m.py:2: import json", "m.py:19: import os"]
