@@ -35,6 +35,7 @@ from data.documents import JsonlGzWriter, read_jsonl_gz
 from data.mix import iter_mixture
 from data.retrieval import word_starts as word_start_tokens  # noqa: F401  (one definition, re-exported for long_mix)
 from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from pipeline.artifacts import write_text_atomic
 from pretrain.packed_data import TOKEN_DTYPE, _choose_eval, _Progress, _read_mixture, _tokenize_used
 
 SEPARATOR_TEXT = "\n\n"  # between the documents of a long document
@@ -319,8 +320,7 @@ def build_long_data(mixture_dir: str | Path, documents_dir: str | Path, tokenize
     stats = {"long_documents": asdict(train_stats), "eval_long_documents": eval_stats,
              "held_in_documents": int(held_in.sum()), "held_out_documents": int(is_eval.sum()),
              "mixture_documents": len(table.ids), "separator": separator, "special_ids": special}
-    with open(out_dir / STATS_FILE, "w") as f:
-        json.dump(stats, f, indent=1)
+    write_text_atomic(out_dir / STATS_FILE, json.dumps(stats, indent=1))
     return stats
 
 
