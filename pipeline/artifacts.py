@@ -79,7 +79,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextmanager
-def _atomic_file(path: Path, mode: str) -> Iterator[Any]:
+def atomic_file(path: Path, mode: str = "wb") -> Iterator[Any]:
     """A file written under a temporary name beside ``path``, fsynced, then renamed onto ``path`` (and the
     rename fsynced). On failure the temporary file is removed and an OSError names ``path`` (a failed write
     reports no file name of its own: "[Errno 28] No space left on device")."""
@@ -99,19 +99,19 @@ def _atomic_file(path: Path, mode: str) -> Iterator[Any]:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    with _atomic_file(path, "w") as f:
+    with atomic_file(path, "w") as f:
         json.dump(obj, f, indent=2, default=str)  # insertion order: summaries read in the order logged
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """``text`` (UTF-8) under a temporary name, fsynced, then renamed: a report is whole or absent after a crash."""
-    with _atomic_file(path, "w") as f:
+    with atomic_file(path, "w") as f:
         f.write(text)
 
 
 def write_jsonl_atomic(path: Path, rows: Iterable[Any]) -> None:
     """One JSON object a line (keys sorted, UTF-8 kept), under a temporary name, fsynced, then renamed."""
-    with _atomic_file(path, "w") as f:
+    with atomic_file(path, "w") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
 

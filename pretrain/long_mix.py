@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.artifacts import atomic_file
 from pretrain.long_data import make_long_qa, word_start_tokens
 from pretrain.packed_data import (
     EVAL_IDS_FILE,
@@ -39,7 +40,6 @@ from pretrain.packed_data import (
     UNIGRAM_FILE,
     PackedDatasetInfo,
     SplitInfo,
-    _atomic_write,
     _save_npy,
     split_file,
 )
@@ -309,7 +309,7 @@ def write_phase_rows(out_dir: str | Path, sources: PhaseSources, *, seq_len: int
         ev.add([Piece(LONG, sample, ("eval", k))])
     eval_info = ev.close()
     _save_npy(out_dir / UNIGRAM_FILE, train.unigram)
-    with _atomic_write(out_dir / EVAL_IDS_FILE) as f:
+    with atomic_file(out_dir / EVAL_IDS_FILE) as f:
         f.write(b"[]\n")  # held-out long documents, not mixture documents: listed in phase_data.json
 
     targets = np.stack([weights_of_row(j) for j in range(rows)])
@@ -330,12 +330,12 @@ def write_phase_rows(out_dir: str | Path, sources: PhaseSources, *, seq_len: int
             "passes_over_pool": epochs, "short_passes": sources.short.queue.epochs,
             "pad_tokens": sources.short.pad_tokens, "eval_rows": len(sources.eval_samples),
             "qa_samples": sources.queues[QA].writer.count if sources.queues.get(QA) else 0}
-    with _atomic_write(out_dir / PHASE_DATA_FILE) as f:
+    with atomic_file(out_dir / PHASE_DATA_FILE) as f:
         f.write((json.dumps(data, indent=1) + "\n").encode())
     _save_npy(out_dir / "row_sources.npy", realised)
     info = PackedDatasetInfo(format_version=FORMAT_VERSION, seq_len=seq_len, seed=seed, vocab_size=vocab_size,
                              special_ids=special_ids, train=train_info, eval=eval_info, **inherited)
-    with _atomic_write(out_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
+    with atomic_file(out_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
         f.write(info.to_json().encode())
     return data
 

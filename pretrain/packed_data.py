@@ -35,8 +35,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -47,6 +46,7 @@ import torch
 from data.documents import iter_documents, unit_hash
 from data.mix import PACKING_TOKENS_PER_DOC, iter_mixture
 from data.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from pipeline.artifacts import atomic_file
 
 FORMAT_VERSION = 1
 INFO_FILE = "packing.json"
@@ -121,20 +121,8 @@ class PackedDatasetInfo:
         return self.train if name == "train" else self.eval
 
 
-# --- atomic files -------------------------------------------------------------------------------
-@contextmanager
-def _atomic_write(path: Path) -> Iterator[IO[bytes]]:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    with _atomic_write(path) as f:
+    with atomic_file(path) as f:
         np.save(f, array, allow_pickle=False)
 
 
@@ -315,7 +303,7 @@ def _pack_split(out_dir: Path, split: str, order: np.ndarray, table: _MixtureTab
         written += padded_to // seq_len
         progress(f"{split}: wrote {written:,}/{rows:,} rows")
 
-    with _atomic_write(out_dir / split_file(split, "tokens")) as f:
+    with atomic_file(out_dir / split_file(split, "tokens")) as f:
         _npy_header(f, TOKEN_DTYPE, (rows, seq_len))
         if order.size and unique is None:
             raise RuntimeError(f"packing {split}: no tokens were written for its documents (a bug in pretrain/packed_data.py)")
@@ -419,9 +407,9 @@ def build_packed_dataset(mixture_dir: str | Path, documents_dir: str | Path, tok
         raise RuntimeError("unigram counts do not cover the training tokens (a bug in pretrain/packed_data.py)")
     _save_npy(out_dir / UNIGRAM_FILE, unigram)
     eval_ids = [{"id": table.ids[i], "held_out_from_training": bool(held_out[i])} for i in eval_idx]
-    with _atomic_write(out_dir / EVAL_IDS_FILE) as f:
+    with atomic_file(out_dir / EVAL_IDS_FILE) as f:
         f.write((json.dumps(eval_ids, indent=0) + "\n").encode())
-    with _atomic_write(out_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
+    with atomic_file(out_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
         f.write(info.to_json().encode())
     report(f"packed {train.rows:,} train rows ({train.tokens:,} tokens, {train.pad_tokens} pad) and "
            f"{ev.rows:,} eval rows from {ev.documents} held-out documents "

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from data.retrieval import KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker
+from pipeline.artifacts import atomic_file
 from pretrain.packed_data import (
     INFO_FILE,
     TOKEN_DTYPE,
     UNIGRAM_FILE,
     PackedRows,
     SplitInfo,
-    _atomic_write,
     _save_npy,
     loss_mask,
     read_info,
@@ -187,9 +187,9 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
               "answer_tokens": sum(c["answer_tokens"] for c in by_kind.values()),
               "share_of_rows": added_rows / max(total, 1), "filler": filler, "by_kind": by_kind,
               "kinds": list(kinds), "min_tokens": min_tokens, "loss_on": loss_on, "seed": seed}
-    with _atomic_write(data_dir / RETRIEVAL_FILE) as f:
+    with atomic_file(data_dir / RETRIEVAL_FILE) as f:
         f.write((json.dumps(record, indent=1) + "\n").encode())
-    with _atomic_write(data_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
+    with atomic_file(data_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
         f.write(replace(info, train=train).to_json().encode())
     if progress:
         progress(f"retrieval rows: {added_rows:,} of {total:,} training rows, {samples:,} samples ("
