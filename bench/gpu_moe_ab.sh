@@ -3,6 +3,9 @@
 # call: the old tree ($OLD_TREE, a `git archive` of the commit before, carried) and this one, each timing its step
 # at 2048 x 8 (bench_pretrain_gpu.py --sections step --compile; ORDER, e.g. "old new old new"), then the generation
 # check. Carry .whl-dag/pack and the old tree. Env: OLD_TREE (.ab_old), SHAPES (2048x8), STEP_S (200), GEN_S (150)
+# The old tree, made here (ignored by git through .git/info/exclude; the carry limit is 64 MiB with the pack):
+#   mkdir .ab_old && git archive 5c40cb0 model pretrain kernels pipeline data posttrain evaluation bench pyproject.toml \
+#       | tar -x -C .ab_old && rm -rf .ab_old/data/sample_corpus
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moe-ab-out}
