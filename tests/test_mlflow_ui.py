@@ -105,8 +105,15 @@ def _stage_source(module: str) -> str:
     """The stage module's source and that of the modules of its own package it imports (a stage's report and
     metrics may live in e.g. ``evaluation/report.py``, issue 24), read, not imported."""
     package = module.split(".")[0]
-    mine = [m for m in _project_imports(module) if m.split(".")[0] == package]
-    return "\n".join(_module_source(m) for m in [module, *mine])
+    mine = [m for m in _project_imports(module) if m.startswith(package + ".")]  # not the (empty) package itself
+    return "\n".join(_source_or_empty(m) for m in [module, *mine])
+
+
+def _source_or_empty(module: str) -> str:
+    try:
+        return _module_source(module)
+    except OSError:  # inspect cannot read an empty module it has imported (a package's bare __init__)
+        return ""
 
 
 def test_headline_metrics_name_built_in_kinds_and_metrics_their_module_logs():
