@@ -193,10 +193,9 @@ class SwiGLUExperts(nn.Module):
         path = path or self.path_for(x, top_i.shape[1])
         if path in TOKEN_PATHS:
             return self.forward_tokens(path, x, top_i, top_w, keep)
-        slot_expert, slot_keep = top_i.t().reshape(-1), keep.t().reshape(-1)
-        kept = slots_per_expert(torch.where(slot_keep, slot_expert, self.num_experts), self.num_experts)
-        return dispatch_combine(x, slot_expert, top_w.t().reshape(-1), slot_keep, kept, top_i.shape[1],
-                                lambda rows, counts: self.forward_sorted(rows, counts, path))
+        kept_key = torch.where(keep.t().reshape(-1), top_i.t().reshape(-1), self.num_experts)
+        return dispatch_combine(x, kept_key, top_w.t().reshape(-1), slots_per_expert(kept_key, self.num_experts),
+                                top_i.shape[1], lambda rows, counts: self.forward_sorted(rows, counts, path))
 
     def forward_tokens(
         self, path: str, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, keep: torch.Tensor
@@ -311,26 +310,26 @@ TOKEN_PATHS = frozenset({"gemv", "dense"})
 
 def dispatch_combine(
     x: torch.Tensor,
-    slot_expert: torch.Tensor,
+    kept_key: torch.Tensor,
     slot_weight: torch.Tensor,
-    keep: torch.Tensor,
     kept: torch.Tensor,
     top_k: int,
     experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """out[t] = sum over token t's kept slots of weight * FFN_expert(x[t]) [N, d].
 
-    Slots are choice-rank major (slot s = choice s // N of token s % N): ``slot_expert``, ``slot_weight`` and
-    ``keep`` are [k*N]; ``kept`` [E] counts the kept slots per expert. One stable sort groups the kept slots by
+    Slots are choice-rank major (slot s = choice s // N of token s % N): ``kept_key`` [k*N] is each slot's expert,
+    E for a slot not kept (dropped or padding), ``slot_weight`` [k*N] its weight, ``kept`` [E] =
+    ``slots_per_expert(kept_key, E)``. One stable sort groups the kept slots by
     expert (dropped and padding last, token order within an expert); ``experts(rows, kept)`` maps the sorted rows to
     their outputs (one device's experts, or an all-to-all to their owners). Dispatch and combine are gathers by the
     sort's permutation and its inverse, forward and backward (no scatter-add, see :class:`_RowsToSlots`)."""
     n = x.shape[0]
     num_experts = kept.shape[0]
-    order = torch.sort(torch.where(keep, slot_expert, num_experts), stable=True).indices
+    order = torch.sort(kept_key, stable=True).indices
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
     src = order % n  # the token of each sorted slot
-    keep_sorted = keep[order][:, None]
+    keep_sorted = (kept_key[order] < num_experts)[:, None]
     if torch.is_grad_enabled():
         rows = _RowsToSlots.apply(x, src, inverse, top_k)
     else:  # inference (a compiled decode step): the plain gathers, nothing for autograd to trace
@@ -385,9 +384,7 @@ def slots_per_expert(key: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64 [E]: how many entries of ``key`` (expert ids; ``num_experts`` = not counted) name each expert.
 
     A scatter-add, not ``bincount(top_i[mask])``: boolean indexing and CUDA's bincount both wait on the host."""
-    key = key.reshape(-1)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device)
-    return counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
+    return slot_counts(key.reshape(-1), num_experts)[:num_experts]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -530,7 +527,8 @@ class MoEFeedForward(nn.Module):
             if self.training and self.token_drop:
                 offset, capacity = self.capacity(routed, n if mask is None else mask.sum())
                 keep = admit(key, counts, slot_expert, valid, capacity, offset)
-            kept = slots_per_expert(torch.where(keep, slot_expert, num_experts), num_experts)
+            kept_key = torch.where(keep, slot_expert, num_experts)
+            kept = slots_per_expert(kept_key, num_experts)
             dropped = routed - kept
         else:
             keep, kept = valid, None
@@ -539,8 +537,9 @@ class MoEFeedForward(nn.Module):
             out = self.experts.forward_tokens(path, x, top_i, top_w, keep.view(k, n).t())
         else:
             if kept is None:
-                kept = slots_per_expert(torch.where(keep, slot_expert, num_experts), num_experts)
-            out = dispatch_combine(x, slot_expert, top_w.t().reshape(-1), keep, kept, k,
+                kept_key = torch.where(keep, slot_expert, num_experts)
+                kept = slots_per_expert(kept_key, num_experts)
+            out = dispatch_combine(x, kept_key, top_w.t().reshape(-1), kept, k,
                                    lambda rows, counts: self.run_experts(rows, counts, path))
         return MoEOutput(
             hidden=out.view(shape),
