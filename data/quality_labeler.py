@@ -34,7 +34,6 @@ this module picks one (:func:`make_labeler`) and fingerprints what it reads.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -93,13 +92,12 @@ def make_labeler(params: LabelerParams,
 
 
 def labeler_fingerprint(params: LabelerParams) -> dict[str, Any]:
-    """What the labeler reads besides the input documents, for the stage's cache key."""
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # this module is not in code_digest
+    """What the labeler reads besides the input documents and its code, for the stage's cache key (the labeler's
+    modules are in the stage's code digest: ``data.quality`` imports them)."""
     if isinstance(params, ReferenceLabelerParams):
-        return {"code": code, "references": [file_fingerprint(p) for p in reference_files(params).values()
-                                             if p.is_file()]}
+        return {"references": [file_fingerprint(p) for p in reference_files(params).values() if p.is_file()]}
     path = Path(params.model_path).expanduser()
-    fp: dict[str, Any] = {"code": code, "model": directory_fingerprint(path) if path.is_dir() else None}
+    fp: dict[str, Any] = {"model": directory_fingerprint(path) if path.is_dir() else None}
     if isinstance(params, RewardModelLabelerParams):
         return fp
     if params.tokenizer_path and Path(params.tokenizer_path).expanduser().is_dir():
