@@ -19,6 +19,11 @@ Kinds (:data:`KINDS`), all built in token space so a sample is exactly the asked
   at the end (``ref KEY =``), its VALUE is the answer (key-to-value lookup over many pairs).
 * ``multi_lookup``: the same with two to eight records queried in turn (several needles at once).
 
+Besides the kinds, :func:`copy_sample` makes the pretrain stage's **copy curriculum** rows (``copy_share``,
+``pretrain/retrieval_rows.py``): a span of token ids drawn uniformly from the ordinary vocabulary, a marker, the
+same span again, the loss on the repeat alone. No corpus text: it is the plainest copying task, the one measured to
+cross the phase change at ``gpu-300m`` with the 32K vocabulary (issue 33), and the curriculum puts it first.
+
 The passages and spans are corpus words in a random order (``_scrambled``), not runs of corpus text: the run's
 corpus is small and read several times, so a model memorises it, and a memorised passage's continuation can be
 recalled without looking back (the first GPU run with verbatim corpus passages learned no copying: BENCHMARKS.md).
@@ -52,8 +57,9 @@ RECORD = " (ref {key} = {value})"
 RECORD_QUERY = "\nref {key} ="
 RECORD_ANSWER = " {value})"
 QUERIES_OPEN = "\n\nLook-ups:"
+COPY_MARK = "\n\nSame again:\n"
 TEMPLATES = (REPEAT_OPEN, REPEAT_CLOSE, REPEAT_QUERY, CONTINUE_QUERY, CONTINUE_ANSWER, CONTINUE_CLOSE, RECORD,
-             RECORD_QUERY, RECORD_ANSWER, QUERIES_OPEN)
+             RECORD_QUERY, RECORD_ANSWER, QUERIES_OPEN, COPY_MARK)
 
 _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 _CODE_CHARS = "abcdefghjkmnpqrstuvwxyz23456789"
@@ -74,6 +80,27 @@ class RetrievalSample:
     @property
     def answer_tokens(self) -> int:
         return int(self.answer.sum())
+
+
+def copy_sample(pool: np.ndarray, length: int, rng: np.random.Generator, *, bos: int, eos: int,
+                mark: np.ndarray) -> RetrievalSample:
+    """``[BOS] (x) R MARK R [EOS]`` of exactly ``length`` tokens: ``R`` token ids drawn uniformly (with replacement)
+    from ``pool``, as long as the length allows (``x``: one more drawn id where the length is odd, not a target).
+    Targets (``no_loss`` False) are the second ``R`` and the EOS, which is also what ``answer`` marks; the first
+    ``R`` and the marker cannot be predicted and are not targets."""
+    mark = np.asarray(mark, TOKEN_DTYPE)
+    span, odd = divmod(length - 2 - mark.size, 2)
+    if span < 1:
+        raise ValueError(f"a copy sample of {length} tokens has no room for its span (the marker is {mark.size})")
+    pool = np.asarray(pool, TOKEN_DTYPE)
+    if pool.size < 2:
+        raise ValueError(f"copy samples need a pool of at least 2 token ids, got {pool.size}")
+    r = pool[rng.integers(pool.size, size=span + odd)]
+    lead, span_ids = r[:odd], r[odd:]
+    tokens = np.concatenate([[bos], lead, span_ids, mark, span_ids, [eos]]).astype(TOKEN_DTYPE)
+    answer = np.zeros(length, bool)
+    answer[length - 1 - span:] = True
+    return RetrievalSample(tokens, ~answer, answer, "copy", {"span_tokens": int(span)})
 
 
 def make_key(rng: np.random.Generator) -> str:

@@ -135,11 +135,17 @@ def _execute(task: StageTask) -> StageOutcome:
                        work_dir=tmp.with_name(tmp.name + ".work"), resume_dir=store.resume_dir(kind.name, task.key))
     if kind.splits_work and ctx.resources.tasks > 1 and _ray_connected():
         ctx.shard_runner = RayShardRunner(ctx.resources.tasks)
-    start = time.monotonic()
+    start, started_unix = time.monotonic(), time.time()
+    # when the body ran and on which GPUs (MLflow's run start is when the stage was submitted, which on a busy
+    # machine can be long before it got its GPU): what shows which stages ran at once
+    placement = {"hylight.started_unix": f"{started_unix:.1f}",
+                 "hylight.gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "") if ctx.resources.gpus else ""}
+    sink.set_tags(placement)
     try:
         kind.run(params, ctx)
         seconds = time.monotonic() - start
         sink.log_metrics({"stage_seconds": seconds}, None)
+        sink.set_tags({"hylight.ended_unix": f"{started_unix + seconds:.1f}"})
         sink.flush()
         art = store.commit(
             tmp, type_=kind.produces, schema_version=kind.schema_version, kind=kind.name, key=task.key,
@@ -151,6 +157,8 @@ def _execute(task: StageTask) -> StageOutcome:
                 "rows": ctx.rows,
                 "summary": ctx.summary,
                 "seconds": round(seconds, 3),
+                "started_unix": round(started_unix, 3),
+                "gpus": placement["hylight.gpus"],
                 "producer": {"run_id": task.run_id, "tracking_uri": task.tracking_uri,
                              "host": socket.gethostname()},
             },

@@ -160,12 +160,18 @@ class ClusterCapacity:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (plain YAML keeps the last silently)."""
+    """SafeLoader that refuses duplicate mapping keys (plain YAML keeps the last silently). Merge keys
+    (``<<: *anchor``) work as in YAML 1.1: the mapping's own keys override the merged ones."""
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG:  # SafeLoader's construct_mapping merges it below
+            continue
         key = loader.construct_object(key_node, deep=deep)
         try:
             hash(key)

@@ -52,6 +52,7 @@ FORMAT_VERSION = 1
 INFO_FILE = "packing.json"
 UNIGRAM_FILE = "unigram_counts.npy"
 EVAL_IDS_FILE = "eval_documents.json"
+COPY_FILE = "copy_curriculum.json"  # a copy curriculum's rows and schedule (pretrain/retrieval_rows.add_copy_rows)
 SPLITS = ("train", "eval")
 IGNORE_INDEX = -100  # transformers' cross-entropy ignore index
 TOKEN_DTYPE = np.dtype("<i4")
@@ -582,6 +583,76 @@ class RowLoader:
             raise ValueError(f"RowLoader state position={position}, epoch={epoch} is out of range for "
                              f"{self.num_rows} rows")
         self.position, self.epoch = position, epoch
+
+
+class CurriculumLoader(RowLoader):
+    """A :class:`RowLoader` whose first ``curriculum_rows`` global slots hold ``copy_rows`` curriculum rows
+    (``pretrain/retrieval_rows.add_copy_rows``: stored after the split's other rows, from ``copy_start``), spread
+    evenly and each read once, in order; every other slot takes the next row of the epochs over the other rows,
+    exactly as a plain loader over those rows would (so the curriculum delays, but never drops, a plain row).
+
+    Slot ``g`` (global, over all ranks) is a copy slot when ``c(g + 1) > c(g)``, with ``c(g) = min(g, U) * C // U``
+    the copy slots before it (integer arithmetic: every rank agrees). The state is the slot counter alone.
+    """
+
+    def __init__(self, rows: PackedRows | int, *, copy_start: int, copy_rows: int, curriculum_rows: int, seed: int,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True) -> None:
+        total = rows if isinstance(rows, int) else len(rows)
+        if not 0 < copy_start < total or copy_start + copy_rows != total or copy_rows < 1:
+            raise ValueError(f"copy rows [{copy_start}, {copy_start + copy_rows}) must be the last of the split's "
+                             f"{total} rows, after at least one other row")
+        if curriculum_rows < copy_rows:
+            raise ValueError(f"curriculum_rows={curriculum_rows} < copy_rows={copy_rows}")
+        super().__init__(copy_start, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
+        self.total_rows, self.copy_start, self.copy_rows, self.curriculum_rows = total, copy_start, copy_rows, curriculum_rows
+        self.slot = 0  # next global slot
+
+    def copies_before(self, slots: np.ndarray) -> np.ndarray:
+        """Copy slots among the global slots ``[0, g)``, for each ``g`` in ``slots``."""
+        return np.minimum(slots, self.curriculum_rows) * self.copy_rows // self.curriculum_rows
+
+    def next_indices(self, num_rows: int) -> list[int]:
+        if num_rows < 1:
+            raise ValueError(f"num_rows={num_rows}: ask for at least one row")
+        g = self.slot + np.arange(num_rows, dtype=np.int64) * self.world_size + self.rank
+        before = self.copies_before(g)
+        is_copy = self.copies_before(g + 1) > before
+        out = np.empty(num_rows, np.int64)
+        out[is_copy] = self.copy_start + before[is_copy]
+        plain = (g - before)[~is_copy]  # the plain rows' own slot counter
+        picked = np.empty(plain.size, np.int64)
+        for e in np.unique(plain // self.num_rows).tolist():
+            sel = plain // self.num_rows == e
+            picked[sel] = self._permutation(e)[plain[sel] % self.num_rows]
+        out[~is_copy] = picked
+        self.slot += num_rows * self.world_size
+        return out.tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"slot": self.slot, "seed": self.seed, "rows": self.total_rows, "copy_rows": self.copy_rows,
+                "curriculum_rows": self.curriculum_rows}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        mine = self.state_dict()
+        if "slot" not in state or any(state.get(k) != mine[k] for k in ("seed", "rows", "copy_rows", "curriculum_rows")):
+            raise ValueError(f"loader state {state} was not saved by this copy curriculum ({mine}): resume with the "
+                             "same packed dataset and seed")
+        if int(state["slot"]) < 0:
+            raise ValueError(f"loader state slot={state['slot']} is negative")
+        self.slot = int(state["slot"])
+
+
+def make_loader(rows: PackedRows, *, seed: int, rank: int = 0, world_size: int = 1,
+                shuffle: bool = True) -> RowLoader:
+    """The training split's loader: a :class:`CurriculumLoader` where the split holds a copy curriculum
+    (``copy_curriculum.json``, ``pretrain/retrieval_rows.add_copy_rows``), else a :class:`RowLoader`."""
+    record = rows.path / COPY_FILE
+    if rows.split == "train" and record.is_file():
+        c = json.loads(record.read_text())
+        return CurriculumLoader(rows, copy_start=c["first_copy_row"], copy_rows=c["rows"],
+                                curriculum_rows=c["curriculum_rows"], seed=seed, rank=rank, world_size=world_size,
+                                shuffle=shuffle)
+    return RowLoader(rows, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
 
 
 def unigram_loss(eval_rows: PackedRows, unigram_counts: np.ndarray) -> float:

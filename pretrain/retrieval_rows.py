@@ -18,6 +18,7 @@ phase), and the split's files and ``packing.json`` are rewritten: ``train_no_los
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -26,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from data.retrieval import KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker
+from data.retrieval import COPY_MARK, KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker, copy_sample
+from data.tokenizer import SPECIAL_TOKENS
 from pipeline.artifacts import atomic_file
 from pretrain.packed_data import (
+    COPY_FILE,
     INFO_FILE,
     TOKEN_DTYPE,
     UNIGRAM_FILE,
@@ -43,6 +46,7 @@ from pretrain.packed_data import (
 RETRIEVAL_FILE = "retrieval.json"
 LOSS_ON = ("all", "answers")  # what of a retrieval sample is a training target
 _ROWS_TAG = 21  # numpy SeedSequence tag (distinct, nonzero) of the retrieval rows' draws
+_COPY_TAG = 22  # ... and of the copy curriculum's
 
 
 def retrieval_rows_for(rows: int, share: float) -> int:
@@ -195,6 +199,122 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
         progress(f"retrieval rows: {added_rows:,} of {total:,} training rows, {samples:,} samples ("
                  + ", ".join(f"{k} {c['samples']:,}" for k, c in by_kind.items()) + ")")
     return record
+
+
+def copy_rows_for(train_tokens: int, seq_len: int, share: float, until_tokens: int) -> int:
+    """Copy rows the curriculum reads: ``share`` of the rows of its first ``until_tokens`` training tokens (each
+    copy row is read once; :class:`pretrain.packed_data.CurriculumLoader`)."""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"copy_share={share}: use a share in [0, 1)")
+    slots = min(until_tokens, train_tokens) // seq_len
+    return int(slots * share)
+
+
+def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: float, seed: int,
+                  span_tokens: Sequence[int] = (32, 256),
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Append ``rows`` copy-curriculum rows to the training split in ``data_dir`` and record the schedule that
+    reads them (``copy_curriculum.json``): the first ``rows / share`` rows a run reads hold them at ``share``,
+    evenly spread, the rest of those rows and everything after coming from the split's other rows
+    (:class:`pretrain.packed_data.CurriculumLoader`). Our departure from the report (issue 33): a model of this size
+    copies after a few hundred steps of this plainest copying task (BENCHMARKS.md), and not within the recipe's
+    budget from natural text and the other retrieval kinds alone.
+
+    A row holds :func:`data.retrieval.copy_sample` s, one segment each, their spans drawn uniformly from
+    ``span_tokens`` (min, max) and their ids uniformly from the ordinary vocabulary (every id but the special
+    tokens). The loss counts the repeats alone. The unigram counts leave the rows out: they are uniform noise, and
+    the unigram baseline describes the text. ``packing.json``'s train split counts them (rows, tokens, segments)."""
+    data_dir = Path(data_dir)
+    if (data_dir / COPY_FILE).exists():
+        raise ValueError(f"{data_dir} already holds copy rows ({COPY_FILE}); pack it again to change them")
+    lo, hi = (int(x) for x in span_tokens)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"copy span_tokens={list(span_tokens)}: use [min, max] with 1 <= min <= max")
+    if rows < 1 or not 0.0 < share < 1.0:
+        raise ValueError(f"copy rows={rows}, share={share}: need rows >= 1 and a share in (0, 1)")
+    info = read_info(data_dir)
+    seq_len, special = info.seq_len, info.special_ids
+    mark = np.asarray(tokenizer.encode(COPY_MARK, add_special_tokens=False).ids, TOKEN_DTYPE)
+    shortest = 2 * lo + mark.size + 2
+    if shortest > seq_len:
+        raise ValueError(f"copy span_tokens min {lo}: a sample of {shortest} tokens does not fit a {seq_len}-token row")
+    specials = {tokenizer.token_to_id(t) for t in SPECIAL_TOKENS} | set(special.values())
+    pool = np.asarray([i for i in range(info.vocab_size) if i not in specials], TOKEN_DTYPE)
+    plain = PackedRows(data_dir, "train")
+    rng = np.random.default_rng([seed, _COPY_TAG])
+    total = len(plain) + rows
+
+    pid = os.getpid()
+    tmp = {w: data_dir / f".{split_file('train', w)}.copy-{pid}" for w in ("tokens", "no_loss")}
+    tokens = np.lib.format.open_memmap(tmp["tokens"], "w+", TOKEN_DTYPE, (total, seq_len))
+    no_loss = np.lib.format.open_memmap(tmp["no_loss"], "w+", np.bool_, (total, seq_len))
+    starts: list[np.ndarray] = []
+    index = np.zeros(total + 1, np.int64)
+    samples, span_total, loss_tokens = 0, 0, 0
+    for j in range(total):
+        if j < len(plain):
+            row, row_starts, pad = plain.row(j)
+        else:
+            pieces, masks, row_starts_l, space = [], [], [0], seq_len
+            while space:
+                n = min(2 * int(rng.integers(lo, hi + 1)) + mark.size + 2, space)
+                if space - n < shortest:
+                    n = space  # the last sample takes the rest of the row
+                s = copy_sample(pool, n, rng, bos=special["bos"], eos=special["eos"], mark=mark)
+                pieces.append(s.tokens)
+                masks.append(s.no_loss)
+                samples += 1
+                span_total += s.meta["span_tokens"]
+                space -= n
+                if space:
+                    row_starts_l.append(seq_len - space)
+            row, pad = np.concatenate(pieces), np.concatenate(masks)
+            row_starts = np.asarray([*row_starts_l, seq_len], np.int32)
+            loss_tokens += int(loss_mask(row_starts, pad).sum())
+            if progress and (j - len(plain) + 1) % 1024 == 0:
+                progress(f"copy rows: {j - len(plain) + 1:,}/{rows:,}")
+        tokens[j] = row
+        no_loss[j] = pad
+        starts.append(np.asarray(row_starts, np.int32))
+        index[j + 1] = index[j] + len(row_starts)
+    tokens.flush()
+    no_loss.flush()
+    del tokens, no_loss, plain
+    os.replace(tmp["tokens"], data_dir / split_file("train", "tokens"))
+    os.replace(tmp["no_loss"], data_dir / split_file("train", "no_loss"))
+    _save_npy(data_dir / split_file("train", "segment_starts"), np.concatenate(starts).astype(np.int32))
+    _save_npy(data_dir / split_file("train", "segment_index"), index)
+
+    t = info.train
+    train = replace(t, rows=total, tokens=t.tokens + rows * seq_len, loss_tokens=t.loss_tokens + loss_tokens,
+                    segments=t.segments + samples, documents=t.documents + samples,
+                    document_instances=t.document_instances + samples)
+    record = {"rows": rows, "plain_rows": total - rows, "share": share, "first_copy_row": total - rows,
+              "curriculum_rows": int(math.ceil(rows / share)), "seq_len": seq_len, "samples": samples,
+              "span_tokens": [lo, hi], "mean_span_tokens": span_total / max(samples, 1),
+              "loss_tokens": loss_tokens, "pool": int(pool.size), "marker_tokens": int(mark.size), "seed": seed}
+    with atomic_file(data_dir / COPY_FILE) as f:
+        f.write((json.dumps(record, indent=1) + "\n").encode())
+    with atomic_file(data_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
+        f.write(replace(info, train=train).to_json().encode())
+    if progress:
+        progress(f"copy curriculum: {rows:,} rows ({samples:,} samples, spans of {lo}-{hi} ids from {pool.size:,}) "
+                 f"read as {share:.0%} of the first {record['curriculum_rows']:,} rows")
+    return record
+
+
+def read_copy(data_dir: str | Path) -> dict[str, Any] | None:
+    """What :func:`add_copy_rows` recorded, or None where the split has no copy curriculum."""
+    path = Path(data_dir) / COPY_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def copy_metrics(record: dict[str, Any] | None) -> dict[str, float]:
+    """Flat MLflow metrics of an :func:`add_copy_rows` record (empty without one)."""
+    if not record:
+        return {}
+    return {f"copy_curriculum.{k}": record[k] for k in ("rows", "samples", "loss_tokens", "curriculum_rows",
+                                                        "share", "mean_span_tokens")}
 
 
 def read_retrieval(data_dir: str | Path) -> dict[str, Any] | None:

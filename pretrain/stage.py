@@ -60,6 +60,16 @@ class PretrainParams(TrainingParams, RunShape):
     eval_documents: int = Field(64, ge=1, description=(
         "Held-out documents for eval_loss (documents the mixture never samples first; taken out of training if "
         "there are not enough, and counted)."))
+    copy_share: float = Field(0.0, ge=0, lt=1, description=(
+        "Copy curriculum: share of the rows read in the first copy_until_tokens that are pure copy rows (a span "
+        "of token ids drawn uniformly from the vocabulary, a marker, the span again; the loss on the repeat), "
+        "each read once; 0: none. Our departure from the report (issue 33): copying forms at gpu-300m after a few "
+        "hundred steps of this task, not within the recipe's budget from text and the other retrieval kinds."))
+    copy_until_tokens: int = Field(0, ge=0, description=(
+        "Training tokens (rows read x seq_len, from the start) over which the copy rows are spread; after them "
+        "the run reads only the mixture's rows and the retrieval rows."))
+    copy_span_tokens: list[int] = Field(default_factory=lambda: [32, 256], min_length=2, max_length=2,
+                                        description="Shortest and longest copied span, in tokens.")
 
     @model_validator(mode="after")
     def _attention_pattern(self) -> PretrainParams:
@@ -73,6 +83,21 @@ class PretrainParams(TrainingParams, RunShape):
         elif not isinstance(pattern, list) or not pattern or any(k not in ATTENTION_KINDS for k in pattern):
             raise ValueError(f"model_overrides.attention_pattern={pattern!r}: a per-layer pattern is a non-empty list of "
                              f"{' and '.join(ATTENTION_KINDS)} (one entry per layer)")
+        return self
+
+    @model_validator(mode="after")
+    def _copy(self) -> PretrainParams:
+        if not self.copy_share:
+            return self
+        lo, hi = self.copy_span_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"copy_span_tokens={self.copy_span_tokens}: use [min, max] with 1 <= min <= max")
+        if 2 * lo + 16 > self.seq_len:
+            raise ValueError(f"copy_span_tokens min {lo}: a sample of two spans does not fit a {self.seq_len}-token row")
+        if self.copy_until_tokens < self.seq_len / self.copy_share:
+            raise ValueError(f"copy_share={self.copy_share} needs copy_until_tokens of at least one copy row's "
+                             f"worth of rows ({int(self.seq_len / self.copy_share):,} tokens), got "
+                             f"{self.copy_until_tokens:,}")
         return self
 
     @model_validator(mode="after")
@@ -105,7 +130,11 @@ def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
     their counts and copies packing.json into the artifact."""
     from pretrain.packed_data import build_packed_dataset  # heavy: torch
     from pretrain.retrieval_rows import (  # heavy: torch
+        add_copy_rows,
         add_retrieval_rows,
+        copy_metrics,
+        copy_rows_for,
+        read_copy,
         read_retrieval,
         retrieval_metrics,
         retrieval_rows_for,
@@ -127,8 +156,14 @@ def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
                                seed=params.seed, kinds=params.retrieval_kinds,
                                min_tokens=params.retrieval_min_tokens, loss_on=params.retrieval_loss,
                                progress=ctx.progress)
+        if params.copy_share:
+            add_copy_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")),
+                          rows=max(1, copy_rows_for(params.train_tokens, params.seq_len, params.copy_share,
+                                                    params.copy_until_tokens)),
+                          share=params.copy_share, seed=params.seed, span_tokens=params.copy_span_tokens,
+                          progress=ctx.progress)
         publish_dir(tmp, data_dir)
-    ctx.log_metrics(retrieval_metrics(read_retrieval(data_dir)))
+    ctx.log_metrics(retrieval_metrics(read_retrieval(data_dir)) | copy_metrics(read_copy(data_dir)))
     shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")
     return data_dir
 

@@ -60,7 +60,7 @@ from pretrain.export import export_checkpoint
 from pretrain.grad_guard import DivergenceError, GradGuard, install_spike_guard
 from pretrain.local_ranks import LOOPBACK, free_loopback_port
 from pretrain.loss import install_loss
-from pretrain.packed_data import PackedRows, RowLoader, make_batch, unigram_loss
+from pretrain.packed_data import PackedRows, make_batch, make_loader, unigram_loss
 from pretrain.probe import RetrievalProbe
 from pretrain.schedules import BatchSizeSchedule, WSDSchedule
 from pretrain.sequence_parallel import (
@@ -332,8 +332,8 @@ def train(cfg: EngineConfig) -> dict[str, float]:
     batch_schedule = BatchSizeSchedule(cfg.batch_rows, cfg.max_batch_rows, cfg.double_batch_at_tokens,
                                        cfg.double_batch_below_loss)
     # the ranks of a sequence-parallel group read the same rows (each then takes its slice of them)
-    loader = RowLoader(rows, seed=cfg.seed, rank=grid.data_rank, world_size=grid.data_parallel,
-                       shuffle=not cfg.ordered_rows)
+    loader = make_loader(rows, seed=cfg.seed, rank=grid.data_rank, world_size=grid.data_parallel,
+                         shuffle=not cfg.ordered_rows)
     ckpt_dir = Path(cfg.resume_dir) / CHECKPOINT_DIR
     checkpointer = Checkpointer(ckpt_dir, cfg.keep_checkpoints)
     callbacks = [

@@ -303,3 +303,27 @@ def run_steps(params: StepsParams, ctx: StageContext) -> None:
 
 
 STEPS = StageKind(name="test_steps", params=StepsParams, run=run_steps, produces="text")
+
+
+class RendezvousParams(StageParams):
+    dir: str  # each stage writes <dir>/<stage>.started, then waits for `expect` such files
+    expect: int = 2
+    timeout_s: float = 60.0
+    label: str = ""  # stages that differ only by name need a param that differs: else they share one cache key
+
+
+def run_rendezvous(params: RendezvousParams, ctx: StageContext) -> None:
+    """Proves stages ran at the same time: it returns only once ``expect`` stages have started, else fails."""
+    d = Path(params.dir)
+    (d / f"{ctx.stage_name}.started").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    deadline = time.monotonic() + params.timeout_s
+    while len(list(d.glob("*.started"))) < params.expect:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{ctx.stage_name}: only {len(list(d.glob('*.started')))} of {params.expect} "
+                               "stages started within the timeout: they did not run at once")
+        time.sleep(0.05)
+    time.sleep(0.5)  # met: hold the GPU a little longer, so the overlap shows in the start and end times too
+    (ctx.out_dir / "text.txt").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+RENDEZVOUS = StageKind(name="test_rendezvous", params=RendezvousParams, run=run_rendezvous, produces="text")

@@ -380,3 +380,139 @@ def test_pretrain_and_long_context_refuse_the_same_bad_retrieval_and_probe_param
             make(retrieval_share=0.5, retrieval_min_tokens=4096)
         assert make(probe_every=20, log_every=10, checkpoint_every=50, retrieval_share=0.5,
                     retrieval_min_tokens=128).probe_every == 20
+
+
+# --- the copy curriculum (issue 33) ---------------------------------------------------------------------------
+def test_a_copy_sample_repeats_its_span_after_the_marker_with_the_loss_on_the_repeat_alone():
+    from data.retrieval import copy_sample
+
+    mark = np.asarray([7, 8, 9], np.int32)
+    pool = np.arange(20, 60, dtype=np.int32)
+    for length in (9, 10, 57, 300):  # odd and even rest after [BOS], the marker and [EOS]
+        s = copy_sample(pool, length, np.random.default_rng(length), bos=1, eos=2, mark=mark)
+        span = s.meta["span_tokens"]
+        assert s.tokens.size == length == s.no_loss.size and s.tokens[0] == 1 and s.tokens[-1] == 2
+        assert span == (length - 5) // 2
+        first, second = s.tokens[length - 1 - span - 3 - span:length - 1 - span - 3], s.tokens[length - 1 - span:-1]
+        assert (first == second).all() and (s.tokens[length - 1 - span - 3:length - 1 - span] == mark).all()
+        assert np.isin(first, pool).all()
+        # targets: the repeat and the EOS, nothing else
+        assert (~s.no_loss).sum() == span + 1 and (~s.no_loss[length - 1 - span:]).all()
+        assert (s.answer == ~s.no_loss).all()
+    a = copy_sample(pool, 300, np.random.default_rng(0), bos=1, eos=2, mark=mark)
+    b = copy_sample(pool, 300, np.random.default_rng(1), bos=1, eos=2, mark=mark)
+    assert not (a.tokens == b.tokens).all()
+    with pytest.raises(ValueError, match="no room for its span"):
+        copy_sample(pool, 6, np.random.default_rng(0), bos=1, eos=2, mark=mark)
+
+
+@pytest.fixture(scope="module")
+def with_copy(mixed, tokenizer, tmp_path_factory):
+    from pretrain.retrieval_rows import add_copy_rows
+
+    src, _ = mixed
+    out = tmp_path_factory.mktemp("copy") / "data"
+    shutil.copytree(src, out)
+    record = add_copy_rows(out, tokenizer, rows=12, share=0.4, seed=0, span_tokens=(8, 40))
+    return src, out, record
+
+
+def test_copy_rows_are_appended_after_the_other_rows_with_counts_that_add_up(tokenizer, with_copy):
+    from data.retrieval import COPY_MARK
+    from data.tokenizer import SPECIAL_TOKENS
+    from pretrain.retrieval_rows import add_copy_rows, copy_metrics, read_copy
+
+    src, out, record = with_copy
+    before, after = PackedRows(src, "train"), PackedRows(out, "train")
+    assert len(after) == len(before) + 12 and record["first_copy_row"] == len(before)
+    assert record["curriculum_rows"] == 30  # 12 rows at 40%
+    for i in range(len(before)):  # the rows before are unchanged, labels included
+        t0, s0, p0 = before.row(i)
+        t1, s1, p1 = after.row(i)
+        assert (t0 == t1).all() and (s0 == s1).all() and (loss_mask(s0, p0) == loss_mask(s1, p1)).all()
+    mark = np.asarray(tokenizer.encode(COPY_MARK, add_special_tokens=False).ids)
+    specials = {tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    samples, loss = 0, 0
+    for i in range(len(before), len(after)):
+        tokens, starts, no_loss = after.row(i)
+        keep = loss_mask(starts, no_loss)
+        loss += int(keep.sum())
+        for a, b in zip(starts[:-1], starts[1:], strict=True):  # every segment: [BOS] R MARK R [EOS]
+            seg, lab = tokens[a:b], keep[a:b]
+            span = int(lab.sum()) - 1
+            assert seg[0] == tokenizer.token_to_id("<|bos|>") and seg[-1] == tokenizer.token_to_id("<|eos|>")
+            assert (seg[-1 - span:-1] == seg[-1 - span - mark.size - span:-1 - mark.size - span]).all()
+            assert (seg[-1 - span - mark.size:-1 - span] == mark).all() and lab[-1 - span:].all()
+            assert not set(seg[-1 - span:-1].tolist()) & specials and span >= 8
+            samples += 1
+    assert samples == record["samples"] and loss == record["loss_tokens"] > 0
+    info = after.info.train
+    assert info.rows == len(after) and info.tokens == before.info.train.tokens + 12 * 256
+    assert info.loss_tokens == before.info.train.loss_tokens + loss
+    assert (np.load(out / "unigram_counts.npy") == np.load(src / "unigram_counts.npy")).all()  # text only
+    assert read_copy(out) == record and read_copy(src) is None
+    assert copy_metrics(record)["copy_curriculum.rows"] == 12 and copy_metrics(None) == {}
+    with pytest.raises(ValueError, match="already holds copy rows"):
+        add_copy_rows(out, tokenizer, rows=3, share=0.5, seed=0)
+
+
+def test_the_curriculum_reads_each_copy_row_once_first_and_then_the_plain_epochs(with_copy):
+    """The loader of a split with a copy curriculum: copy rows at the share in the first curriculum_rows slots, in
+    order, each once; the other slots walk exactly the epochs a plain loader over the other rows walks."""
+    from pretrain.packed_data import CurriculumLoader, RowLoader, make_loader
+
+    _, out, record = with_copy
+    rows = PackedRows(out, "train")
+    first, n_copy, until = record["first_copy_row"], record["rows"], record["curriculum_rows"]
+    loader = make_loader(rows, seed=3)
+    assert isinstance(loader, CurriculumLoader)
+    order = [i for n in (4, 4, 8, 3, 16, 16, 16, 16) for i in loader.next_indices(n)]
+    copies = [k for k, i in enumerate(order) if i >= first]
+    assert [order[k] for k in copies] == list(range(first, first + n_copy))  # each once, in order
+    assert copies[-1] < until and len([k for k in copies if k < until // 2]) in (n_copy // 2, n_copy // 2 + 1)
+    plain = [i for i in order if i < first]
+    ref = RowLoader(first, seed=3).next_indices(len(plain))  # same epochs as a plain loader's
+    assert plain == ref
+    eval_loader = make_loader(PackedRows(out, "eval"), seed=3)  # the held-out split: no curriculum
+    assert type(eval_loader) is RowLoader
+
+
+def test_the_curriculum_loader_resumes_exactly_and_splits_slots_between_ranks(with_copy):
+    from pretrain.packed_data import CurriculumLoader
+
+    _, out, record = with_copy
+    kw = dict(copy_start=record["first_copy_row"], copy_rows=record["rows"], curriculum_rows=record["curriculum_rows"],
+              seed=1)
+    total = record["first_copy_row"] + record["rows"]
+    schedule = [2, 2, 4, 4, 8, 3, 8, 8]
+    ref = CurriculumLoader(total, **kw)
+    expected = [ref.next_indices(n) for n in schedule]
+    for cut in range(1, len(schedule)):
+        a = CurriculumLoader(total, **kw)
+        for n in schedule[:cut]:
+            a.next_indices(n)
+        b = CurriculumLoader(total, **kw)
+        b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        assert [b.next_indices(n) for n in schedule[cut:]] == expected[cut:]
+    world = 2
+    ranks = [CurriculumLoader(total, rank=r, world_size=world, **kw) for r in range(world)]
+    single = CurriculumLoader(total, **kw).next_indices(40)
+    got = [ranks[r].next_indices(20) for r in range(world)]
+    assert got[0] == single[0::2] and got[1] == single[1::2]
+    with pytest.raises(ValueError, match="not saved by this copy curriculum"):
+        CurriculumLoader(total, **kw).load_state_dict({"position": 0, "epoch": 0, "seed": 1, "rows": total})
+    with pytest.raises(ValueError, match="must be the last"):
+        CurriculumLoader(total, **(kw | {"copy_start": 3}))
+
+
+def test_pretrain_params_check_the_copy_curriculum():
+    from pretrain.stage import PretrainParams
+
+    ok = PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[16, 64])
+    assert ok.copy_share == 0.5
+    with pytest.raises(ValueError, match="copy_until_tokens"):
+        PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100)
+    with pytest.raises(ValueError, match="copy_span_tokens"):
+        PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[64, 16])
+    with pytest.raises(ValueError, match="does not fit"):
+        PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[200, 300])
