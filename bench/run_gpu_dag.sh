@@ -16,6 +16,9 @@
 #                       unfinished stage had written)
 #   records.tar.gz      every finished stage's records (summaries, train logs, eval reports, plots, retrieval counts)
 #                       and unfinished stages' train logs
+#   results.md          bench/recipe_results.py: the stage table (start, seconds, GPU, headline), GPUs busy when,
+#                       the copy curriculum's probe curve, NIAH, pass rates with intervals, the ablation table
+#                       (from report.json, or from the finished stages' manifests where the call stopped the run)
 #   diagnostics.txt     only if something failed: Ray's error logs and the stage error files
 #
 # Env: DAG (dags/gpu-recipe.yaml), HYLIGHT_SET (more `--set` overrides, space separated, e.g.
@@ -25,7 +28,9 @@
 # (/tmp/hylight-gpu-dag; emptied first unless KEEP_WORK=1 and a previous call's run is there: then the run
 # resumes it, finished stages cache hits), OUT (results; $WORK/out when unset), PYTHON (python3), EXTRA_WHEELS (a
 # folder of wheels installed over the archive; carry it too),
-# EXTRA_PYTHONPATH (put before $SITE; tests only).
+# EXTRA_PYTHONPATH (put before $SITE; tests only), PREFLIGHT_ONLY=1 (stop after the package checks; a test runs
+# them against this machine's venv so that a module the checks name cannot move unnoticed), SITE_READY=1 ($SITE
+# already holds the packages: nothing is unpacked).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s.%N)
@@ -50,7 +55,7 @@ say() { echo "[run_gpu_dag $(since "$T0")s] $*" | tee -a "$LOG" >&2; }
 
 # --- packages ---------------------------------------------------------------------------------------------
 t=$(date +%s.%N)
-if [ ! -f "$SITE/.unpacked" ]; then
+if [ -z "${SITE_READY:-}" ] && [ ! -f "$SITE/.unpacked" ]; then
     [ -f "$ARCHIVE" ] || { say "no $ARCHIVE: run bench/pack_gpu_dag.sh here and carry .whl-dag/pack"; exit 2; }
     rm -rf "$SITE" && mkdir -p "$SITE" && tar -C "$SITE" -xJf "$ARCHIVE" || { say "unpacking $ARCHIVE failed"; exit 2; }
     touch "$SITE/.unpacked"
@@ -122,7 +127,8 @@ def dedup_signature():  # datatrove's MinhashDedupSignature builds a word tokeni
 
 def clean_lid():
     from data.clean import CleanParams
-    from data.clean_filters import _fasttext_model, lid_model_path
+    from data.clean_filters import _fasttext_model
+    from data.clean_params import lid_model_path
     _fasttext_model(lid_model_path(CleanParams().language))
 
 def quality_encoder():
@@ -160,12 +166,14 @@ EOF
 preflight=$?
 phases+=("preflight=$(since "$t")")
 cat "$WORK/versions.txt" >>"$LOG"
+nvidia-smi -L >>"$LOG" 2>&1 || true
 if [ "$preflight" != 0 ] && [ -z "${IGNORE_PREFLIGHT:-}" ]; then
     say "preflight failed (above); IGNORE_PREFLIGHT=1 runs anyway"
     cp "$WORK/versions.txt" "$OUT/summary.txt"
     cat "$WORK/versions.txt" >&2
     exit 3
 fi
+[ -z "${PREFLIGHT_ONLY:-}" ] || { say "preflight ok (PREFLIGHT_ONLY: no run)"; exit 0; }
 
 # --- the run ----------------------------------------------------------------------------------------------
 sets=(--set "artifact_root=$WORK/root")
@@ -176,6 +184,7 @@ for a in ${RUN_ARGS:-}; do sets+=("$a"); done
 left=$(awk -v a="$(since "$T0")" -v l="$RUN_LIMIT_S" 'BEGIN { printf "%d", l - a }')
 say "hylight run $DAG ${sets[*]} (stopped in ${left}s if still running)"
 t=$(date +%s.%N)
+rm -f "$WORK/report.json"  # a resumed run's report is this call's or none (not the last call's)
 timeout -s INT -k 20 "$left" "$PYTHON" -m pipeline.cli run "$DAG" "${sets[@]}" --json "$WORK/report.json" \
     2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
@@ -187,7 +196,7 @@ say "hylight run exit code $rc"
 export RG_DAG="$DAG" RG_RC="$rc" RG_TOTAL="$(since "$T0")" RG_PHASES="${phases[*]}" RG_SETS="${sets[*]}" \
     RG_WORK="$WORK" RG_OUT="$OUT" RG_LOG="$LOG"
 "$PYTHON" - >"$OUT/summary.txt" 2>&1 <<'EOF'
-import json, os, re, shutil
+import json, os, re, shutil, sys
 from pathlib import Path
 
 work, out, log = Path(os.environ["RG_WORK"]), Path(os.environ["RG_OUT"]), Path(os.environ["RG_LOG"])
@@ -204,25 +213,11 @@ for src, dst in [("summary.json", "pretrain_summary.json"), ("train_log.jsonl", 
         if (r / src).is_file():
             shutil.copy(r / src, out / dst)
             break
-# every stage's records in one archive (a call returns at most 8 files): summaries, train logs, eval reports,
-# plots, retrieval counts, packing; from each finished stage's artifact, else from its unfinished work in the root
-import tarfile
+# every stage's records in one archive (a call returns at most 8 files)
+sys.path.insert(0, "bench")
+from gpu_dag_records import write_records  # noqa: E402
 
-RECORD_GLOBS = ("summary.json", "train_log.jsonl", "report.json", "timing.json", "packing.json", "retrieval.json",
-                "plots/*.png", "phases/*/summary.json", "phases/*/retrieval.json", "phases/*/phase_data.json",
-                "*_report.json", "pass_rate.jsonl")
-with tarfile.open(out / "records.tar.gz", "w:gz") as tar:
-    for name, r in stages.items():
-        art = r.get("artifact")
-        if not art or not Path(art).is_dir():
-            continue
-        for pattern in RECORD_GLOBS:
-            for f in sorted(Path(art).glob(pattern)):
-                if f.is_file() and f.stat().st_size < 8_000_000:
-                    tar.add(f, arcname=f"{name}/{f.relative_to(art)}")
-    for f in sorted((work / "root").rglob("train_log.jsonl")):  # unfinished training stages' logs
-        if f.stat().st_size < 8_000_000 and "artifacts" not in f.parts:
-            tar.add(f, arcname=f"unfinished/{f.relative_to(work / 'root')}")
+write_records(work, out)
 
 print(f"spec {os.environ['RG_DAG']} · exit code {os.environ['RG_RC']} · total {os.environ['RG_TOTAL']}s · "
       f"setup/run phases (s): {os.environ['RG_PHASES']}")
@@ -260,6 +255,11 @@ print()
 if (work / "versions.txt").exists():
     print((work / "versions.txt").read_text())
 EOF
+if [ -f "$WORK/report.json" ]; then
+    "$PYTHON" bench/recipe_results.py "$WORK/report.json" --out "$OUT/results.md" >>"$LOG" 2>&1
+else
+    "$PYTHON" bench/recipe_results.py --root "$WORK/root" --out "$OUT/results.md" >>"$LOG" 2>&1
+fi
 if [ "$rc" != 0 ]; then
     {
         for f in "$WORK"/root/mlflow-artifacts/*/artifacts/error-*.txt "$WORK"/root/.tmp/error-*.txt; do

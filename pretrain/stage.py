@@ -16,6 +16,7 @@ GPUs on a Ray cluster), as Ray Train workers; forwards their metrics to MLflow, 
     summary.json      eval_loss, unigram_loss, steps, tokens, skipped steps, drop rate
     expert_routed.npy / expert_dropped.npy   token slots per [layer, expert] over the run
     packing.json      what was packed (rows, tokens, held-out documents)
+    retrieval.json, copy_curriculum.json   the retrieval rows and the copy curriculum made besides (where asked)
     plots/            loss curve, expert load and drop-rate heat maps
 
 Checkpoints live in the stage's resume directory (kept across a killed attempt, keyed by the cache key): a rerun
@@ -128,8 +129,9 @@ def run(params: PretrainParams, ctx: StageContext) -> None:
 def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
     """The mixture packed into rows (once: kept in the resume directory), plus the retrieval rows asked for; logs
     their counts and copies packing.json into the artifact."""
-    from pretrain.packed_data import build_packed_dataset  # heavy: torch
+    from pretrain.packed_data import COPY_FILE, build_packed_dataset  # heavy: torch
     from pretrain.retrieval_rows import (  # heavy: torch
+        RETRIEVAL_FILE,
         add_copy_rows,
         add_retrieval_rows,
         copy_metrics,
@@ -165,6 +167,9 @@ def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
         publish_dir(tmp, data_dir)
     ctx.log_metrics(retrieval_metrics(read_retrieval(data_dir)) | copy_metrics(read_copy(data_dir)))
     shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")
+    for record in (RETRIEVAL_FILE, COPY_FILE):  # what was made besides the mixture's rows (records)
+        if (data_dir / record).is_file():
+            shutil.copy2(data_dir / record, ctx.out_dir / record)
     return data_dir
 
 
@@ -245,7 +250,7 @@ def _plots(ctx: StageContext, history: list[dict[str, Any]]) -> None:
 
 STAGE = StageKind(
     # run records (StageKind.records): hashed and verified, not part of the digest; no stage reads them
-    records=("summary.json", "train_log.jsonl", "plots/*"),
+    records=("summary.json", "train_log.jsonl", "plots/*", "retrieval.json", "copy_curriculum.json"),
     name="pretrain",
     params=PretrainParams,
     run=run,

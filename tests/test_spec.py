@@ -83,6 +83,17 @@ def test_duplicate_stage_names(tmp_path):
     assert "duplicate key 'a'" in msg and "spec.yaml:15" in msg
 
 
+def test_merge_keys_share_params_and_a_stages_own_keys_win_while_duplicates_are_still_refused(tmp_path):
+    merged = GOOD.replace('params: {{text: "A"}}', 'params: &base {{text: "A"}}').replace(
+        "  b:\n    uses: tests.stage_fixtures:SOURCE\n",
+        "  b:\n    uses: tests.stage_fixtures:SOURCE\n    params: {{<<: *base}}\n"
+        "  c:\n    uses: tests.stage_fixtures:SOURCE\n    params:\n      <<: *base\n      text: C\n")
+    spec = load_spec(write(tmp_path, merged))
+    assert [spec.stages[n].params.text for n in "abc"] == ["A", "A", "C"]
+    msg = problems(tmp_path, merged.replace("      text: C\n", "      text: C\n      text: D\n"))
+    assert "duplicate key 'text'" in msg
+
+
 def test_input_type_mismatch(tmp_path):
     msg = problems(tmp_path, GOOD.replace("needs: [ab]", "needs: [ab]\n  m:\n    uses: tests.stage_fixtures:COUNT\n    needs: [n]"))
     assert "stage 'm'" in msg and "input 'text' needs a stage producing 'text'" in msg

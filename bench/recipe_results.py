@@ -1,0 +1,186 @@
+"""The GPU recipe's results in one Markdown file, from a run's `hylight run --json` report and its artifacts: the
+stage table (when each stage's body started, how long it took, on which GPU, its headline numbers), how many GPUs
+were busy when, the copy curriculum's probe curve and the MoE drop rate, NIAH after pretraining and after
+long_context, the ablation table (`compare`'s comparison.md), and the post-training pass rates with 95% Wilson
+intervals, per task, and DPO's held-out preference accuracy.
+
+    python bench/recipe_results.py REPORT_JSON [--out results.md]
+    python bench/recipe_results.py --root ARTIFACT_ROOT [--out results.md]   # a run stopped before its report:
+                                                          # the finished stages, from their artifacts' manifests
+
+Run by bench/run_gpu_dag.sh at the end of every call (a stage that has not finished is listed as such); works on
+the CPU rehearsal's report too (bench/gpu_recipe_cpu.py --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+# the stages whose eval_pass_rate is post-training's, in the recipe's order, and the checkpoint each evaluates
+PASS_RATE_EVALS = ("eval", "eval_long_context", "eval_sft_short", "eval_sft_long", "eval_dpo_short", "eval_dpo_long",
+                   "eval_grpo")
+HEADLINE = ("eval_loss", "unigram_loss", "drop_rate", "niah_accuracy", "niah_accuracy_2x", "copy_accuracy",
+            "eval_pass_rate", "eval_pass_rate_before", "eval_preference_accuracy", "tokens", "steps")
+
+
+def wilson(k: float, n: float, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of k successes in n trials."""
+    if n <= 0:
+        return (math.nan, math.nan)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _manifest(artifact: str | None) -> dict[str, Any]:
+    if not artifact or not (Path(artifact) / MANIFEST).is_file():
+        return {}
+    return json.loads((Path(artifact) / MANIFEST).read_text())
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+    return str(v)
+
+
+def stage_table(stages: dict[str, dict[str, Any]]) -> tuple[list[str], list[tuple[float, float, str]]]:
+    """The table's lines and each finished stage's (start, end, gpus) in seconds after the first start."""
+    placed = {}
+    for name, r in stages.items():
+        m = _manifest(r.get("artifact"))
+        if r.get("state") == "done" and "started_unix" in m:
+            placed[name] = (m["started_unix"], m["started_unix"] + m.get("seconds", r.get("seconds") or 0),
+                            m.get("gpus", ""))
+    t0 = min((s for s, _, _ in placed.values()), default=0.0)
+    lines = ["| stage | state | started (s) | seconds | GPU | headline |", "|---|---|---:|---:|---|---|"]
+    order = sorted(stages, key=lambda n: (placed[n][0] if n in placed else math.inf, n))
+    for name in order:
+        r = stages[name]
+        s = r.get("summary") or {}
+        head = " ".join(f"{k}={_fmt(s[k])}" for k in HEADLINE if k in s)
+        start = f"{placed[name][0] - t0:.0f}" if name in placed else "-"
+        secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-"
+        gpu = placed[name][2] if name in placed else ""
+        why = r.get("error") or r.get("reason") or ""
+        lines.append(f"| {name} | {r.get('state', '?')} | {start} | {secs} | {gpu or '-'} | "
+                     f"{head or why[:120]} |")
+    spans = [(a - t0, b - t0, g) for a, b, g in placed.values()]
+    return lines, spans
+
+
+def gpu_busy(spans: list[tuple[float, float, str]]) -> list[str]:
+    """How many GPUs the finished stages held, between each change."""
+    events = []
+    for a, b, g in spans:
+        n = len([x for x in g.split(",") if x.strip()])
+        if n:
+            events += [(a, n), (b, -n)]
+    if not events:
+        return ["No finished GPU stage recorded its GPUs."]
+    events.sort()
+    busy, last, lines, peak = 0, events[0][0], [], 0
+    for t, d in events:
+        if t > last and busy:
+            lines.append(f"- {last:.0f}–{t:.0f} s: {busy} GPU(s) busy")
+        busy += d
+        peak = max(peak, busy)
+        last = t
+    return [f"At most {peak} GPU(s) busy at once (finished stages only).", *lines]
+
+
+def probe_curve(stages: dict[str, dict[str, Any]], name: str) -> list[str]:
+    art = (stages.get(name) or {}).get("artifact")
+    log = Path(art) / "train_log.jsonl" if art else None
+    if not log or not log.is_file():
+        return [f"`{name}`: no train log."]
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    probed = [r for r in rows if "copy_accuracy" in r]
+    out = [f"`{name}`: {len(rows)} logged steps; probe at {len(probed)} of them.", "",
+           "| step | tokens | loss | copy accuracy | copy loss gain | NIAH forced choice | drop rate |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in probed:
+        out.append(f"| {r['step']} | {r.get('tokens', 0):,} | {r['loss']:.3f} | {r['copy_accuracy']:.3f} | "
+                   f"{r.get('copy_loss_gain', math.nan):.2f} | {r.get('niah_choice_accuracy', math.nan):.2f} | "
+                   f"{r.get('drop_rate', math.nan):.1%} |")
+    return out
+
+
+def pass_rates(stages: dict[str, dict[str, Any]]) -> list[str]:
+    out = ["| eval of | eval_pass_rate | 95% CI | prompts | per task |", "|---|---:|---|---:|---|"]
+    for name in PASS_RATE_EVALS:
+        s = (stages.get(name) or {}).get("summary") or {}
+        if "eval_pass_rate" not in s:
+            continue
+        n = s.get("eval_pass_prompts", 0)
+        lo, hi = wilson(s["eval_pass_rate"] * n, n)
+        tasks = " ".join(f"{k.split('.', 1)[1]}={v:.3f}" for k, v in s.items() if k.startswith("eval_pass_rate."))
+        out.append(f"| {name} | {s['eval_pass_rate']:.3f} | [{lo:.3f}, {hi:.3f}] | {n:.0f} | {tasks} |")
+    for name in ("reward_model", "dpo_short", "dpo_long"):
+        s = (stages.get(name) or {}).get("summary") or {}
+        if "eval_preference_accuracy" in s:
+            out.append(f"\n`{name}` held-out preference accuracy {s['eval_preference_accuracy']:.3f} (untrained "
+                       f"{s.get('eval_preference_accuracy_untrained', math.nan):.3f})")
+    return out
+
+
+def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
+    keys = ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
+            "niah_choice_accuracy", "copy_accuracy", "copy_loss_gain")
+    out = ["| eval | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name in ("eval", "eval_long_context", "eval_all_softmax", "eval_all_lightning"):
+        s = (stages.get(name) or {}).get("summary") or {}
+        if s:
+            out.append(f"| {name} | " + " | ".join(_fmt(s.get(k, math.nan)) for k in keys) + " |")
+    return out
+
+
+def report_from_root(root: Path) -> dict[str, Any]:
+    """A report of the finished stages under an artifact root (the newest artifact a stage name committed), for a
+    run that was stopped before it wrote its own."""
+    stages: dict[str, dict[str, Any]] = {}
+    for m in sorted((root / "artifacts").glob(f"*/*/{MANIFEST}"), key=lambda p: p.stat().st_mtime):
+        meta = json.loads(m.read_text())
+        name = meta.get("stage")
+        if name:
+            stages[name] = {"name": name, "state": "done", "artifact": str(m.parent), "seconds": meta.get("seconds"),
+                            "summary": meta.get("summary") or {}}
+    return {"stages": stages}
+
+
+def results(report: dict[str, Any]) -> str:
+    stages = report.get("stages", {})
+    table, spans = stage_table(stages)
+    parts = ["# GPU recipe: results", "", f"{sum(r.get('state') in ('done', 'cached') for r in stages.values())} of "
+             f"{len(stages)} stages done or cached.", "", "## Stages", "", *table, "", "## GPUs busy", "",
+             *gpu_busy(spans), "", "## Pretraining: the copy curriculum's probe", "", *probe_curve(stages, "pretrain"),
+             "", "## NIAH and copying", "", *niah(stages), "", "## Post-training", "", *pass_rates(stages), ""]
+    comp = (stages.get("compare") or {}).get("artifact")
+    if comp and (Path(comp) / "comparison.md").is_file():
+        parts += ["## Ablation (`compare`)", "", (Path(comp) / "comparison.md").read_text()]
+    return "\n".join(parts) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("report", type=Path, nargs="?")
+    ap.add_argument("--root", type=Path, help="an artifact root instead of a report")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if (args.report is None) == (args.root is None):
+        ap.error("give a report or --root")
+    text = results(json.loads(args.report.read_text()) if args.report else report_from_root(args.root))
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

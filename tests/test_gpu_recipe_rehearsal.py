@@ -1,0 +1,90 @@
+"""dags/gpu-recipe.yaml before any GPU call: its CPU rehearsal's overrides validate on this machine and change only
+sizes and resources (fast, in CI), the ablation's branches are the hybrid's pretraining but for the varied params,
+and the whole DAG runs on the CPU with those sizes (`-m extended`, ~5.5 minutes on 2 cores: run it before a GPU
+call; bench/gpu_recipe_cpu.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.orchestrator import local_capacity
+from pipeline.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_recipe_cpu  # noqa: E402  (bench/ is scripts, not a package)
+
+
+def test_the_rehearsal_overrides_validate_here_and_change_only_sizes_and_resources():
+    sets = gpu_recipe_cpu.overrides()
+    spec = load_spec(gpu_recipe_cpu.SPEC, overrides=sets, capacity=local_capacity())  # resources checked too
+    base = load_spec(gpu_recipe_cpu.SPEC)
+    sized = {k for kind in gpu_recipe_cpu.BY_KIND.values() for k in kind} | {"min_prompt_tokens"}
+    for line in sets:
+        stage, rest = line.split(".", 1)
+        key = rest.split("=", 1)[0]
+        assert key in sized or key.startswith("resources."), line
+    assert set(spec.stages) == set(base.stages) and len(spec.stages) >= 27
+    for name, st in spec.stages.items():
+        assert st.resources.gpus == 0 and st.resources.cpus == 1, name
+        b = base.stages[name]
+        assert st.kind.name == b.kind.name and st.inputs == b.inputs, name  # the same graph
+    assert base.stages["pretrain"].params.copy_share > 0  # the curriculum is rehearsed, not turned off
+    assert spec.stages["pretrain"].params.copy_share == base.stages["pretrain"].params.copy_share
+
+
+def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_params():
+    spec = load_spec(gpu_recipe_cpu.SPEC)
+    hybrid = spec.stages["pretrain"].params.model_dump()
+    varied = spec.stages["compare"].params.varied
+    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr"}
+    for name, pattern in (("pretrain_all_softmax", "all-softmax"), ("pretrain_all_lightning", "all-lightning")):
+        p = spec.stages[name].params.model_dump()
+        assert p["model_overrides"] == {"attention_pattern": pattern}
+        diff = {k for k in hybrid if hybrid[k] != p[k]}
+        assert diff <= {"model_overrides", "peak_lr"}, (name, diff)
+    assert hybrid["model_overrides"] == {"attention_pattern": "hybrid"}
+    gpu = [n for n, st in spec.stages.items() if st.resources.gpus]
+    assert all(spec.stages[n].resources.gpus == 1 for n in gpu)  # one GPU each: Ray places them side by side
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
+    report = tmp_path / "report.json"
+    rc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_recipe_cpu.py"), "--root", str(tmp_path / "root"),
+                         "--json", str(report)], cwd=ROOT, timeout=1500).returncode
+    stages = json.loads(report.read_text())["stages"]
+    assert rc == 0 and all(r["state"] == "done" for r in stages.values()), {
+        n: r["error"] for n, r in stages.items() if r["state"] != "done"}
+    assert len(stages) >= 27
+    pre = stages["pretrain"]["summary"]
+    assert pre["tokens"] == 61440 and pre["eval_loss"] < 9.0
+    # the copy curriculum was built and read: its rows are in the packed data's record
+    copy = json.loads((Path(stages["pretrain"]["artifact"]) / "copy_curriculum.json").read_text())
+    assert copy["rows"] == int(40960 // 256 * 0.6) and copy["samples"] > copy["rows"]
+    comparison = json.loads(next((tmp_path / "root" / "artifacts" / "compare").glob("*/comparison.json")).read_text())
+    assert comparison["fair"] is True
+    for name in ("sft_short", "dpo_short", "grpo", "eval_grpo"):
+        assert "eval_pass_rate" in stages[name]["summary"], name
+
+
+@pytest.mark.slow
+def test_the_gpu_runs_preflight_passes_against_this_machines_packages(tmp_path):
+    """bench/run_gpu_dag.sh checks, before a GPU run, that every stage's imports resolve (its preflight names
+    modules of this repo: a split or a move must not leave it behind, as it once did unnoticed)."""
+    import sysconfig
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SITE": sysconfig.get_paths()["purelib"], "SITE_READY": "1",
+           "PYTHON": sys.executable, "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "PREFLIGHT_ONLY": "1",
+           "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu_dag.sh")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    log = (tmp_path / "out" / "run.log").read_text()
+    assert r.returncode == 0, log[-3000:] + r.stderr[-2000:]
+    assert log.count(": ok") >= 8 and "FAILED" not in log
