@@ -15,6 +15,8 @@
 #
 #   bash bench/gpu_recipe_lease.sh                  # first call (carry .whl-dag/pack): start and watch ~9 min
 #   bash bench/gpu_recipe_lease.sh                  # each next call, on the still-warm machine: watch on
+#   RESTART=1 bash bench/gpu_recipe_lease.sh        # the run ended on a failure fixed in this call's tree: run it
+#                                                   # again on the same artifact root (finished stages cached)
 #
 # A call made within 30 s of the last one finds the machine warm and the run going. Between calls nothing stops:
 # no stage is cut by a call's limit, no checkpoint is reloaded. The run itself is limited by RUN_LIMIT_S (1700 s:
@@ -39,9 +41,12 @@ say() { echo "[lease +$(( $(date +%s) - T0 ))s] $*" | tee -a "$PROGRESS"; }
 
 running() { [ -f "$LEASE/pid" ] && kill -0 "$(cat "$LEASE/pid")" 2>/dev/null; }
 
-if [ ! -f "$LEASE/pid" ]; then
+if [ ! -f "$LEASE/pid" ] || { [ -n "${RESTART:-}" ] && ! running; }; then
     mkdir -p "$RUN_OUT"
-    OUT="$RUN_OUT" RUN_LIMIT_S=${RUN_LIMIT_S:-1700} setsid nohup bash bench/run_gpu_dag.sh \
+    # RESTART=1 after the run ended (a fix sent with this call): the same artifact root, finished stages cached
+    keep=${RESTART:+1}
+    [ -n "$keep" ] && say "restarting the ended run on its artifact root (KEEP_WORK=1)"
+    KEEP_WORK=$keep OUT="$RUN_OUT" RUN_LIMIT_S=${RUN_LIMIT_S:-1700} setsid nohup bash bench/run_gpu_dag.sh \
         >"$LEASE/run_gpu_dag.out" 2>&1 </dev/null &
     echo $! >"$LEASE/pid"
     date +%s >"$LEASE/started"
