@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=0)
     ap.add_argument("--small-steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text-share", type=float, default=0.0, help=(
+        "share of each batch's rows that are i.i.d. Zipf tokens with the loss on every token (a stand-in for text: "
+        "learnable as a unigram, no copying), as the recipe's copy curriculum mixes copy rows with text"))
     args = ap.parse_args()
 
     from model.modeling import HybridForCausalLM
@@ -66,10 +69,13 @@ def main() -> None:
         hi = args.small if args.small and step is not None and step <= args.small_steps else V
         return rng.integers(RESERVED, hi, size=span)
 
-    def batch(n: int, step: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(n: int, step: int | None, text_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         ids = np.zeros((n, L), np.int64)
         labels = np.full((n, L), -100, np.int64)
-        for b in range(n):
+        for b in range(n - text_rows, n):  # the text stand-in: Zipf tokens, every one a target
+            ids[b, 1:] = RESERVED + rng.choice(V - RESERVED, size=L - 1, p=zipf)
+            labels[b, 2:] = ids[b, 2:]
+        for b in range(n - text_rows):
             p = 1
             while p + 2 * span <= L:
                 r = draw(step)
@@ -82,7 +88,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / 20)
-        x, y = batch(args.rows, step)
+        x, y = batch(args.rows, step, text_rows=round(args.rows * args.text_share))
         loss = model(input_ids=x, labels=y).loss
         opt.zero_grad()
         loss.backward()

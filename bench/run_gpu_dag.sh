@@ -90,6 +90,16 @@ if not target.exists():
 EOF
 phases+=("encoder_weights=$(since "$t")")
 
+# compile caches (inductor's, Triton's) in $WORK/compile-cache, inherited by every stage worker: a carried
+# .compile-cache/compile-cache.tar.gz (an earlier lease's, which bench/gpu_recipe_lease.sh returns in $OUT) is
+# unpacked there first, so that the softmax layers' FlexAttention compile (260 s of every pretrain's first window on
+# a cold 4 x H200 host, BENCHMARKS.md) can be a cache hit. Inductor's cache is keyed by the GPU model too.
+export TORCHINDUCTOR_CACHE_DIR="$WORK/compile-cache/inductor" TRITON_CACHE_DIR="$WORK/compile-cache/triton"
+if [ -f .compile-cache/compile-cache.tar.gz ] && [ ! -d "$WORK/compile-cache" ]; then
+    mkdir -p "$WORK/compile-cache" && tar -C "$WORK" -xzf .compile-cache/compile-cache.tar.gz \
+        && say "compile caches unpacked from .compile-cache/compile-cache.tar.gz" \
+        || say "unpacking .compile-cache/compile-cache.tar.gz failed: compiling cold"
+fi
 export PYTHONPATH="${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HYLIGHT_STATE_DIR="$WORK/state" MPLBACKEND=Agg

@@ -204,8 +204,8 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
 def copy_rows_for(train_tokens: int, seq_len: int, share: float, until_tokens: int) -> int:
     """Copy rows the curriculum reads: ``share`` of the rows of its first ``until_tokens`` training tokens (each
     copy row is read once; :class:`pretrain.packed_data.CurriculumLoader`)."""
-    if not 0.0 <= share < 1.0:
-        raise ValueError(f"copy_share={share}: use a share in [0, 1)")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"copy_share={share}: use a share in [0, 1]")
     slots = min(until_tokens, train_tokens) // seq_len
     return int(slots * share)
 
@@ -215,7 +215,8 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Append ``rows`` copy-curriculum rows to the training split in ``data_dir`` and record the schedule that
     reads them (``copy_curriculum.json``): the first ``rows / share`` rows a run reads hold them at ``share``,
-    evenly spread, the rest of those rows and everything after coming from the split's other rows
+    evenly spread (all of them at share 1), the rest of those rows and everything after coming from the split's
+    other rows
     (:class:`pretrain.packed_data.CurriculumLoader`). Our departure from the report (issue 33): a model of this size
     copies after a few hundred steps of this plainest copying task (BENCHMARKS.md), and not within the recipe's
     budget from natural text and the other retrieval kinds alone.
@@ -230,8 +231,8 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     lo, hi = (int(x) for x in span_tokens)
     if not 1 <= lo <= hi:
         raise ValueError(f"copy span_tokens={list(span_tokens)}: use [min, max] with 1 <= min <= max")
-    if rows < 1 or not 0.0 < share < 1.0:
-        raise ValueError(f"copy rows={rows}, share={share}: need rows >= 1 and a share in (0, 1)")
+    if rows < 1 or not 0.0 < share <= 1.0:
+        raise ValueError(f"copy rows={rows}, share={share}: need rows >= 1 and a share in (0, 1]")
     info = read_info(data_dir)
     seq_len, special = info.seq_len, info.special_ids
     mark = np.asarray(tokenizer.encode(COPY_MARK, add_special_tokens=False).ids, TOKEN_DTYPE)

@@ -61,10 +61,10 @@ class PretrainParams(TrainingParams, RunShape):
     eval_documents: int = Field(64, ge=1, description=(
         "Held-out documents for eval_loss (documents the mixture never samples first; taken out of training if "
         "there are not enough, and counted)."))
-    copy_share: float = Field(0.0, ge=0, lt=1, description=(
+    copy_share: float = Field(0.0, ge=0, le=1, description=(
         "Copy curriculum: share of the rows read in the first copy_until_tokens that are pure copy rows (a span "
         "of token ids drawn uniformly from the vocabulary, a marker, the span again; the loss on the repeat), "
-        "each read once; 0: none. Our departure from the report (issue 33): copying forms at gpu-300m after a few "
+        "each read once; 1: nothing else in that window; 0: none. Our departure from the report (issue 33): copying forms at gpu-300m after a few "
         "hundred steps of this task, not within the recipe's budget from text and the other retrieval kinds."))
     copy_until_tokens: int = Field(0, ge=0, description=(
         "Training tokens (rows read x seq_len, from the start) over which the copy rows are spread; after them "

@@ -67,7 +67,8 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
     assert pre["tokens"] == 61440 and pre["eval_loss"] < 9.0
     # the copy curriculum was built and read: its rows are in the packed data's record
     copy = json.loads((Path(stages["pretrain"]["artifact"]) / "copy_curriculum.json").read_text())
-    assert copy["rows"] == int(40960 // 256 * 0.6) and copy["samples"] > copy["rows"]
+    share = load_spec(gpu_recipe_cpu.SPEC).stages["pretrain"].params.copy_share
+    assert copy["rows"] == int(40960 // 256 * share) and copy["samples"] > copy["rows"]
     comparison = json.loads(next((tmp_path / "root" / "artifacts" / "compare").glob("*/comparison.json")).read_text())
     assert comparison["fair"] is True
     for name in ("sft_short", "dpo_short", "grpo", "eval_grpo"):

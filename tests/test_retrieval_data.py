@@ -516,3 +516,16 @@ def test_pretrain_params_check_the_copy_curriculum():
         PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[64, 16])
     with pytest.raises(ValueError, match="does not fit"):
         PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[200, 300])
+
+
+def test_a_pure_copy_window_reads_only_copy_rows_then_the_plain_epochs_from_their_start():
+    """copy_share 1: the curriculum's window holds nothing but copy rows; the plain rows then start at their first
+    epoch's first slot, as a run without the curriculum starts."""
+    from pretrain.packed_data import CurriculumLoader, RowLoader
+    from pretrain.retrieval_rows import copy_rows_for
+
+    assert copy_rows_for(10 * 256, 256, 1.0, 6 * 256) == 6
+    loader = CurriculumLoader(20 + 6, copy_start=20, copy_rows=6, curriculum_rows=6, seed=4)
+    first = loader.next_indices(6)
+    assert first == list(range(20, 26))
+    assert loader.next_indices(25) == RowLoader(20, seed=4).next_indices(25)
