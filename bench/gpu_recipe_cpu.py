@@ -32,8 +32,8 @@ from pipeline.spec import load_spec  # noqa: E402
 SPEC = ROOT / "dags" / "gpu-recipe.yaml"
 
 # by stage kind: the sizes that make a stage of that kind CPU-sized (params absent here stay the spec's)
-PRETRAIN = {"size": "tiny", "seq_len": 256, "micro_batch_rows": 4, "batch_rows": 8, "max_batch_rows": 8,
-            "train_tokens": 61440, "copy_until_tokens": 40960, "copy_span_tokens": [8, 48],
+PRETRAIN = {"size": "tiny", "seq_len": 256, "micro_batch_rows": 4, "batch_rows": 4, "max_batch_rows": 8,
+            "double_batch_at_tokens": [40960], "train_tokens": 61440, "copy_until_tokens": 40960, "copy_span_tokens": [8, 48],
             "retrieval_min_tokens": 128, "checkpoint_every": 10, "log_every": 5, "probe_every": 10}
 LONG_CONTEXT = {"phases": [{"seq_len": 512, "rope_theta": 20000.0, "tokens": 8192, "short": 30, "medium": 70, "long": 0},
                            {"seq_len": 1024, "rope_theta": 40000.0, "tokens": 8192, "short": 35, "medium": 35, "long": 30}],
