@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,44 @@ class TrainingText:
                          "sample needs; lower min_tokens or add data")
 
 
+def _write_train_split(data_dir: Path, total: int, seq_len: int, vocab: int, tag: str,
+                       rows: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """Rewrite the training split's token rows, no-loss mask, segment starts and index from ``rows``: ``total``
+    ``(tokens, segment_starts, no_loss)`` in order. Written under temporary names, checked, then renamed into place
+    (the caller writes ``packing.json`` last: its presence means the rest is complete)."""
+    pid = os.getpid()
+    tmp = {w: data_dir / f".{split_file('train', w)}.{tag}-{pid}" for w in ("tokens", "no_loss")}
+    tokens = np.lib.format.open_memmap(tmp["tokens"], "w+", TOKEN_DTYPE, (total, seq_len))
+    no_loss = np.lib.format.open_memmap(tmp["no_loss"], "w+", np.bool_, (total, seq_len))
+    starts: list[np.ndarray] = []
+    index = np.zeros(total + 1, np.int64)
+    j = -1
+    for j, (row, row_starts, pad) in enumerate(rows):
+        tokens[j] = row
+        no_loss[j] = pad
+        starts.append(np.asarray(row_starts, np.int32))
+        index[j + 1] = index[j] + len(row_starts)
+    if j + 1 != total:
+        raise RuntimeError(f"{tag} rows: made {j + 1} rows, not {total} (a bug in pretrain/retrieval_rows.py)")
+    if int(tokens.max(initial=0)) >= vocab:
+        raise ValueError(f"{tag} rows hold a token id >= the vocabulary size {vocab}: wrong tokenizer")
+    tokens.flush()
+    no_loss.flush()
+    del tokens, no_loss
+    os.replace(tmp["tokens"], data_dir / split_file("train", "tokens"))
+    os.replace(tmp["no_loss"], data_dir / split_file("train", "no_loss"))
+    _save_npy(data_dir / split_file("train", "segment_starts"), np.concatenate(starts).astype(np.int32))
+    _save_npy(data_dir / split_file("train", "segment_index"), index)
+
+
+def _commit(data_dir: Path, record_file: str, record: dict[str, Any], info: Any) -> None:
+    """What was made (``record_file``), then ``packing.json`` last: its presence means the rest is complete."""
+    with atomic_file(data_dir / record_file) as f:
+        f.write((json.dumps(record, indent=1) + "\n").encode())
+    with atomic_file(data_dir / INFO_FILE) as f:
+        f.write(info.to_json().encode())
+
+
 def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int, seed: int,
                        kinds: Sequence[str] = KINDS, min_tokens: int = 256, loss_on: str = "all",
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -115,22 +153,18 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
     at = positions(len(plain), added_rows)
     vocab = info.vocab_size
 
-    pid = os.getpid()
-    tmp = {w: data_dir / f".{split_file('train', w)}.retrieval-{pid}" for w in ("tokens", "no_loss")}
-    tokens = np.lib.format.open_memmap(tmp["tokens"], "w+", TOKEN_DTYPE, (total, seq_len))
-    no_loss = np.lib.format.open_memmap(tmp["no_loss"], "w+", np.bool_, (total, seq_len))
-    starts: list[np.ndarray] = []
-    index = np.zeros(total + 1, np.int64)
     unigram = np.load(data_dir / UNIGRAM_FILE)
     by_kind = {k: {"samples": 0, "tokens": 0, "answer_tokens": 0, "loss_tokens": 0} for k in kinds}
     filler = {"segments": 0, "tokens": 0}
     added = {"tokens": 0, "loss_tokens": 0, "segments": 0}
-    p, made = 0, 0
-    for j in range(total):
-        if not at[j]:
-            row, row_starts, pad = plain.row(p)
-            p += 1
-        else:
+
+    def made_rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        p, made = 0, 0
+        for j in range(total):
+            if not at[j]:
+                yield plain.row(p)
+                p += 1
+                continue
             pieces, masks, row_starts_l, space = [], [], [0], seq_len
             while space > 0:
                 if space < min_tokens:  # the rest: plain text, one segment
@@ -157,26 +191,16 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
                     row_starts_l.append(seq_len - space)
             row, pad = np.concatenate(pieces), np.concatenate(masks)
             row_starts = np.asarray([*row_starts_l, seq_len], np.int32)
-            unigram += np.bincount(row, minlength=vocab)
+            np.add(unigram, np.bincount(row, minlength=vocab), out=unigram)
             added["tokens"] += seq_len
             added["segments"] += len(row_starts) - 1
             added["loss_tokens"] += int(loss_mask(row_starts, pad).sum())
             made += 1
             if progress and made % 256 == 0:
                 progress(f"retrieval rows: {made:,}/{added_rows:,}")
-        tokens[j] = row
-        no_loss[j] = pad
-        starts.append(np.asarray(row_starts, np.int32))
-        index[j + 1] = index[j] + len(row_starts)
-    if int(tokens.max(initial=0)) >= vocab:
-        raise ValueError(f"retrieval rows hold a token id >= the vocabulary size {vocab}: wrong tokenizer")
-    tokens.flush()
-    no_loss.flush()
-    del tokens, no_loss
-    os.replace(tmp["tokens"], data_dir / split_file("train", "tokens"))
-    os.replace(tmp["no_loss"], data_dir / split_file("train", "no_loss"))
-    _save_npy(data_dir / split_file("train", "segment_starts"), np.concatenate(starts).astype(np.int32))
-    _save_npy(data_dir / split_file("train", "segment_index"), index)
+            yield row, row_starts, pad
+
+    _write_train_split(data_dir, total, seq_len, vocab, "retrieval", made_rows())
     _save_npy(data_dir / UNIGRAM_FILE, unigram)
 
     t = info.train
@@ -191,10 +215,7 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
               "answer_tokens": sum(c["answer_tokens"] for c in by_kind.values()),
               "share_of_rows": added_rows / max(total, 1), "filler": filler, "by_kind": by_kind,
               "kinds": list(kinds), "min_tokens": min_tokens, "loss_on": loss_on, "seed": seed}
-    with atomic_file(data_dir / RETRIEVAL_FILE) as f:
-        f.write((json.dumps(record, indent=1) + "\n").encode())
-    with atomic_file(data_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
-        f.write(replace(info, train=train).to_json().encode())
+    _commit(data_dir, RETRIEVAL_FILE, record, replace(info, train=train))
     if progress:
         progress(f"retrieval rows: {added_rows:,} of {total:,} training rows, {samples:,} samples ("
                  + ", ".join(f"{k} {c['samples']:,}" for k, c in by_kind.items()) + ")")
@@ -245,17 +266,13 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     rng = np.random.default_rng([seed, _COPY_TAG])
     total = len(plain) + rows
 
-    pid = os.getpid()
-    tmp = {w: data_dir / f".{split_file('train', w)}.copy-{pid}" for w in ("tokens", "no_loss")}
-    tokens = np.lib.format.open_memmap(tmp["tokens"], "w+", TOKEN_DTYPE, (total, seq_len))
-    no_loss = np.lib.format.open_memmap(tmp["no_loss"], "w+", np.bool_, (total, seq_len))
-    starts: list[np.ndarray] = []
-    index = np.zeros(total + 1, np.int64)
-    samples, span_total, loss_tokens = 0, 0, 0
-    for j in range(total):
-        if j < len(plain):
-            row, row_starts, pad = plain.row(j)
-        else:
+    made = {"samples": 0, "span_tokens": 0, "loss_tokens": 0}
+
+    def made_rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        for j in range(total):
+            if j < len(plain):
+                yield plain.row(j)
+                continue
             pieces, masks, row_starts_l, space = [], [], [0], seq_len
             while space:
                 n = min(2 * int(rng.integers(lo, hi + 1)) + mark.size + 2, space)
@@ -264,27 +281,20 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
                 s = copy_sample(pool, n, rng, bos=special["bos"], eos=special["eos"], mark=mark)
                 pieces.append(s.tokens)
                 masks.append(s.no_loss)
-                samples += 1
-                span_total += s.meta["span_tokens"]
+                made["samples"] += 1
+                made["span_tokens"] += s.meta["span_tokens"]
                 space -= n
                 if space:
                     row_starts_l.append(seq_len - space)
             row, pad = np.concatenate(pieces), np.concatenate(masks)
             row_starts = np.asarray([*row_starts_l, seq_len], np.int32)
-            loss_tokens += int(loss_mask(row_starts, pad).sum())
+            made["loss_tokens"] += int(loss_mask(row_starts, pad).sum())
             if progress and (j - len(plain) + 1) % 1024 == 0:
                 progress(f"copy rows: {j - len(plain) + 1:,}/{rows:,}")
-        tokens[j] = row
-        no_loss[j] = pad
-        starts.append(np.asarray(row_starts, np.int32))
-        index[j + 1] = index[j] + len(row_starts)
-    tokens.flush()
-    no_loss.flush()
-    del tokens, no_loss, plain
-    os.replace(tmp["tokens"], data_dir / split_file("train", "tokens"))
-    os.replace(tmp["no_loss"], data_dir / split_file("train", "no_loss"))
-    _save_npy(data_dir / split_file("train", "segment_starts"), np.concatenate(starts).astype(np.int32))
-    _save_npy(data_dir / split_file("train", "segment_index"), index)
+            yield row, row_starts, pad
+
+    _write_train_split(data_dir, total, seq_len, info.vocab_size, "copy", made_rows())
+    samples, loss_tokens = made["samples"], made["loss_tokens"]
 
     t = info.train
     train = replace(t, rows=total, tokens=t.tokens + rows * seq_len, loss_tokens=t.loss_tokens + loss_tokens,
@@ -292,12 +302,9 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
                     document_instances=t.document_instances + samples)
     record = {"rows": rows, "plain_rows": total - rows, "share": share, "first_copy_row": total - rows,
               "curriculum_rows": int(math.ceil(rows / share)), "seq_len": seq_len, "samples": samples,
-              "span_tokens": [lo, hi], "mean_span_tokens": span_total / max(samples, 1),
+              "span_tokens": [lo, hi], "mean_span_tokens": made["span_tokens"] / max(samples, 1),
               "loss_tokens": loss_tokens, "pool": int(pool.size), "marker_tokens": int(mark.size), "seed": seed}
-    with atomic_file(data_dir / COPY_FILE) as f:
-        f.write((json.dumps(record, indent=1) + "\n").encode())
-    with atomic_file(data_dir / INFO_FILE) as f:  # last: its presence means the rest is complete
-        f.write(replace(info, train=train).to_json().encode())
+    _commit(data_dir, COPY_FILE, record, replace(info, train=train))
     if progress:
         progress(f"copy curriculum: {rows:,} rows ({samples:,} samples, spans of {lo}-{hi} ids from {pool.size:,}) "
                  f"read as {share:.0%} of the first {record['curriculum_rows']:,} rows")
