@@ -29,7 +29,8 @@ process cap). Which isolation was in force is in the result: ``network_mode`` (`
 (either side may be the literal), ``assert CALL is None``, ``assert CALL`` (expects ``True``) or ``assert not CALL``
 (expects ``False``); :func:`parse_tests` splits each into the expression the child evaluates and the value the parent
 expects. Only the expressions enter the sandbox. The child sends back each value as JSON. The parent compares that
-with the expected value, types included (``1``, ``1.0`` and ``True`` differ). So the response cannot read the
+with the expected value as plain data, as Python's ``==`` would (``3.0`` equals ``3``) except that a bool equals
+only a bool (``1`` is not ``True``): :func:`_same`. So the response cannot read the
 expected values, because they are never in its process. It cannot forge a pass by writing "passed" on the result
 pipe, because the parent reads values there, not verdicts. And an object whose ``__eq__`` always says True is not
 plain data, so it fails. A response can still write values on the pipe in place of its function's, but it must know
@@ -367,12 +368,32 @@ def _parse(line: str) -> dict:
         return {}
 
 
+def _same(got: object, want: object) -> bool:
+    """Python's ``==`` on plain data, as ``assert EXPR == LITERAL`` would judge it, except that a bool equals only a
+    bool (``True`` is not ``1`` here): an int and a float of the same value are equal (``3.0 == 3``), NaN equals
+    nothing, lists and dicts compare element by element."""
+    if isinstance(got, bool) or isinstance(want, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(got, (int, float)) and isinstance(want, (int, float)):
+        return got == want
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want, strict=True))
+    if isinstance(got, dict) and isinstance(want, dict):
+        return got.keys() == want.keys() and all(_same(got[k], want[k]) for k in got)
+    return type(got) is type(want) and got == want
+
+
 def _verdict(case: SandboxCase, event: dict) -> str | None:
-    """None when the child's value for ``case`` is its expected value (canonical JSON, types included), else why."""
+    """None when the child's value for ``case`` equals its expected value (both as plain JSON data, compared by
+    :func:`_same`), else why."""
     if "json" not in event:
         return str(event.get("error", "no value"))[:300]
     got, want = event["json"], canonical_json(case.expected)
-    if not isinstance(got, str) or got != want:
+    try:
+        equal = isinstance(got, str) and _same(json.loads(got), json.loads(want))
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: not the expected value
+        equal = False
+    if not equal:
         return f"AssertionError: {case.expression[:80]} returned {str(got)[:80]}, expected {want[:80]}"
     return None
 

@@ -100,12 +100,18 @@ def _private_filesystem(libc, job):
     return "private"
 
 
+def _die_of(sig):
+    """End this process by ``sig``. SIGKILL and SIGSTOP take no handler (setting one raises, which would end the
+    process with exit code 1 instead: a CPU-limit kill then read as an error, not a timeout)."""
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+
+
 def _reraise(status):
     """Exit as the waited-for process did: the parent reads a signal death as -signal."""
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
+        _die_of(os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
@@ -118,8 +124,7 @@ def _pid_namespace(libc, filesystem):
         status = os.waitpid(init, 0)[1]
         code = os.waitstatus_to_exitcode(status)
         if 128 < code < 128 + signal.NSIG:  # init's 128+sig: die of sig (the parent maps -SIGXCPU to "timeout")
-            signal.signal(code - 128, signal.SIG_DFL)
-            os.kill(os.getpid(), code - 128)
+            _die_of(code - 128)
         _reraise(status)
     _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)  # only this namespace's pids
     worker = os.fork()

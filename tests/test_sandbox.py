@@ -82,6 +82,30 @@ def test_cpu_limit_stops_a_busy_loop_before_the_wall_limit():
     assert r.status == "timeout" and "CPU" in r.error
 
 
+def test_a_program_that_ignores_sigxcpu_is_a_timeout_not_an_error():
+    """Past the soft CPU limit the kernel sends SIGXCPU; ignored, the hard limit's SIGKILL ends the code. Before, the
+    PID namespace's relay tried to set a handler for SIGKILL, failed, and the run read as an error (exit code 1)."""
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n"
+    r = run_python(code, [], SandboxLimits(wall_seconds=10.0, cpu_seconds=1))
+    assert r.status == "timeout" and "CPU" in r.error, r
+    assert r.wall_seconds < 9.0  # the CPU limit's kill, not the wall clock's
+
+
+@pytest.mark.parametrize(("returns", "passes"), [
+    ("float(a + b)", True),  # 3.0 == 3 in Python: a correct solution
+    ("[a + b, float(a)]", False),  # a list where a number is expected
+    ("a + b == 3", False),  # True is not 3 (nor 1)
+], ids=["float-for-int", "list", "bool"])
+def test_numbers_compare_as_pythons_equality_does_but_bools_stay_apart(returns, passes):
+    r = run_python(f"def add(a, b):\n    return {returns}\n", ["assert add(1, 2) == 3"])
+    assert r.tests_passed == int(passes), r.test_errors
+    nested = run_python("def pair():\n    return [1.0, {'k': 2.0}]\n", ["assert pair() == [1, {'k': 2}]",
+                                                                        "assert pair() == [1, {'k': 3}]"])
+    assert nested.test_errors[0] is None and nested.test_errors[1] is not None
+    flag = run_python("def one():\n    return 1\n", ["assert one() == True", "assert one() == 1.0"])
+    assert flag.test_errors[0] is not None and flag.test_errors[1] is None
+
+
 @pytest.mark.parametrize("use_cgroup", [True, False], ids=["cgroup", "no-cgroup"])
 def test_fork_bomb_is_stopped_and_no_process_survives(use_cgroup, own_temp_root):
     before = _sandbox_processes(own_temp_root)
