@@ -30,7 +30,7 @@ recalled without looking back (the first GPU run with verbatim corpus passages l
 Only copying reproduces a random order of words.
 
 Keys are made of syllables (``tovu-remi``), values are digit strings or lower-case codes of varying length.
-**Nothing here uses the eval stage's templates** (``evaluation/tasks.py``: the "special magic {city} number"
+**Nothing here uses the eval stage's templates** (``data/eval_tasks.py``: the "special magic {city} number"
 needle and question, the multi-round NIAH dialogue): the eval measures transfer of the copying mechanism, not a
 memorised format. ``tests/test_retrieval_data.py`` checks the formats are disjoint.
 """

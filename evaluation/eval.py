@@ -28,7 +28,7 @@ What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_
 * extrapolation: next-token loss by position on held-out windows of the longest context (``[BOS]`` + held-out
   tokens), ``eval_loss_at_<L>`` = mean loss of the tokens at positions [previous length, L) (the first from 1), so
   ``eval_loss_at_<2T>`` is the loss on positions the model never trained on; plot ``plots/loss_by_position.png``;
-* multiple choice (``evaluation/tasks.py``): cloze and next-sentence tasks built from the held-out text and every
+* multiple choice (``data/eval_tasks.py``): cloze and next-sentence tasks built from the held-out text and every
   lm-eval JSONL file in ``task_files``; per task ``mc_acc.<task>``, ``mc_acc_norm.<task>``, ``mc_log_acc_norm2.<task>``
   (§4.1.3.1), ``mc_items.<task>`` and the power analysis (``mc_min_items.<task>``: test size that detects an accuracy
   gain of ``mde``; ``mc_mde.<task>``: the gain this task's size detects); ``mc_acc_norm`` / ``mc_log_acc_norm2`` are
@@ -54,18 +54,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from data.documents import SCORED_DOCUMENTS_TYPE
-from data.mix import MIXTURE_TYPE
-from evaluation.heldout import HeldOut, heldout_documents
-from evaluation.metrics import (
-    choice_scores,
-    min_detectable_accuracy_difference,
-    min_samples_for_accuracy_difference,
-    niah_correct,
-    recall,
-)
-from evaluation.report import plot_results, summary_metrics, write_strict_json
-from evaluation.scorer import Scorer
-from evaluation.tasks import (
+from data.eval_tasks import (
     MCTask,
     TokenStream,
     build_cloze_task,
@@ -79,6 +68,17 @@ from evaluation.tasks import (
     niah_distractors,
     read_lm_eval_jsonl,
 )
+from data.mix import MIXTURE_TYPE
+from evaluation.heldout import HeldOut, heldout_documents
+from evaluation.metrics import (
+    choice_scores,
+    min_detectable_accuracy_difference,
+    min_samples_for_accuracy_difference,
+    niah_correct,
+    recall,
+)
+from evaluation.report import plot_results, summary_metrics, write_strict_json
+from evaluation.scorer import Scorer
 from pipeline.artifacts import write_jsonl_atomic, write_text_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, file_fingerprint, metric_key
 from pipeline.user_jsonl import jsonl_file_problems

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from evaluation.tasks import MCItem
+from data.eval_tasks import MCItem
 
 
 class Scorer:

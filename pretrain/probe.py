@@ -5,11 +5,11 @@ The ``eval`` stage measures retrieval once, at the end; learning to copy is a ph
 
 * ``copy_accuracy``: top-1 accuracy on the second copy of ``[BOS] R R`` (``R`` tokens drawn uniformly from the
   distinct ordinary tokens of the held-out text: tokens a model trained on this corpus has met, in an order no
-  text has; ``evaluation/tasks.build_copy_trials``), and ``copy_loss_gain``, the first copy's mean loss minus
+  text has; ``data/eval_tasks.build_copy_trials``), and ``copy_loss_gain``, the first copy's mean loss minus
   the second's (nats); the eval stage's default ``copy_pool``. ``copy_pool="vocab"`` draws from the whole ordinary
   vocabulary instead: on a small corpus many of a 32K vocabulary's tokens are never a training target, and a model
   that copies every token it has met can still score 0 there;
-* ``niah_choice_accuracy``: vanilla NIAH prompts of the training length (``evaluation/tasks``: the needle in
+* ``niah_choice_accuracy``: vanilla NIAH prompts of the training length (``data/eval_tasks``: the needle in
   a haystack of held-out rows, one prompt per depth from 0 to 1) scored as a forced choice between the needle's
   number and ``distractors`` numbers the prompt never held (teacher-forced log-likelihood of each as the answer;
   chance is 1 / (1 + distractors)), and ``niah_answer_margin`` (nats: the needle's number minus the distractors'
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from evaluation.tasks import (
+from data.eval_tasks import (
     TokenStream,
     build_copy_trials,
     build_niah_trials,

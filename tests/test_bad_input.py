@@ -413,8 +413,8 @@ def test_a_bad_user_prompt_line_is_a_validation_problem_at_its_line(tmp_path, li
 
 @pytest.mark.parametrize(("line", "message"), BAD_USER_LINES)
 def test_a_bad_eval_task_line_is_an_error_at_its_line_and_a_validation_problem(tmp_path, line, message):
+    from data.eval_tasks import read_lm_eval_jsonl
     from evaluation.eval import EvalParams, validate_external
-    from evaluation.tasks import read_lm_eval_jsonl
 
     path = tmp_path / "task.jsonl"
     item = {"query": "q", "choices": ["a", "b"], "gold": 0}

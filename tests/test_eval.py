@@ -18,18 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluation.eval import EvalParams
-from evaluation.heldout import heldout_documents
-from evaluation.metrics import (
-    choice_scores,
-    log_acc_norm2,
-    min_detectable_accuracy_difference,
-    min_samples_for_accuracy_difference,
-    min_samples_for_mean_difference,
-    niah_correct,
-    recall,
-)
-from evaluation.tasks import (
+from data.eval_tasks import (
     NEEDLE,
     QUESTION,
     MCItem,
@@ -43,6 +32,17 @@ from evaluation.tasks import (
     niah_distractors,
     niah_prompt,
     read_lm_eval_jsonl,
+)
+from evaluation.eval import EvalParams
+from evaluation.heldout import heldout_documents
+from evaluation.metrics import (
+    choice_scores,
+    log_acc_norm2,
+    min_detectable_accuracy_difference,
+    min_samples_for_accuracy_difference,
+    min_samples_for_mean_difference,
+    niah_correct,
+    recall,
 )
 from pipeline.stage import Artifact, StageContext
 from tests.pretrain_fixtures import PretrainInputs
@@ -194,8 +194,8 @@ def test_copy_probe_credits_a_copying_model_on_the_second_copy_only(tmp_path: Pa
 
 
 def test_copy_probe_draws_from_the_held_out_texts_tokens_by_default(tmp_path: Path) -> None:
+    from data.eval_tasks import TokenStream
     from evaluation.eval import _copy_probe
-    from evaluation.tasks import TokenStream
 
     ctx = StageContext(tmp_path / "out", {}, stage_name="eval")
     held = np.asarray([0, 7, 9, 11, 7, 13, 200, 4999, 9, 0], np.int64)  # 0 is BOS, not an ordinary id here

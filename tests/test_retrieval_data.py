@@ -14,8 +14,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from data import eval_tasks
 from data.retrieval import KINDS, TEMPLATES, RetrievalMaker, make_key
-from evaluation import tasks as eval_tasks
 from pretrain.packed_data import PackedRows, build_packed_dataset, loss_mask, make_batch
 from pretrain.retrieval_rows import (
     RETRIEVAL_FILE,

@@ -442,3 +442,16 @@ def test_the_child_refuses_when_it_cannot_create_a_namespace_and_runs_nothing(tm
     assert out["require"] == ["a PID namespace"], out
     assert out["ran_under_require"] is False
     assert out["best_effort"] == ["ok", 1, False, True], out  # it ran, and its result says without a PID namespace
+
+
+def test_a_guard_mode_run_is_named_in_the_containment_record_that_becomes_the_mlflow_tags():
+    """Guard mode (no network namespace; ctypes gets past it, as the module says) is opt-in, and when a run used it
+    the stage's `hylight.sandbox.network_mode` tag says so (record_sandbox tags containment_record())."""
+    from posttrain.sandbox import containment_record
+
+    containment_record()  # forget earlier runs of this process
+    run_python("x = 1\n", [], SandboxLimits(network="namespace"))
+    run_python("x = 1\n", [], SandboxLimits(network="guard"))
+    record = containment_record()
+    assert record["runs"] == "2" and "guard" in record["network_mode"].split(","), record
+    assert containment_record()["runs"] == "0"  # forgotten once read

@@ -1,6 +1,7 @@
 """What the ``eval`` stage asks the model: NIAH prompts, multi-round NIAH dialogues and multiple-choice tasks, all
 built from held-out text (documents the checkpoint was not trained on), plus the reader for lm-eval JSONL task
-files. No model here: ``evaluation/eval.py`` runs them, ``evaluation/metrics.py`` scores them.
+files. No model here: ``evaluation/eval.py`` runs them, ``evaluation/metrics.py`` scores them. It lives in ``data/`` so that
+pretraining's in-training probe (``pretrain/probe.py``) builds the same tasks with every import pointing down.
 
 * **Vanilla NIAH** (§4.2, footnote 2): the needle "The special magic {city} number is: {number}." inside a haystack
   of held-out text, at a depth (the share of haystack tokens before it), then the question. Built in token space,
