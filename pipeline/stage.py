@@ -302,6 +302,7 @@ class StageContext:
         self.resume_dir = Path(resume_dir) if resume_dir else self.work_dir / "resume"
         self.rows: dict[str, int] = {}
         self.summary: dict[str, float] = {}
+        self.started = time.monotonic()  # progress lines say how far into the stage they are
         self.logger = logging.getLogger(f"hylight.stage.{stage_name}")
         # how map_shards runs shards: one after the other in this process, unless the runner (inside a Ray
         # task) gives a pipeline.shards.RayShardRunner
@@ -381,7 +382,9 @@ class StageContext:
         self.rows[name] = int(count)
 
     def progress(self, message: str) -> None:
-        print(f"[{self.stage_name}] {message}", file=sys.stderr, flush=True)
+        """A line on the console, ``[stage +SECONDS] message``: the seconds since the stage began tell, in a long
+        run's log, where its time went."""
+        print(f"[{self.stage_name} +{time.monotonic() - self.started:.0f}s] {message}", file=sys.stderr, flush=True)
 
     def track(self, items: Iterable[Any], total: int | None = None, what: str = "items",
               every_s: float = 5.0) -> Iterator[Any]:
