@@ -364,17 +364,62 @@ class _Locator:
         return self.where
 
 
+class _Problems:
+    """Every problem of a spec, each with its place (``file:line``, or the ``--set`` that put the value there)."""
+
+    def __init__(self, at: _Locator) -> None:
+        self.at, self.lines = at, []
+
+    def add(self, msg: str) -> None:
+        self.lines.append(msg)
+
+    def __call__(self, loc: tuple[Any, ...], stage: str | None, field_: str, msg: str) -> None:
+        """A field's problem: ``file:line: stage 'x', field params.y: msg``."""
+        who = f"stage {stage!r}, " if stage is not None else ""
+        self.lines.append(f"{self.at(*loc)}: {who}field {field_}: {msg}")
+
+
+@dataclass
+class _Stages:
+    """What each stage's own sections resolved to (a stage with a bad section is missing from the maps it feeds)."""
+
+    specs: dict[str, StageSpec] = field(default_factory=dict)
+    kinds: dict[str, StageKind] = field(default_factory=dict)
+    params: dict[str, StageParams] = field(default_factory=dict)
+    resources_ok: set[str] = field(default_factory=set)
+
+
 def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None = None, text: str = "",
                overrides: list[str] | None = None, capacity: ClusterCapacity | None = None,
                check_external: bool = True) -> PipelineSpec:
+    """Validate a parsed spec (after ``overrides``) and resolve it; raises :class:`SpecError` with every problem at
+    once: a bad `resources` must not hide a bad `uses`, an unknown param or a missing need."""
     overrides = overrides or []
-    at = _Locator(where, text, apply_overrides(raw, overrides, where))
-    problems: list[str] = []
+    problem = _Problems(_Locator(where, text, apply_overrides(raw, overrides, where)))
+    model, stages_raw = _top_level(raw, problem)
+    stages = _Stages()
+    for name, st_raw in stages_raw.items():
+        _check_stage(str(name), st_raw, stages, problem, check_external)
+    needs, inputs = _bind_needs(stages_raw, stages, problem)
+    order = _topological_order(stages.specs, needs, problem.lines, lambda n: problem.at("stages", n, "needs"))
+    _check_artifact_root(model, problem)
+    for name in stages.resources_ok:
+        _check_stage_resources(name, stages, capacity, problem)
+    if problem.lines:
+        raise SpecError(problem.lines)
+    assert model is not None  # no problems: the top level validated
+    root = Path(model.artifact_root or f"runs/{model.name}").expanduser()
+    resolved = {n: ResolvedStage(name=n, uses=stages.specs[n].uses, kind=stages.kinds[n], params=stages.params[n],
+                                 resources=stages.specs[n].resources, inputs=inputs[n], needs=needs[n])
+                for n in order}
+    return PipelineSpec(name=model.name, path=path, artifact_root=Path(os.path.abspath(root)),
+                        tracking_uri=model.tracking_uri, ray_address=model.ray_address, stages=resolved,
+                        description=model.description, overrides=overrides)
 
-    def problem(loc: tuple[Any, ...], stage: str | None, field_: str, msg: str) -> None:
-        who = f"stage {stage!r}, " if stage is not None else ""
-        problems.append(f"{at(*loc)}: {who}field {field_}: {msg}")
 
+def _top_level(raw: dict[str, Any], problem: _Problems) -> tuple[PipelineSpecModel | None, dict[Any, Any]]:
+    """The spec's top-level fields (None where they do not validate) and its raw stages, which are checked one by
+    one even then; a spec without a stages mapping ends here."""
     try:
         model = PipelineSpecModel.model_validate(raw)
     except ValidationError as e:
@@ -382,68 +427,67 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
             problem(err["loc"], None, _fmt_loc(err["loc"]), err["msg"])
         stages_raw = raw.get("stages")
         if not isinstance(stages_raw, dict):
-            raise SpecError(problems) from None
+            raise SpecError(problem.lines) from None
         model = None
     else:
         stages_raw = model.stages
     if not stages_raw:
-        problems.append(f"{at('stages')}: field stages: a spec needs at least one stage")
+        problem.add(f"{problem.at('stages')}: field stages: a spec needs at least one stage")
+    return model, stages_raw
 
-    # Each stage on its own, each section on its own: a bad `resources` must not hide a bad `uses`,
-    # an unknown param or a missing need (README: every problem is reported at once).
-    specs: dict[str, StageSpec] = {}
-    kinds: dict[str, StageKind] = {}
-    params: dict[str, StageParams] = {}
-    resources_ok: set[str] = set()
-    for name, st_raw in stages_raw.items():
-        name = str(name)
-        if not STAGE_NAME_RE.match(name):
-            problems.append(f"{at('stages', name)}: stage {name!r}: names use letters, digits, '_' and '-'")
-        if not isinstance(st_raw, dict):
-            problem(("stages", name), name, "(stage)", "a stage is a mapping with at least 'uses'")
-            continue
-        bad_sections: set[str] = set()
-        try:
-            StageSpec.model_validate(st_raw)
-        except ValidationError as e:
-            for err in e.errors():
-                loc = err["loc"]
-                got = f" (got {_short(err['input'])})" if err["type"] not in ("missing", "extra_forbidden") \
-                    and not isinstance(err.get("input"), dict | list) else ""
-                problem(("stages", name, *loc), name, _fmt_loc(loc) or "(stage)", err["msg"] + got)
-                if loc:
-                    bad_sections.add(str(loc[0]))
-        kept = {k: v for k, v in st_raw.items() if k in StageSpec.model_fields and k not in bad_sections}
-        if "uses" not in kept:
-            continue
-        st = StageSpec.model_validate(kept)
-        specs[name] = st
-        if "resources" not in bad_sections:
-            resources_ok.add(name)
-        try:
-            kinds[name] = resolve(st.uses)
-        except UnknownStageKind as e:
-            problem(("stages", name, "uses"), name, "uses", str(e))
-            continue
-        if "params" in bad_sections:
-            continue
-        try:
-            params[name] = kinds[name].params.model_validate(st.params)
-        except ValidationError as e:
-            for err in e.errors():
-                got = f" (got {_short(err['input'])})" if err["type"] != "missing" and not isinstance(
-                    err.get("input"), dict) else ""
-                problem(("stages", name, "params", *err["loc"]), name,
-                        f"params.{_fmt_loc(err['loc'])}".rstrip("."), f"{err['msg']}{got}")
-            continue
-        if check_external and kinds[name].validate_external is not None:
-            _check_external(name, kinds[name], params[name], problem)
 
-    # needs: existence, role binding
+def _check_stage(name: str, st_raw: Any, stages: _Stages, problem: _Problems, check_external: bool) -> None:
+    """One stage, each section on its own: its name, its sections, its kind, its params, what they name outside."""
+    if not STAGE_NAME_RE.match(name):
+        problem.add(f"{problem.at('stages', name)}: stage {name!r}: names use letters, digits, '_' and '-'")
+    if not isinstance(st_raw, dict):
+        problem(("stages", name), name, "(stage)", "a stage is a mapping with at least 'uses'")
+        return
+    bad_sections: set[str] = set()
+    try:
+        StageSpec.model_validate(st_raw)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = err["loc"]
+            got = f" (got {_short(err['input'])})" if err["type"] not in ("missing", "extra_forbidden") \
+                and not isinstance(err.get("input"), dict | list) else ""
+            problem(("stages", name, *loc), name, _fmt_loc(loc) or "(stage)", err["msg"] + got)
+            if loc:
+                bad_sections.add(str(loc[0]))
+    kept = {k: v for k, v in st_raw.items() if k in StageSpec.model_fields and k not in bad_sections}
+    if "uses" not in kept:
+        return
+    st = StageSpec.model_validate(kept)
+    stages.specs[name] = st
+    if "resources" not in bad_sections:
+        stages.resources_ok.add(name)
+    try:
+        kind = stages.kinds[name] = resolve(st.uses)
+    except UnknownStageKind as e:
+        problem(("stages", name, "uses"), name, "uses", str(e))
+        return
+    if "params" in bad_sections:
+        return
+    try:
+        stages.params[name] = kind.params.model_validate(st.params)
+    except ValidationError as e:
+        for err in e.errors():
+            got = f" (got {_short(err['input'])})" if err["type"] != "missing" and not isinstance(
+                err.get("input"), dict) else ""
+            problem(("stages", name, "params", *err["loc"]), name,
+                    f"params.{_fmt_loc(err['loc'])}".rstrip("."), f"{err['msg']}{got}")
+        return
+    if check_external and kind.validate_external is not None:
+        _check_external(name, kind, stages.params[name], problem)
+
+
+def _bind_needs(stages_raw: dict[Any, Any], stages: _Stages,
+                problem: _Problems) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+    """Each stage's needs (that they exist, once each, not itself) and its inputs bound to roles."""
     needs: dict[str, list[str]] = {}
     inputs: dict[str, dict[str, list[str]]] = {}
-    for name, st in specs.items():
-        needs_at = at("stages", name, "needs")
+    for name, st in stages.specs.items():
+        needs_at = problem.at("stages", name, "needs")
         bound: dict[str, list[str]] = {}
         if isinstance(st.needs, dict):
             for role, targets in st.needs.items():
@@ -452,47 +496,36 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
         else:
             flat = list(st.needs)
         if len(set(flat)) != len(flat):
-            problems.append(f"{needs_at}: stage {name!r}, field needs: lists a stage twice")
+            problem.add(f"{needs_at}: stage {name!r}, field needs: lists a stage twice")
         missing = [n for n in flat if n not in stages_raw]
         for n in missing:
-            problems.append(f"{needs_at}: stage {name!r}, field needs: no stage named {n!r} "
-                            f"(stages: {', '.join(map(str, stages_raw))})")
+            problem.add(f"{needs_at}: stage {name!r}, field needs: no stage named {n!r} "
+                        f"(stages: {', '.join(map(str, stages_raw))})")
         if name in flat:
-            problems.append(f"{needs_at}: stage {name!r}, field needs: a stage cannot need itself")
-        needs[name] = [n for n in dict.fromkeys(flat) if n in specs]
-        kind = kinds.get(name)
-        if kind is None or missing or any(n not in kinds for n in flat):
+            problem.add(f"{needs_at}: stage {name!r}, field needs: a stage cannot need itself")
+        needs[name] = [n for n in dict.fromkeys(flat) if n in stages.specs]
+        kind = stages.kinds.get(name)
+        if kind is None or missing or any(n not in stages.kinds for n in flat):
             continue
-        inputs[name] = _bind_inputs(name, kind, bound, needs[name], kinds, problems, needs_at)
+        inputs[name] = _bind_inputs(name, kind, bound, needs[name], stages.kinds, problem.lines, needs_at)
+    return needs, inputs
 
-    order = _topological_order(specs, needs, problems, lambda n: at("stages", n, "needs"))
 
+def _check_artifact_root(model: PipelineSpecModel | None, problem: _Problems) -> None:
     if model is not None and model.artifact_root and URL_SCHEME_RE.match(model.artifact_root):
-        problems.append(
-            f"{at('artifact_root')}: field artifact_root: {model.artifact_root!r} is a URL; artifact roots are "
-            "filesystem paths only (fsspec URLs such as s3:// are not implemented). On a Ray cluster use a "
+        problem.add(
+            f"{problem.at('artifact_root')}: field artifact_root: {model.artifact_root!r} is a URL; artifact roots "
+            "are filesystem paths only (fsspec URLs such as s3:// are not implemented). On a Ray cluster use a "
             "shared filesystem mounted at the same path on every node (NFS, Lustre, a FUSE mount of the bucket)")
 
-    for name in resources_ok:
-        if name in kinds:
-            _check_resources(name, specs[name].resources, kinds[name], capacity, problem)
-        if name in params and kinds[name].validate_resources is not None:
-            for field_, msg in kinds[name].validate_resources(params[name], specs[name].resources):
-                problem(("stages", name, *field_.split(".")), name, field_, msg)
 
-    if problems:
-        raise SpecError(problems)
-
-    assert model is not None  # no problems: the top level validated
-    root = Path(model.artifact_root or f"runs/{model.name}").expanduser()
-    stages = {
-        n: ResolvedStage(name=n, uses=specs[n].uses, kind=kinds[n], params=params[n],
-                         resources=specs[n].resources, inputs=inputs[n], needs=needs[n])
-        for n in order
-    }
-    return PipelineSpec(name=model.name, path=path, artifact_root=Path(os.path.abspath(root)),
-                        tracking_uri=model.tracking_uri, ray_address=model.ray_address, stages=stages,
-                        description=model.description, overrides=overrides)
+def _check_stage_resources(name: str, stages: _Stages, capacity: ClusterCapacity | None, problem: _Problems) -> None:
+    """What a stage asks for against the machine or cluster, then its kind's own check of resources and params."""
+    if name in stages.kinds:
+        _check_resources(name, stages.specs[name].resources, stages.kinds[name], capacity, problem)
+    if name in stages.params and stages.kinds[name].validate_resources is not None:
+        for field_, msg in stages.kinds[name].validate_resources(stages.params[name], stages.specs[name].resources):
+            problem(("stages", name, *field_.split(".")), name, field_, msg)
 
 
 def _check_external(name: str, kind: StageKind, params: StageParams, problem: Any) -> None:
