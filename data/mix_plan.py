@@ -338,39 +338,9 @@ def plan_mixture(table: DocumentTable, params: MixParams) -> MixturePlan:
     full_count = _integer_counts(rates, cap, tokens, table.category, n_cat, target, u)
     achieved = int((tokens * full_count).sum())
 
-    count = full_count
-    ablation = None
-    if params.ablation.enabled:
-        requested_abl = params.ablation.ablation_token_budget or 0
-        abl_budget = min(requested_abl, target)
-        if abl_budget < requested_abl:
-            warnings.append(f"ablation_token_budget lowered from {requested_abl:,} to the shrunk full budget "
-                            f"{target:,}")
-        p = min(abl_budget / achieved, 1.0) if achieved else 0.0
-        # §4.1.3.2: select whole documents (hash order, per category then globally) and keep each one's
-        # full-schedule repetition, so a document's repetition, when present, is the full run's
-        full_tokens = tokens * full_count
-        eligible = np.flatnonzero(full_count > 0)
-        ua = _hash_units(table.ids, params.seed, "ablation")
-        order = eligible[np.argsort(ua[eligible], kind="stable")]
-        room_c = np.floor(p * group_sum(table.category, full_tokens, n_cat)).astype(np.int64)
-        selected = _fill_in_order(order, table.category, full_tokens, room_c, abl_budget)
-        count = np.where(selected, full_count, 0)
-        abl_achieved = int((tokens * count).sum())
-        largest = int(full_tokens.max()) if n else 0
-        if not 0 <= abl_budget - abl_achieved < max(largest, 1) and abl_achieved < achieved:
-            raise RuntimeError(f"mix: ablation planned {abl_achieved} tokens for {abl_budget} (a bug in data/mix.py)")
-        ablation = AblationOutcome(full_token_budget=target, ablation_token_budget=abl_budget, p=p,
-                                   achieved=abl_achieved)
-
-    reasons: list[str | None] = [None] * n
-    for i in np.flatnonzero(count == 0):
-        if cap[i] == 0:
-            reasons[i] = "duplicates_exhaust_cap"
-        elif full_count[i] == 0:
-            reasons[i] = "budget"
-        else:
-            reasons[i] = "ablation_subsample"
+    count, ablation = (_ablation_subsample(table, params, full_count, target, achieved, warnings)
+                       if params.ablation.enabled else (full_count, None))
+    reasons = _zero_reasons(count, cap, full_count)
 
     # the invariants the stage promises, checked on every run
     if np.any(full_count > cap) or np.any(count > full_count) or np.any(count < 0):
@@ -386,6 +356,46 @@ def plan_mixture(table: DocumentTable, params: MixParams) -> MixturePlan:
                                             floor_tokens=[float(x) for x in floor_tokens],
                                             floor_binding=[bool(x) for x in floored],
                                             floor_unmet=[bool(x) for x in floor_unmet]))
+
+
+def _ablation_subsample(table: DocumentTable, params: MixParams, full_count: np.ndarray, target: int, achieved: int,
+                        warnings: list[str]) -> tuple[np.ndarray, AblationOutcome]:
+    """§4.1.3.2's ablation mixture: whole documents selected in hash order (per category, then globally) up to the
+    ablation budget, each keeping its full-schedule count, so a document's repetition, when present, is the full
+    run's. Returns the ablation's counts and outcome; a lowered budget adds a warning."""
+    tokens, n_cat = table.tokens, len(table.categories)
+    requested_abl = params.ablation.ablation_token_budget or 0
+    abl_budget = min(requested_abl, target)
+    if abl_budget < requested_abl:
+        warnings.append(f"ablation_token_budget lowered from {requested_abl:,} to the shrunk full budget "
+                        f"{target:,}")
+    p = min(abl_budget / achieved, 1.0) if achieved else 0.0
+    full_tokens = tokens * full_count
+    eligible = np.flatnonzero(full_count > 0)
+    ua = _hash_units(table.ids, params.seed, "ablation")
+    order = eligible[np.argsort(ua[eligible], kind="stable")]
+    room_c = np.floor(p * group_sum(table.category, full_tokens, n_cat)).astype(np.int64)
+    selected = _fill_in_order(order, table.category, full_tokens, room_c, abl_budget)
+    count = np.where(selected, full_count, 0)
+    abl_achieved = int((tokens * count).sum())
+    largest = int(full_tokens.max()) if len(table) else 0
+    if not 0 <= abl_budget - abl_achieved < max(largest, 1) and abl_achieved < achieved:
+        raise RuntimeError(f"mix: ablation planned {abl_achieved} tokens for {abl_budget} (a bug in data/mix.py)")
+    return count, AblationOutcome(full_token_budget=target, ablation_token_budget=abl_budget, p=p,
+                                  achieved=abl_achieved)
+
+
+def _zero_reasons(count: np.ndarray, cap: np.ndarray, full_count: np.ndarray) -> list[str | None]:
+    """Why each document the plan leaves out is left out (None for the ones it samples)."""
+    reasons: list[str | None] = [None] * len(count)
+    for i in np.flatnonzero(count == 0):
+        if cap[i] == 0:
+            reasons[i] = "duplicates_exhaust_cap"
+        elif full_count[i] == 0:
+            reasons[i] = "budget"
+        else:
+            reasons[i] = "ablation_subsample"
+    return reasons
 
 
 def _caps_summary(table: DocumentTable, bucket: np.ndarray, cap: np.ndarray, buckets: list[BucketSpec],
