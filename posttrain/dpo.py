@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from data.reward_scoring import REWARD_MODEL_DIR
 from pipeline.artifacts import write_jsonl_atomic
@@ -51,6 +51,7 @@ from posttrain.policy import (
     MODEL_DIR,
     NO_ACTIVATION_CHECKPOINTING,
     SamplingStats,
+    Temperatures,
     chat_prompt,
     last_checkpoint,
     load_policy,
@@ -83,7 +84,7 @@ class DPOParams(StageParams):
     seed: int = Field(0, description="Seed of prompt order, sampling, the held-out split and the data order.")
     max_prompts: int = Field(24, ge=1, description=(
         "dpo-pool prompts sampled (the rest are counted as skipped over_max_prompts). Sized for the tiny DAG."))
-    temperatures: list[float] = Field(default_factory=lambda: [0.3, 0.7, 1.1], description=(
+    temperatures: Temperatures = Field(default_factory=lambda: [0.3, 0.7, 1.1], description=(
         "Sampling temperatures (§5.4.1 'varying temperature parameters'); 0 = one greedy response."))
     samples_per_temperature: int = Field(2, ge=1, description="Responses per prompt at each temperature.")
     max_new_tokens: int = Field(24, ge=1, description="Response length cap when sampling. Sized for the tiny DAG.")
@@ -112,13 +113,6 @@ class DPOParams(StageParams):
     eval_prompts: int | None = Field(None, ge=1, description=(
         "First N records of the eval pool for eval_pass_rate; None = all (the same set every stage scores)."))
     eval_max_new_tokens: int = Field(24, ge=1, description="Greedy response cap of eval_pass_rate.")
-
-    @field_validator("temperatures")
-    @classmethod
-    def _temperatures(cls, v: list[float]) -> list[float]:
-        if not v or any(t < 0 for t in v):
-            raise ValueError(f"temperatures {v}: give one or more temperatures >= 0")
-        return v
 
 
 # --- pairs --------------------------------------------------------------------------------------------------------

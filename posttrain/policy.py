@@ -22,7 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 from data.tokenizer import END_OF_TURN_TOKEN
 from pipeline.artifacts import publish_dir
@@ -30,6 +32,16 @@ from posttrain.verifiable import CHECKERS, check
 
 MODEL_DIR = "model"
 PACKING_FILE = "packing.json"
+
+
+def _checked_temperatures(v: list[float]) -> list[float]:
+    if not v or any(t < 0 for t in v):
+        raise ValueError(f"temperatures {v}: give one or more temperatures >= 0")
+    return v
+
+
+# a sampling stage's ``temperatures`` param (sft, dpo): one or more, each >= 0 (0: one greedy response)
+Temperatures = Annotated[list[float], AfterValidator(_checked_temperatures)]
 
 
 @dataclass

@@ -51,7 +51,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from data.documents import unit_hash
 from data.reward_scoring import REWARD_MODEL_DIR
@@ -61,6 +61,7 @@ from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
     NO_ACTIVATION_CHECKPOINTING,
     SamplingStats,
+    Temperatures,
     last_checkpoint,
     load_policy,
     pass_rate,
@@ -105,7 +106,7 @@ DROP_REASONS = {
 class SFTParams(StageParams):
     seed: int = Field(0, description="Seed of sampling and of the training data order.")
     # --- rejection sampling (§5.3)
-    temperatures: list[float] = Field(default_factory=lambda: [0.6, 1.0], description=(
+    temperatures: Temperatures = Field(default_factory=lambda: [0.6, 1.0], description=(
         "Sampling temperatures (§5.3: 'different temperature settings'); 0 = one greedy response."))
     samples_per_temperature: int = Field(2, ge=1, description="Samples per prompt at each temperature (k = this x "
                                                               "the number of temperatures).")
@@ -149,13 +150,6 @@ class SFTParams(StageParams):
     # --- evaluation
     eval_max_new_tokens: int = Field(24, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
     eval_prompts: int | None = Field(None, ge=1, description="First N records of the eval pool; None = all.")
-
-    @field_validator("temperatures")
-    @classmethod
-    def _temperatures(cls, v: list[float]) -> list[float]:
-        if not v or any(t < 0 for t in v):
-            raise ValueError(f"temperatures {v}: give one or more temperatures >= 0")
-        return v
 
     @model_validator(mode="after")
     def _schedule(self) -> SFTParams:

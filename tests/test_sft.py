@@ -101,6 +101,16 @@ def test_params_check_the_schedule() -> None:
         SFTParams(temperatures=[])
 
 
+@pytest.mark.parametrize("bad", [[], [0.7, -0.5]], ids=["none", "negative"])
+def test_the_sampling_stages_check_temperatures_in_one_place(bad) -> None:
+    from posttrain.dpo import DPOParams
+
+    for params in (SFTParams, DPOParams):  # posttrain.policy.Temperatures
+        with pytest.raises(ValueError, match=r"give one or more temperatures >= 0"):
+            params(temperatures=bad)
+    assert DPOParams(temperatures=[0.0]).temperatures == [0.0]  # 0: one greedy response
+
+
 @pytest.mark.slow
 def test_sft_trainer_masks_all_but_the_assistant_tokens_and_their_end_marker(tmp_path: Path) -> None:
     from datasets import Dataset
