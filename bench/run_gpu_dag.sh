@@ -92,8 +92,8 @@ phases+=("encoder_weights=$(since "$t")")
 
 # compile caches (inductor's, Triton's) in $WORK/compile-cache, inherited by every stage worker: a carried
 # .compile-cache/compile-cache.tar.gz (an earlier lease's, which bench/gpu_recipe_lease.sh returns in $OUT) is
-# unpacked there first, so that the softmax layers' FlexAttention compile (260 s of every pretrain's first window on
-# a cold 4 x H200 host, BENCHMARKS.md) can be a cache hit. Inductor's cache is keyed by the GPU model too.
+# unpacked there first, so that the softmax layers' FlexAttention compile (the likely cause of 260 s in every
+# pretrain's first window on a cold 4 x H200 host, BENCHMARKS.md) can be a cache hit. Inductor's cache is keyed by the GPU model too.
 export TORCHINDUCTOR_CACHE_DIR="$WORK/compile-cache/inductor" TRITON_CACHE_DIR="$WORK/compile-cache/triton"
 if [ -f .compile-cache/compile-cache.tar.gz ] && [ ! -d "$WORK/compile-cache" ]; then
     mkdir -p "$WORK/compile-cache" && tar -C "$WORK" -xzf .compile-cache/compile-cache.tar.gz \

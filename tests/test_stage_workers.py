@@ -1,12 +1,19 @@
-"""Which Ray worker a stage runs in (pipeline/orchestrator.py stage_remote), with a real local Ray."""
+"""Where a stage runs, with a real local Ray and logical GPUs (Ray schedules by the declared resource and sets
+``CUDA_VISIBLE_DEVICES``, so placement is tested without a device): which worker (pipeline/orchestrator.py
+stage_remote), and that independent GPU stages run at once, each on its own GPU, while a stage that finds every GPU
+taken waits (``dags/gpu-recipe.yaml`` relies on it to run its ablation's three pretrains side by side)."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+from pathlib import Path
 
 import pytest
 
-from pipeline.orchestrator import stage_remote
+from pipeline.orchestrator import RunOptions, run_pipeline, stage_remote
+from pipeline.spec import load_spec
 
 
 def _pid() -> int:
@@ -14,21 +21,52 @@ def _pid() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_with_a_gpu():
+def ray_with_gpus():
     import ray
 
-    # one logical GPU: Ray schedules by the declared resource, so the worker rule is tested without a device
-    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     yield ray
     ray.shutdown()
 
 
-def test_each_gpu_stage_gets_a_fresh_worker_and_cpu_stages_reuse_one(ray_with_a_gpu):
-    ray = ray_with_a_gpu
+def test_each_gpu_stage_gets_a_fresh_worker_and_cpu_stages_reuse_one(ray_with_gpus):
+    ray = ray_with_gpus
     gpu = {"num_cpus": 1, "num_gpus": 1, "max_retries": 0}
     pids = [ray.get(stage_remote(_pid, f"g{i}", gpu).remote()) for i in range(3)]
     assert len(set(pids)) == 3  # what one GPU stage leaves on the device dies with its worker
     cpu = {"num_cpus": 1, "num_gpus": 0, "max_retries": 0}
     pids = [ray.get(stage_remote(_pid, f"c{i}", cpu).remote()) for i in range(3)]
     assert len(set(pids)) == 1
+
+
+def _spec(tmp_path: Path, stages: str):
+    path = tmp_path / "dag.yaml"
+    path.write_text(f"name: gpus\nartifact_root: {tmp_path / 'root'}\nstages:\n{stages}")
+    return load_spec(path)
+
+
+def _placement(report, name: str) -> tuple[float, float, str]:
+    from pipeline.stage import MANIFEST_NAME
+
+    r = report.stages[name]
+    meta = json.loads((Path(r.artifact) / MANIFEST_NAME).read_text())
+    return meta["started_unix"], meta["started_unix"] + meta["seconds"], meta["gpus"]
+
+
+def test_two_gpu_stages_run_at_once_on_different_gpus_and_a_third_waits_for_one(ray_with_gpus, tmp_path):
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    stage = ("  {n}:\n    uses: tests.stage_fixtures:RENDEZVOUS\n    params: {{dir: '{d}', expect: 2, timeout_s: 60, label: {n}}}\n"
+             "    resources: {{cpus: 1, gpus: 1}}\n")
+    spec = _spec(tmp_path, "".join(stage.format(n=n, d=meet) for n in ("a", "b")) +
+                 "  c:\n    uses: tests.stage_fixtures:RENDEZVOUS\n"
+                 f"    params: {{dir: '{meet}', expect: 3, timeout_s: 60}}\n"
+                 "    resources: {cpus: 1, gpus: 2}\n")
+    report = run_pipeline(spec, RunOptions(), out=io.StringIO())
+    assert report.ok, {k: v.error for k, v in report.stages.items()}
+    (a0, a1, ga), (b0, b1, gb), (c0, _, gc) = (_placement(report, n) for n in "abc")
+    assert max(a0, b0) < min(a1, b1)  # a and b overlapped (each waited for the other to start)
+    assert ga and gb and ga != gb  # on different GPUs
+    assert sorted(gc.split(",")) == sorted([ga, gb])  # c took both GPUs ...
+    assert c0 >= max(a1, b1) - 0.5  # ... once a and b had given them back
