@@ -185,6 +185,14 @@ if [ "$preflight" != 0 ] && [ -z "${IGNORE_PREFLIGHT:-}" ]; then
 fi
 [ -z "${PREFLIGHT_ONLY:-}" ] || { say "preflight ok (PREFLIGHT_ONLY: no run)"; exit 0; }
 
+# The softmax layers' kernels, compiled on the last GPU while the CPU data stages run (bench/warm_compile.py): into
+# the compile caches above, where the pretrains can find them; its timings go into run.log. WARM_COMPILE=0: not.
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "${WARM_COMPILE:-1}" = 1 ] && [ "${ngpu:-0}" -gt 0 ]; then
+    (CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 600 "$PYTHON" bench/warm_compile.py 2>&1 | sed -u 's/^/[warm_compile] /' >>"$LOG") &
+    say "compiling the softmax layers' kernels on GPU $((ngpu - 1)) beside the data stages (bench/warm_compile.py)"
+fi
+
 # --- the run ----------------------------------------------------------------------------------------------
 sets=(--set "artifact_root=$WORK/root")
 # HYLIGHT_SET: space-separated, or one override a line where a value holds spaces (a YAML flow list of mappings)

@@ -49,7 +49,10 @@ class RewardModelScorer:
     """A trained reward model directory (this stage's ``reward_model/``) scoring (prompt, response) pairs in the
     chat format it was trained on."""
 
-    def __init__(self, model_dir: str | Path, batch_size: int = 32, max_length: int | None = None) -> None:
+    def __init__(self, model_dir: str | Path, batch_size: int = 32, max_length: int | None = None,
+                 device: Any = "cpu") -> None:
+        """``device``: where the model scores. The post-training stages pass their policy's GPU: on the CPU, a
+        ``gpu-300m`` reward model took ~2 minutes of SFT's selection on a 4-GPU lease (issue 33)."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer  # heavy: transformers
 
         import model  # noqa: F401  (registers hylight_hybrid with the Auto classes)
@@ -59,7 +62,7 @@ class RewardModelScorer:
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"reward model: {model_dir} holds no config.json; point at a reward_model stage "
                                     f"artifact's {REWARD_MODEL_DIR}/ directory")
-        self.model = make_dropless(AutoModelForSequenceClassification.from_pretrained(model_dir)).eval()
+        self.model = make_dropless(AutoModelForSequenceClassification.from_pretrained(model_dir)).to(device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {model_dir} has num_labels={self.model.config.num_labels}; a reward "
                              "model outputs one score (num_labels=1)")

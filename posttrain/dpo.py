@@ -236,7 +236,11 @@ def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any
                                max_new_tokens=params.max_new_tokens, batch_size=params.sample_batch_size,
                                seed=params.seed, stats=stats, progress=ctx.progress)
     flat_records = [rec for rec, ss in zip(candidates, samples, strict=True) for _ in ss]
+    start = dict(getattr(scorer, "seconds", {}))
     rewards = scorer.score(flat_records, [s.text for ss in samples for s in ss])
+    if start:
+        ctx.progress(f"scored {len(flat_records)} samples: " + ", ".join(
+            f"{k} {v - start[k]:.1f} s" for k, v in scorer.seconds.items()))
     pairs, at = [], 0
     for rec, ss in zip(candidates, samples, strict=True):
         rw, at = rewards[at:at + len(ss)], at + len(ss)
@@ -384,7 +388,7 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, tok = load_policy(ckpt, device=device)
     rm = ctx.inputs.get("reward_model")
-    scorer = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None)
+    scorer = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None, device=device)
 
     # 1. pairs (§5.4.1): sample at several temperatures, score, best vs worst
     stats = SamplingStats()

@@ -339,7 +339,7 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
 
     policy, tok = load_policy(checkpoint, device=device)  # fp32 master weights; bf16 autocast on GPU (TRL)
     weights = RewardWeights(params.weight_correctness, params.weight_rm, params.weight_constraints)
-    reward = HierarchyReward(prompts.records, RewardHierarchy(weights, reward_model_dir=rm_dir))
+    reward = HierarchyReward(prompts.records, RewardHierarchy(weights, reward_model_dir=rm_dir, device=device))
     eval_stats = SamplingStats()
     measure = functools.partial(eval_pass_rate, tokenizer=tok, records=prompts.eval_records,
                                 max_new_tokens=params.eval_max_new_tokens, stats=eval_stats)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import unicodedata
 from collections import Counter
 from collections.abc import Sequence
@@ -147,25 +148,31 @@ class RewardHierarchy:
     """Scores batches of (prompt record, response) with the components and total above."""
 
     def __init__(self, weights: RewardWeights = RewardWeights(), reward_model_dir: str | Path | None = None,
-                 limits: ConstraintLimits = ConstraintLimits(), scorer: Any = None) -> None:
+                 limits: ConstraintLimits = ConstraintLimits(), scorer: Any = None, device: Any = "cpu") -> None:
         """``scorer``: anything with ``score(prompts, responses) -> list[float]`` (default: the reward model in
-        ``reward_model_dir`` via RewardModelScorer; neither: no helpfulness_rm component)."""
+        ``reward_model_dir`` via RewardModelScorer, on ``device``; neither: no helpfulness_rm component)."""
         self.weights, self.limits = weights, limits
         if scorer is None and reward_model_dir is not None:
-            scorer = RewardModelScorer(reward_model_dir)
+            scorer = RewardModelScorer(reward_model_dir, device=device)
         self.scorer = scorer
+        # seconds spent so far in the reward model and in the checkers (the code checker runs the sandbox)
+        self.seconds = {"reward_model": 0.0, "checkers": 0.0}
 
     def score(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> list[RewardComponents]:
         if len(records) != len(responses):
             raise ValueError(f"reward hierarchy: {len(records)} prompt records but {len(responses)} responses")
+        start = time.monotonic()
         rm = (self.scorer.score([r["prompt"] for r in records], list(responses)) if self.scorer is not None
               else [None] * len(records))
+        self.seconds["reward_model"] += time.monotonic() - start
         out = []
         for rec, resp, rm_score in zip(records, responses, rm, strict=True):
             correctness = correct = None
             reason = ""
             if rec.get("checker") in CHECKERS:
+                start = time.monotonic()
                 res = check(rec, resp)
+                self.seconds["checkers"] += time.monotonic() - start
                 correctness, correct, reason = res.score, res.correct, res.reason
             rules = check_constraints(rec["prompt"], resp, self.limits)
             share = sum(rules.values()) / len(rules) if rules else None

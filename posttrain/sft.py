@@ -198,7 +198,9 @@ def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: 
     ref_texts = [reference_response(records[i]) for i in refs]
     ctx.progress(f"scoring {len(flat_text)} candidate samples and {len(ref_texts)} references with the reward "
                  "hierarchy")
+    start = dict(hierarchy.seconds)
     scored = hierarchy.score(flat_rec + [records[i] for i in refs], flat_text + ref_texts)
+    ctx.progress("scored: " + ", ".join(f"{k} {v - start[k]:.1f} s" for k, v in hierarchy.seconds.items()))
     per_prompt: list[tuple[list[str], list[RewardComponents], list[float]]] = [([], [], []) for _ in records]
     for (i, temp), text, comp in zip(owner, flat_text, scored[:len(flat_text)], strict=True):
         per_prompt[i][0].append(text)
@@ -352,13 +354,14 @@ def run(params: SFTParams, ctx: StageContext) -> None:
 
     ckpt = ctx.input("checkpoint").path
     rm = ctx.inputs.get("reward_model")
-    hierarchy = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    hierarchy = RewardHierarchy(reward_model_dir=rm.path / REWARD_MODEL_DIR if rm is not None else None,
+                                device=device)
     sft_pool = read_pool(ctx.input("prompts").path, "sft", "sft")
     eval_pool = read_pool(ctx.input("prompts").path, "eval", "sft")[:params.eval_prompts]
     if not sft_pool:
         raise ValueError(f"sft: the sft pool of {ctx.input('prompts').path} is empty; give the prompts stage more "
                          "prompts or a larger sft share")
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, tok = load_policy(ckpt, device=device)
     if not tok.chat_template or "generation" not in tok.chat_template:
         raise ValueError(f"sft: the tokenizer of {ckpt} has no chat template with {{% generation %}} markers, which "

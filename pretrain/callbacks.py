@@ -7,7 +7,7 @@
 - :class:`ProbeCallback`: the in-training retrieval probe (``pretrain/probe.py``) at its logged steps.
 - :class:`LogCallback`: every logged step to ``train_log.jsonl`` and, as ``@@hylight`` events, to the stage (MLflow).
 - :class:`CheckpointCallback`: DeepSpeed checkpoints (one before the first step, every ``checkpoint_every``, one at
-  the end) through :class:`Checkpointer`, which also resumes a killed run.
+  the end; none at all with ``checkpoint_every`` 0) through :class:`Checkpointer`, which also resumes a killed run.
 """
 
 from __future__ import annotations
@@ -94,21 +94,26 @@ class Checkpointer:
 
 class CheckpointCallback(Callback):
     """A checkpoint before the first step (a valid one exists from the start: the guard's error can always point at
-    one), every ``every`` steps, and at the end. Last in the list: a checkpoint holds the step's logged metrics."""
+    one), every ``every`` steps, and at the end. Last in the list: a checkpoint holds the step's logged metrics.
+
+    ``every`` 0 saves none: a stopped run starts over from its first step. That is for runs that end inside one
+    machine's lease, where a checkpoint cannot outlive the machine and each save of ``gpu-300m``'s weights and
+    optimizer state (~9 GB) cost ~20 s of a 4-GPU lease's pretraining (BENCHMARKS.md, issue 33)."""
 
     def __init__(self, checkpointer: Checkpointer, every: int) -> None:
         self.checkpointer, self.every = checkpointer, every
 
     def on_fit_start(self, trainer: Trainer) -> None:
-        if not trainer.resumed:
+        if self.every and not trainer.resumed:
             self.checkpointer.save(trainer)
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
-        if result.step % self.every == 0:
+        if self.every and result.step % self.every == 0:
             self.checkpointer.save(trainer)
 
     def on_fit_end(self, trainer: Trainer) -> None:
-        self.checkpointer.save(trainer)
+        if self.every:
+            self.checkpointer.save(trainer)
 
 
 # --- the divergence guard and the batch-size schedule ----------------------------------------------------------
@@ -118,17 +123,22 @@ class DivergenceGuardCallback(Callback):
     """Stops training with an error once ``max_consecutive`` optimizer steps in a row were skipped (the guard that
     skips them is installed in the optimizer: ``pretrain/grad_guard.py``)."""
 
-    def __init__(self, max_consecutive: int, spike_factor: float, checkpoints: Path) -> None:
+    def __init__(self, max_consecutive: int, spike_factor: float, checkpoints: Path | None) -> None:
+        """``checkpoints``: where the last valid checkpoint is, or None where the run keeps none
+        (``checkpoint_every`` 0)."""
         self.max_consecutive, self.spike_factor, self.checkpoints = max_consecutive, spike_factor, checkpoints
 
     def on_step(self, trainer: Trainer, result: StepResult) -> None:
         consecutive = trainer.guard.consecutive
         if consecutive >= self.max_consecutive:
+            where = (f"the last valid checkpoint is in {self.checkpoints}. Rerunning with the same params resumes "
+                     "from it (and likely diverges again)" if self.checkpoints is not None else
+                     "this run keeps no checkpoints (checkpoint_every 0): rerunning with the same params starts "
+                     "over from the first step")
             raise DivergenceError(
                 f"{consecutive} optimizer steps in a row were skipped (non-finite loss/gradients or grad-norm "
-                f"spikes above {self.spike_factor}x the recent median) at step {result.step}; the last valid "
-                f"checkpoint is in {self.checkpoints}. Rerunning with the same params resumes from it (and likely "
-                f"diverges again); a lower learning rate or other params start a new run under a new cache key.")
+                f"spikes above {self.spike_factor}x the recent median) at step {result.step}; {where}; a lower "
+                "learning rate or other params start a new run under a new cache key.")
 
 
 class BatchSizeScheduleCallback(Callback):
@@ -177,6 +187,7 @@ class ThroughputCallback(Callback):
 
     def on_fit_start(self, trainer: Trainer) -> None:
         self.peak = measured_peak_flops(trainer.device)  # after a resume: it draws from the restored RNG
+        self.graphs = compile_stats()[0]
         self._open_window(trainer)
 
     def _open_window(self, trainer: Trainer) -> None:
@@ -214,10 +225,29 @@ class ThroughputCallback(Callback):
             "memory_gb": memory_gb(trainer.device), "tokens": trainer.state.tokens_seen,
             "skipped_steps": guard.skipped, "accepted_spikes": guard.accepted_spikes,
         }
+        graphs, frames, backward = compile_stats()
+        if graphs != self.graphs:  # the first window's compiles, and any recompile later: where a cold start goes
+            emit("progress", {"message": (
+                f"torch.compile: {graphs} graph(s) so far (+{graphs - self.graphs} in this window), "
+                f"{frames:.1f} s in Dynamo frames, {backward:.1f} s compiling backward graphs")}, trainer.rank)
+            self.graphs = graphs
 
     def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
         if self.logged:  # after the log's events (and the probe): the next window starts now
             self._open_window(trainer)
+
+
+def compile_stats() -> tuple[int, float, float]:
+    """(graphs torch.compile has made in this process, seconds in its Dynamo frames (they hold the forward graphs'
+    Inductor compiles), seconds in Inductor's backward compiler (inside a frame's, or at the first backward where
+    torch compiles it lazily)): zeros where torch's private counters are not there."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+    except ImportError:
+        return 0, 0.0, 0.0
+    return (int(counters["stats"].get("unique_graphs", 0)),
+            float(sum(compilation_time_metrics.get("_compile.compile_inner", []))),
+            float(sum(compilation_time_metrics.get("compile_fx.<locals>.bw_compiler", []))))
 
 
 # --- in-training eval ------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ class TrainingParams(EngineKnobs, StageParams):
         """The engine's knobs against each other and the row lengths: checkpoints on logged steps, the retrieval
         rows and the probe, and the rank layout as far as the params alone decide it (:func:`layout_problems`)."""
         problems = []
-        if self.checkpoint_every % self.log_every:
+        if self.checkpoint_every and self.checkpoint_every % self.log_every:
             problems.append(f"checkpoint_every={self.checkpoint_every} must be a multiple of "
                             f"log_every={self.log_every} (a resumed run then logs the same loss windows as an "
                             "uninterrupted one)")

@@ -337,7 +337,8 @@ def train(cfg: EngineConfig) -> dict[str, float]:
     ckpt_dir = Path(cfg.resume_dir) / CHECKPOINT_DIR
     checkpointer = Checkpointer(ckpt_dir, cfg.keep_checkpoints)
     callbacks = [
-        DivergenceGuardCallback(cfg.max_consecutive_skips, cfg.spike_factor, ckpt_dir),
+        DivergenceGuardCallback(cfg.max_consecutive_skips, cfg.spike_factor,
+                                ckpt_dir if cfg.checkpoint_every else None),
         BatchSizeScheduleCallback(),
         ThroughputCallback(),
         *([ProbeCallback(probe, cfg.probe_every)] if probe is not None else []),

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1062,6 +1063,82 @@ def test_divergence_guard_callback_stops_training_with_an_error_naming_the_check
                                               rf"checkpoint is in {tmp_path / 'ckpt'}"):
         trainer.fit()
     assert trainer.state.step == 2 and trainer.guard.skipped == 2
+
+
+class _SaveRecorder:
+    """Stands in for the DeepSpeed Checkpointer (tests/test_pretrain's real-stage tests save real ones): the step
+    of every save."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def save(self, trainer: object) -> None:
+        self.saved.append(trainer.state.step)
+
+
+@pytest.mark.parametrize(("every", "resumed", "saved"), [
+    (2, False, [0, 2, 4, 5]),  # before the first step, every 2, and at the end
+    (2, True, [2, 4, 5]),      # a resumed run has its checkpoint already
+    (0, False, []),               # checkpoint_every 0: none at all
+])
+def test_checkpoint_callback_saves_before_the_first_step_every_n_and_at_the_end_or_never_with_zero(
+        every: int, resumed: bool, saved: list[int]) -> None:
+    from pretrain.callbacks import CheckpointCallback
+
+    recorder = _SaveRecorder()
+    trainer = _fake_trainer([CheckpointCallback(recorder, every)], steps=5, log_every=1)
+    trainer.resumed = resumed
+    trainer.fit()
+    assert trainer.state.step == 5 and recorder.saved == saved
+
+
+def test_checkpoint_every_zero_is_valid_and_other_values_must_be_multiples_of_log_every() -> None:
+    from pretrain.stage import PretrainParams
+
+    assert not [p for p in PretrainParams(checkpoint_every=0, log_every=10).training_problems() if "checkpoint" in p]
+    with pytest.raises(ValueError, match="checkpoint_every=15 must be a multiple of log_every=10"):
+        PretrainParams(checkpoint_every=15, log_every=10)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        PretrainParams(checkpoint_every=-1)
+
+
+def test_divergence_guard_without_checkpoints_says_a_rerun_starts_over() -> None:
+    from pretrain.callbacks import DivergenceGuardCallback
+    from pretrain.grad_guard import DivergenceError
+
+    trainer = _fake_trainer([DivergenceGuardCallback(2, 10.0, None)], steps=10)
+    trainer.optimizer.overflow = True
+    with pytest.raises(DivergenceError, match=r"keeps no checkpoints \(checkpoint_every 0\): rerunning with the same "
+                                              r"params starts over from the first step"):
+        trainer.fit()
+
+
+def test_throughput_callback_says_when_a_window_compiled_graphs_and_is_quiet_otherwise(capsys, tmp_path: Path) -> None:
+    """The cold start of a GPU pretrain (issue 33: 260 s in the first window with softmax layers) is shown as what
+    torch.compile did in it; a window that compiled nothing adds no line."""
+    from pretrain.callbacks import ThroughputCallback
+    from pretrain.events import parse
+    from pretrain.trainer import Callback
+
+    class CompileAtStep3(Callback):
+        def on_step(self, trainer: object, result: object) -> None:
+            if result.step == 3:
+                torch.compile(lambda x: torch.sin(x) * 2 + result.step, backend="eager")(torch.ones(3))
+
+    import torch.distributed as dist
+
+    trainer = _fake_trainer([CompileAtStep3(), ThroughputCallback()], steps=6, log_every=2)
+    capsys.readouterr()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)  # its all-reduce
+    try:
+        trainer.fit()
+    finally:
+        dist.destroy_process_group()
+    events = [e for e in map(parse, capsys.readouterr().out.splitlines()) if e and e["kind"] == "progress"]
+    assert len(events) == 1, events  # the window of steps 3-4 alone
+    assert re.fullmatch(r"torch\.compile: \d+ graph\(s\) so far \(\+1 in this window\), [0-9.]+ s in Dynamo frames, "
+                        r"[0-9.]+ s compiling backward graphs",
+                        events[0]["message"]), events
 
 
 def test_batch_size_schedule_callback_feeds_only_accepted_steps_and_the_next_batch_reads_it() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -327,6 +328,37 @@ def test_the_reward_model_trains_and_scores_dropless(trained: StageContext) -> N
         (rm_dir / "config.json").write_text(json.dumps(config))
     flags = [m.token_drop for m in scorer.model.modules() if hasattr(m, "token_drop")]
     assert flags and not any(flags)
+
+
+@pytest.mark.slow
+def test_the_reward_hierarchy_puts_its_reward_model_on_the_device_it_is_given(trained: StageContext) -> None:
+    """The post-training stages pass their policy's device (a GPU on a GPU machine): on the CPU, a gpu-300m
+    reward model took ~2 minutes of SFT's selection on a 4-GPU lease. "meta" stands in for a device this CPU
+    machine lacks; the default stays the CPU (the quality stage's labeler)."""
+    from posttrain.rewards import RewardHierarchy
+
+    rm_dir = trained.out_dir / "reward_model"
+    assert {p.device.type for p in RewardHierarchy(reward_model_dir=rm_dir).scorer.model.parameters()} == {"cpu"}
+    moved = RewardHierarchy(reward_model_dir=rm_dir, device="meta").scorer.model
+    assert {p.device.type for p in moved.parameters()} == {"meta"}
+
+
+def test_the_reward_hierarchy_times_its_reward_model_and_its_checkers() -> None:
+    from posttrain.rewards import RewardHierarchy
+
+    class SlowScores:
+        def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+            time.sleep(0.05)
+            return [0.0] * len(prompts)
+
+    from posttrain.verifiable import ANSWER_INSTRUCTION
+
+    record = {"id": "a1", "prompt": f"Compute 40 + 2. {ANSWER_INSTRUCTION}", "checker": "exact_number",
+              "reference": {"answer": "42"}}
+    h = RewardHierarchy(scorer=SlowScores())
+    comps = h.score([record, record], ["Answer: 42", "Answer: 41"])
+    assert [c.correct for c in comps] == [True, False]
+    assert h.seconds["reward_model"] >= 0.05 and 0.0 <= h.seconds["checkers"] < h.seconds["reward_model"]
 
 
 def test_every_post_training_trainer_turns_off_trl_activation_checkpointing():
