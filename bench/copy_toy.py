@@ -47,6 +47,13 @@ def main() -> None:
     ap.add_argument("--text-share", type=float, default=0.0, help=(
         "share of each batch's rows that are i.i.d. Zipf tokens with the loss on every token (a stand-in for text: "
         "learnable as a unigram, no copying), as the recipe's copy curriculum mixes copy rows with text"))
+    ap.add_argument("--packed", action="store_true", help=(
+        "lay each batch out as pretrain/packed_data.make_batch does: all rows as one sequence, each span pair its "
+        "own document (cu_seqlens, position ids restarting), as the recipe's copy rows are; default: each row one "
+        "sequence of span pairs back to back"))
+    ap.add_argument("--size", default="", help=(
+        "a named model size (model/sizes.py, e.g. gpu-300m) at --vocab instead of the --d/--layers toy"))
+    ap.add_argument("--device", default="cpu", help="cuda: the model in bf16 autocast on the GPU")
     args = ap.parse_args()
 
     from model.modeling import HybridForCausalLM
@@ -54,10 +61,15 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     V, L, span = args.vocab, args.seq_len, args.span
-    cfg = config_for("tiny", vocab_size=V, hidden_size=args.d, num_hidden_layers=args.layers,
-                     num_attention_heads=max(2, args.d // 32), head_dim=32, num_key_value_heads=max(1, args.d // 64),
-                     max_position_embeddings=max(L, 256))
-    model = HybridForCausalLM(cfg)
+    if args.size:
+        cfg = config_for(args.size, vocab_size=V)
+    else:
+        cfg = config_for("tiny", vocab_size=V, hidden_size=args.d, num_hidden_layers=args.layers,
+                         num_attention_heads=max(2, args.d // 32), head_dim=32,
+                         num_key_value_heads=max(1, args.d // 64), max_position_embeddings=max(L, 256))
+    device = torch.device(args.device)
+    model = HybridForCausalLM(cfg).to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = np.random.default_rng(args.seed)
     zipf = 1.0 / np.arange(1, V - RESERVED + 1)
@@ -84,12 +96,38 @@ def main() -> None:
                 p += 2 * span
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
+    def packed(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows as one sequence of documents: each row's first token, each span pair, the row's tail."""
+        n = ids.shape[0]
+        bounds, positions = [0], []
+        for b in range(n):
+            cuts = [1, *range(1 + 2 * span, L + 1, 2 * span)]
+            cuts = [c for c in cuts if c <= L] + ([L] if cuts[-1] != L else [])
+            start = 0
+            for c in cuts:
+                if c > start:
+                    positions.append(torch.arange(c - start))
+                    bounds.append(b * L + c)
+                    start = c
+        return {"position_ids": torch.cat(positions)[None],
+                "cu_seqlens": torch.tensor(sorted(set(bounds)), dtype=torch.int32)}
+
+    def forward(x: torch.Tensor, y: torch.Tensor | None = None):
+        x, y = x.to(device), None if y is None else y.to(device)
+        with autocast:
+            if not args.packed:
+                return model(input_ids=x, labels=y)
+            extra = {k: v.to(device) if k == "position_ids" else v for k, v in packed(x).items()}
+            out = model(input_ids=x.reshape(1, -1), labels=None if y is None else y.reshape(1, -1), **extra)
+        out.logits = out.logits.reshape(x.shape[0], L, -1)
+        return out
+
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / 20)
         x, y = batch(args.rows, step, text_rows=round(args.rows * args.text_share))
-        loss = model(input_ids=x, labels=y).loss
+        loss = forward(x, y).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -98,9 +136,9 @@ def main() -> None:
             model.eval()
             with torch.no_grad():
                 x, y = batch(16, None)  # always over the whole vocabulary (or the Zipf draw)
-                pred = model(input_ids=x).logits[:, :-1].argmax(-1)
+                pred = forward(x).logits[:, :-1].argmax(-1)
             model.train()
-            target = y[:, 1:]
+            target = y[:, 1:].to(pred.device)
             keep = target != -100
             acc = float((pred[keep] == target[keep]).float().mean())
             print(json.dumps({"step": step, "loss": round(float(loss.detach()), 3), "copy_accuracy": round(acc, 3),
