@@ -12,8 +12,9 @@
 #   run.log          the run's console so far (bench/run_gpu_dag.sh's, which also has the package preflight)
 #   progress.txt     this call's watch lines
 #   summary.txt, report.json, diagnostics.txt   bench/run_gpu_dag.sh's own record, once the run has ended
-#   compile-cache.tar.gz   the run's inductor and Triton caches, where they fit 15 MB: copy it to
-#                    .compile-cache/ here (ignored by git) and carry that folder next time
+#   compile-cache.tar.gz   the run's inductor and Triton caches where they fit 15 MB, else bench/warm_compile.py's
+#                    (the softmax layers' FlexAttention kernels): copy it to .compile-cache/ here (ignored by
+#                    git) and carry that folder next time
 #
 #   bash bench/gpu_recipe_lease.sh                  # first call (carry .whl-dag/pack): start and watch ~9 min
 #   bash bench/gpu_recipe_lease.sh                  # each next call, on the still-warm machine: watch on
@@ -95,12 +96,18 @@ else
     [ -f "$CALL_OUT/results.md" ] || "$PYTHON" bench/recipe_results.py --root "$WORK/root" --out "$CALL_OUT/results.md"
 fi
 "$PYTHON" bench/gpu_dag_records.py --work "$WORK" --out "$CALL_OUT" >/dev/null
-# the compile caches, for the next lease to carry (.compile-cache/, bench/run_gpu_dag.sh), where they fit a file
-if [ -d "$WORK/compile-cache" ]; then
-    tar -C "$WORK" -czf "$LEASE/compile-cache.tar.gz" compile-cache 2>/dev/null
+# the compile caches, for the next lease to carry (.compile-cache/, bench/run_gpu_dag.sh), where they fit a file: the
+# stages' whole caches, else bench/warm_compile.py's own (one pretrain step's kernels; the same layout)
+for cache in compile-cache warm-cache; do
+    [ -d "$WORK/$cache" ] || continue
+    tar -C "$WORK" -czf "$LEASE/compile-cache.tar.gz" --transform "s#^$cache#compile-cache#" "$cache" 2>/dev/null
     size=$(stat -c %s "$LEASE/compile-cache.tar.gz" 2>/dev/null || echo 0)
-    if [ "$size" -le 15000000 ]; then cp "$LEASE/compile-cache.tar.gz" "$CALL_OUT/"; else say "compile caches: $size bytes, over one returned file"; fi
-fi
+    if [ "$size" -le 15000000 ]; then
+        cp "$LEASE/compile-cache.tar.gz" "$CALL_OUT/" && say "compile caches: $cache, $size bytes, returned"
+        break
+    fi
+    say "compile caches: $cache is $size bytes, over one returned file"
+done
 [ -f "$RUN_OUT/run.log" ] && tail -c 15000000 "$RUN_OUT/run.log" >"$CALL_OUT/run.log"
 [ -f "$RUN_OUT/run.log" ] || cp "$LEASE/run_gpu_dag.out" "$CALL_OUT/run.log" 2>/dev/null
 sed -n '/^## Stages/,/^## Pretraining/p' "$CALL_OUT/results.md" 2>/dev/null | head -60

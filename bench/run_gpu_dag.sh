@@ -185,11 +185,19 @@ if [ "$preflight" != 0 ] && [ -z "${IGNORE_PREFLIGHT:-}" ]; then
 fi
 [ -z "${PREFLIGHT_ONLY:-}" ] || { say "preflight ok (PREFLIGHT_ONLY: no run)"; exit 0; }
 
-# The softmax layers' kernels, compiled on the last GPU while the CPU data stages run (bench/warm_compile.py): into
-# the compile caches above, where the pretrains can find them; its timings go into run.log. WARM_COMPILE=0: not.
+# The softmax layers' kernels, compiled on the last GPU while the CPU data stages run (bench/warm_compile.py); its
+# timings go into run.log. WARM_COMPILE=0: not. It compiles into caches of its own ($WORK/warm-cache, seeded with a
+# carried cache), merged into the stages' when it ends: those hold only the kernels of one pretrain step, small
+# enough for bench/gpu_recipe_lease.sh to return (the stages' whole caches were 19-38 MB, over one returned file).
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "${WARM_COMPILE:-1}" = 1 ] && [ "${ngpu:-0}" -gt 0 ]; then
-    (CUDA_VISIBLE_DEVICES=$((ngpu - 1)) timeout 600 "$PYTHON" bench/warm_compile.py 2>&1 | sed -u 's/^/[warm_compile] /' >>"$LOG") &
+    mkdir -p "$WORK/warm-cache" "$WORK/compile-cache"
+    [ -f .compile-cache/compile-cache.tar.gz ] && tar -C "$WORK/warm-cache" --strip-components=1 \
+        -xzf .compile-cache/compile-cache.tar.gz 2>/dev/null
+    (CUDA_VISIBLE_DEVICES=$((ngpu - 1)) TORCHINDUCTOR_CACHE_DIR="$WORK/warm-cache/inductor" \
+        TRITON_CACHE_DIR="$WORK/warm-cache/triton" timeout 600 "$PYTHON" bench/warm_compile.py 2>&1 \
+        | sed -u 's/^/[warm_compile] /' >>"$LOG"
+     cp -rn "$WORK/warm-cache/." "$WORK/compile-cache/" 2>/dev/null) &
     say "compiling the softmax layers' kernels on GPU $((ngpu - 1)) beside the data stages (bench/warm_compile.py)"
 fi
 
