@@ -30,7 +30,7 @@ import torch
 RESERVED = 4  # ids below this are never drawn (id 0 starts each row)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--span", type=int, default=32)
@@ -54,51 +54,44 @@ def main() -> None:
     ap.add_argument("--size", default="", help=(
         "a named model size (model/sizes.py, e.g. gpu-300m) at --vocab instead of the --d/--layers toy"))
     ap.add_argument("--device", default="cpu", help="cuda: the model in bf16 autocast on the GPU")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    from model.modeling import HybridForCausalLM
-    from model.sizes import config_for
 
-    torch.manual_seed(args.seed)
-    V, L, span = args.vocab, args.seq_len, args.span
-    if args.size:
-        cfg = config_for(args.size, vocab_size=V)
-    else:
-        cfg = config_for("tiny", vocab_size=V, hidden_size=args.d, num_hidden_layers=args.layers,
-                         num_attention_heads=max(2, args.d // 32), head_dim=32,
-                         num_key_value_heads=max(1, args.d // 64), max_position_embeddings=max(L, 256))
-    device = torch.device(args.device)
-    model = HybridForCausalLM(cfg).to(device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng = np.random.default_rng(args.seed)
-    zipf = 1.0 / np.arange(1, V - RESERVED + 1)
-    zipf /= zipf.sum()
+class CopyRows:
+    """Batches of rows of span pairs (and text stand-in rows), their labels on each repeat after its first token."""
 
-    def draw(step: int | None) -> np.ndarray:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.V, self.L, self.span = args, args.vocab, args.seq_len, args.span
+        self.rng = np.random.default_rng(args.seed)
+        zipf = 1.0 / np.arange(1, self.V - RESERVED + 1)
+        self.zipf = zipf / zipf.sum()
+
+    def draw(self, step: int | None) -> np.ndarray:
+        args, V = self.args, self.V
         if args.zipf:
-            return RESERVED + rng.choice(V - RESERVED, size=span, p=zipf)
+            return RESERVED + self.rng.choice(V - RESERVED, size=self.span, p=self.zipf)
         hi = args.small if args.small and step is not None and step <= args.small_steps else V
-        return rng.integers(RESERVED, hi, size=span)
+        return self.rng.integers(RESERVED, hi, size=self.span)
 
-    def batch(n: int, step: int | None, text_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, n: int, step: int | None, text_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        L, span, V = self.L, self.span, self.V
         ids = np.zeros((n, L), np.int64)
         labels = np.full((n, L), -100, np.int64)
         for b in range(n - text_rows, n):  # the text stand-in: Zipf tokens, every one a target
-            ids[b, 1:] = RESERVED + rng.choice(V - RESERVED, size=L - 1, p=zipf)
+            ids[b, 1:] = RESERVED + self.rng.choice(V - RESERVED, size=L - 1, p=self.zipf)
             labels[b, 2:] = ids[b, 2:]
         for b in range(n - text_rows):
             p = 1
             while p + 2 * span <= L:
-                r = draw(step)
+                r = self.draw(step)
                 ids[b, p:p + span] = ids[b, p + span:p + 2 * span] = r
                 labels[b, p + span + 1:p + 2 * span] = r[1:]  # the repeat after its first token
                 p += 2 * span
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
-    def packed(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The rows as one sequence of documents: each row's first token, each span pair, the row's tail."""
-        n = ids.shape[0]
+    def packed(self, n: int) -> dict[str, torch.Tensor]:
+        """``n`` rows as one sequence of documents: each row's first token, each span pair, the row's tail."""
+        L, span = self.L, self.span
         bounds, positions = [0], []
         for b in range(n):
             cuts = [1, *range(1 + 2 * span, L + 1, 2 * span)]
@@ -112,21 +105,46 @@ def main() -> None:
         return {"position_ids": torch.cat(positions)[None],
                 "cu_seqlens": torch.tensor(sorted(set(bounds)), dtype=torch.int32)}
 
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from model.modeling import HybridForCausalLM
+    from model.sizes import config_for
+
+    V, L = args.vocab, args.seq_len
+    if args.size:
+        cfg = config_for(args.size, vocab_size=V)
+    else:
+        cfg = config_for("tiny", vocab_size=V, hidden_size=args.d, num_hidden_layers=args.layers,
+                         num_attention_heads=max(2, args.d // 32), head_dim=32,
+                         num_key_value_heads=max(1, args.d // 64), max_position_embeddings=max(L, 256))
+    return HybridForCausalLM(cfg).to(torch.device(args.device))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    model = build_model(args)
+    device = torch.device(args.device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    data = CopyRows(args)
+
     def forward(x: torch.Tensor, y: torch.Tensor | None = None):
+        n = x.shape[0]
         x, y = x.to(device), None if y is None else y.to(device)
         with autocast:
             if not args.packed:
                 return model(input_ids=x, labels=y)
-            extra = {k: v.to(device) if k == "position_ids" else v for k, v in packed(x).items()}
+            extra = {k: v.to(device) if k == "position_ids" else v for k, v in data.packed(n).items()}
             out = model(input_ids=x.reshape(1, -1), labels=None if y is None else y.reshape(1, -1), **extra)
-        out.logits = out.logits.reshape(x.shape[0], L, -1)
+        out.logits = out.logits.reshape(n, args.seq_len, -1)
         return out
 
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / 20)
-        x, y = batch(args.rows, step, text_rows=round(args.rows * args.text_share))
+        x, y = data.batch(args.rows, step, text_rows=round(args.rows * args.text_share))
         loss = forward(x, y).loss
         opt.zero_grad()
         loss.backward()
@@ -135,14 +153,14 @@ def main() -> None:
         if step % 50 == 0 or step == args.steps:
             model.eval()
             with torch.no_grad():
-                x, y = batch(16, None)  # always over the whole vocabulary (or the Zipf draw)
+                x, y = data.batch(16, None)  # always over the whole vocabulary (or the Zipf draw)
                 pred = forward(x).logits[:, :-1].argmax(-1)
             model.train()
             target = y[:, 1:].to(pred.device)
             keep = target != -100
             acc = float((pred[keep] == target[keep]).float().mean())
             print(json.dumps({"step": step, "loss": round(float(loss.detach()), 3), "copy_accuracy": round(acc, 3),
-                              "ln_v": round(math.log(V - RESERVED), 2),
+                              "ln_v": round(math.log(args.vocab - RESERVED), 2),
                               "seconds": round(time.perf_counter() - t0)}), flush=True)
 
 
