@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--size", default="", help=(
         "a named model size (model/sizes.py, e.g. gpu-300m) at --vocab instead of the --d/--layers toy"))
     ap.add_argument("--device", default="cpu", help="cuda: the model in bf16 autocast on the GPU")
+    ap.add_argument("--fp32", action="store_true", help="on cuda: no bf16 autocast")
+    ap.add_argument("--dropless", action="store_true", help="train the MoE dropless (moe_token_drop false)")
     return ap.parse_args(argv)
 
 
@@ -111,12 +113,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from model.sizes import config_for
 
     V, L = args.vocab, args.seq_len
+    extra = {"moe_token_drop": False} if args.dropless else {}
     if args.size:
-        cfg = config_for(args.size, vocab_size=V)
+        cfg = config_for(args.size, vocab_size=V, **extra)
     else:
         cfg = config_for("tiny", vocab_size=V, hidden_size=args.d, num_hidden_layers=args.layers,
                          num_attention_heads=max(2, args.d // 32), head_dim=32,
-                         num_key_value_heads=max(1, args.d // 64), max_position_embeddings=max(L, 256))
+                         num_key_value_heads=max(1, args.d // 64), max_position_embeddings=max(L, 256), **extra)
     return HybridForCausalLM(cfg).to(torch.device(args.device))
 
 
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     model = build_model(args)
     device = torch.device(args.device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and not args.fp32)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = CopyRows(args)
 
