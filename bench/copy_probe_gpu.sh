@@ -12,11 +12,13 @@
 #   300m-v32k-dropless  32,768 ids with the MoE dropless (every copy run so far dropped 40%+ of its slots)
 #   300m-v32k-fp32      32,768 ids without bf16 autocast
 #   300m-v32k-long      32,768 ids, 1,500 steps
+#   300m-v32k-zipf      32,768 ids drawn with p ~ 1/rank (as words are; the recipe's copy_draw: unigram draws as the
+#                       text does); its copy accuracy is measured on Zipf-drawn spans too
 #
 #   bash bench/copy_probe_gpu.sh                      # carry .whl-dag/pack; logs and summary.md in $OUT
 #   VARIANTS="toy-v256 300m-v8k" bash bench/copy_probe_gpu.sh
 #
-# GPU g runs variants g, g + NGPU, ... in turn. On 4 GPUs the six take about 9 minutes (gpu-300m: ~175 s for 750
+# GPU g runs variants g, g + NGPU, ... in turn. On 4 GPUs the seven take about 9 minutes (gpu-300m: ~175 s for 750
 # steps on an H100 in bf16; fp32 and the 1,500-step run longer); on fewer GPUs name fewer VARIANTS per call.
 #
 # Env: VARIANTS (names above, space separated; default all), NGPU (the GPUs to use; default all nvidia-smi lists),
@@ -39,8 +41,9 @@ declare -A ARGS=(
     [300m-v32k-dropless]="$PROBE --vocab 32768 --steps 800 --dropless"
     [300m-v32k-fp32]="$PROBE --vocab 32768 --steps 800 --fp32"
     [300m-v32k-long]="$PROBE --vocab 32768 --steps 1500"
+    [300m-v32k-zipf]="$PROBE --vocab 32768 --steps 800 --zipf"
 )
-ORDER=(toy-v256 300m-v8k 300m-v32k-dropless 300m-v256 300m-v32k-fp32 300m-v32k-long)
+ORDER=(toy-v256 300m-v8k 300m-v32k-dropless 300m-v32k-zipf 300m-v32k-fp32 300m-v256 300m-v32k-long)
 read -ra WANT <<<"${VARIANTS:-${ORDER[*]}}"
 for v in "${WANT[@]}"; do
     [ -n "${ARGS[$v]:-}" ] || { echo "copy_probe_gpu: unknown variant $v (known: ${ORDER[*]})" >&2; exit 2; }

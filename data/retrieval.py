@@ -82,12 +82,16 @@ class RetrievalSample:
         return int(self.answer.sum())
 
 
+COPY_DRAWS = ("uniform", "unigram")  # how a copy curriculum draws its span ids (pretrain copy_draw)
+
+
 def copy_sample(pool: np.ndarray, length: int, rng: np.random.Generator, *, bos: int, eos: int,
-                mark: np.ndarray) -> RetrievalSample:
-    """``[BOS] (x) R MARK R [EOS]`` of exactly ``length`` tokens: ``R`` token ids drawn uniformly (with replacement)
-    from ``pool``, as long as the length allows (``x``: one more drawn id where the length is odd, not a target).
-    Targets (``no_loss`` False) are the second ``R`` and the EOS, which is also what ``answer`` marks; the first
-    ``R`` and the marker cannot be predicted and are not targets."""
+                mark: np.ndarray, weights: np.ndarray | None = None) -> RetrievalSample:
+    """``[BOS] (x) R MARK R [EOS]`` of exactly ``length`` tokens: ``R`` token ids drawn (with replacement) from
+    ``pool``, uniformly or with probabilities ``weights`` (one per pool id, summing to 1), as long as the length
+    allows (``x``: one more drawn id where the length is odd, not a target). Targets (``no_loss`` False) are the
+    second ``R`` and the EOS, which is also what ``answer`` marks; the first ``R`` and the marker cannot be
+    predicted and are not targets."""
     mark = np.asarray(mark, TOKEN_DTYPE)
     span, odd = divmod(length - 2 - mark.size, 2)
     if span < 1:
@@ -95,7 +99,8 @@ def copy_sample(pool: np.ndarray, length: int, rng: np.random.Generator, *, bos:
     pool = np.asarray(pool, TOKEN_DTYPE)
     if pool.size < 2:
         raise ValueError(f"copy samples need a pool of at least 2 token ids, got {pool.size}")
-    r = pool[rng.integers(pool.size, size=span + odd)]
+    r = pool[rng.integers(pool.size, size=span + odd) if weights is None
+             else rng.choice(pool.size, size=span + odd, p=weights)]
     lead, span_ids = r[:odd], r[odd:]
     tokens = np.concatenate([[bos], lead, span_ids, mark, span_ids, [eos]]).astype(TOKEN_DTYPE)
     answer = np.zeros(length, bool)

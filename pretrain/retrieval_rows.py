@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from data.retrieval import COPY_MARK, KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker, copy_sample
+from data.retrieval import COPY_DRAWS, COPY_MARK, KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker, copy_sample
 from data.tokenizer import SPECIAL_TOKENS
 from pipeline.artifacts import atomic_file
 from pretrain.packed_data import (
@@ -232,7 +232,7 @@ def copy_rows_for(train_tokens: int, seq_len: int, share: float, until_tokens: i
 
 
 def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: float, seed: int,
-                  span_tokens: Sequence[int] = (32, 256),
+                  span_tokens: Sequence[int] = (32, 256), draw: str = "uniform",
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Append ``rows`` copy-curriculum rows to the training split in ``data_dir`` and record the schedule that
     reads them (``copy_curriculum.json``): the first ``rows / share`` rows a run reads hold them at ``share``,
@@ -243,8 +243,11 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     (BENCHMARKS.md).
 
     A row holds :func:`data.retrieval.copy_sample` s, one segment each, their spans drawn uniformly from
-    ``span_tokens`` (min, max) and their ids uniformly from the ordinary vocabulary (every id but the special
-    tokens). The loss counts the repeats alone. The unigram counts leave the rows out: they are uniform noise, and
+    ``span_tokens`` (min, max) and their ids from the ordinary vocabulary (every id but the special tokens):
+    ``draw`` "uniform", each id alike, or "unigram", as often as the training text uses it (its unigram counts;
+    ids the text never uses are never drawn). On the CPU a toy model copied Zipf-drawn ids from a 4,096-id
+    vocabulary after ~150-400 steps and uniformly drawn ones not in 200 (BENCHMARKS.md). The loss counts the
+    repeats alone. The unigram counts leave the rows out: they are uniform noise, and
     the unigram baseline describes the text. ``packing.json``'s train split counts them (rows, tokens, segments)."""
     data_dir = Path(data_dir)
     if (data_dir / COPY_FILE).exists():
@@ -254,6 +257,8 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
         raise ValueError(f"copy span_tokens={list(span_tokens)}: use [min, max] with 1 <= min <= max")
     if rows < 1 or not 0.0 < share <= 1.0:
         raise ValueError(f"copy rows={rows}, share={share}: need rows >= 1 and a share in (0, 1]")
+    if draw not in COPY_DRAWS:
+        raise ValueError(f"copy draw={draw!r}: use one of {', '.join(COPY_DRAWS)}")
     info = read_info(data_dir)
     seq_len, special = info.seq_len, info.special_ids
     mark = np.asarray(tokenizer.encode(COPY_MARK, add_special_tokens=False).ids, TOKEN_DTYPE)
@@ -262,6 +267,13 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
         raise ValueError(f"copy span_tokens min {lo}: a sample of {shortest} tokens does not fit a {seq_len}-token row")
     specials = {tokenizer.token_to_id(t) for t in SPECIAL_TOKENS} | set(special.values())
     pool = np.asarray([i for i in range(info.vocab_size) if i not in specials], TOKEN_DTYPE)
+    weights = None
+    if draw == "unigram":
+        counts = np.load(data_dir / UNIGRAM_FILE).astype(np.float64)[pool]
+        if not counts.sum():
+            raise ValueError(f"copy draw='unigram': the training text of {data_dir} uses no ordinary token")
+        pool, counts = pool[counts > 0], counts[counts > 0]
+        weights = counts / counts.sum()
     plain = PackedRows(data_dir, "train")
     rng = np.random.default_rng([seed, _COPY_TAG])
     total = len(plain) + rows
@@ -278,7 +290,7 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
                 n = min(2 * int(rng.integers(lo, hi + 1)) + mark.size + 2, space)
                 if space - n < shortest:
                     n = space  # the last sample takes the rest of the row
-                s = copy_sample(pool, n, rng, bos=special["bos"], eos=special["eos"], mark=mark)
+                s = copy_sample(pool, n, rng, bos=special["bos"], eos=special["eos"], mark=mark, weights=weights)
                 pieces.append(s.tokens)
                 masks.append(s.no_loss)
                 made["samples"] += 1
@@ -303,10 +315,12 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     record = {"rows": rows, "plain_rows": total - rows, "share": share, "first_copy_row": total - rows,
               "curriculum_rows": int(math.ceil(rows / share)), "seq_len": seq_len, "samples": samples,
               "span_tokens": [lo, hi], "mean_span_tokens": made["span_tokens"] / max(samples, 1),
-              "loss_tokens": loss_tokens, "pool": int(pool.size), "marker_tokens": int(mark.size), "seed": seed}
+              "loss_tokens": loss_tokens, "pool": int(pool.size), "draw": draw, "marker_tokens": int(mark.size),
+              "seed": seed}
     _commit(data_dir, COPY_FILE, record, replace(info, train=train))
     if progress:
-        progress(f"copy curriculum: {rows:,} rows ({samples:,} samples, spans of {lo}-{hi} ids from {pool.size:,}) "
+        progress(f"copy curriculum: {rows:,} rows ({samples:,} samples, spans of {lo}-{hi} ids drawn {draw} from "
+                 f"{pool.size:,}) "
                  f"read as {share:.0%} of the first {record['curriculum_rows']:,} rows")
     return record
 

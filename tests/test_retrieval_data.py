@@ -456,6 +456,40 @@ def test_copy_rows_are_appended_after_the_other_rows_with_counts_that_add_up(tok
         add_copy_rows(out, tokenizer, rows=3, share=0.5, seed=0)
 
 
+def test_unigram_copy_rows_draw_ids_as_often_as_the_text_uses_them(mixed, tokenizer, tmp_path):
+    """copy_draw 'unigram': every span id is one the training text uses, drawn in proportion to its count (the
+    uniform draw gives the text's 10 commonest ids ~10/pool of the draws, the unigram draw their share of the
+    text)."""
+    from pretrain.retrieval_rows import add_copy_rows
+
+    src, _ = mixed
+    out = tmp_path / "data"
+    shutil.copytree(src, out)
+    record = add_copy_rows(out, tokenizer, rows=40, share=1.0, seed=0, span_tokens=(16, 48), draw="unigram")
+    counts = np.load(out / "unigram_counts.npy").astype(np.float64)
+    rows = PackedRows(out, "train")
+    drawn = []
+    for i in range(record["first_copy_row"], len(rows)):
+        tokens, starts, no_loss = rows.row(i)
+        keep = loss_mask(starts, no_loss)
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            span = int(keep[a:b].sum()) - 1
+            drawn.append(tokens[a:b][-1 - span:-1])  # the repeat: the drawn ids
+    drawn = np.concatenate(drawn)
+    from data.tokenizer import SPECIAL_TOKENS
+
+    assert (counts[drawn] > 0).all()  # never an id the text does not use
+    ordinary = counts.copy()
+    ordinary[[tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] + list(rows.info.special_ids.values())] = 0
+    assert record["draw"] == "unigram" and record["pool"] == int((ordinary > 0).sum())
+    top = np.argsort(ordinary)[::-1][:10]
+    text_share = ordinary[top].sum() / ordinary.sum()
+    drawn_share = np.isin(drawn, top).mean()
+    assert abs(drawn_share - text_share) < 0.05 and drawn_share > 5 * 10 / record["pool"], (drawn_share, text_share)
+    with pytest.raises(ValueError, match="copy draw='zipf'"):
+        add_copy_rows(tmp_path / "other", tokenizer, rows=1, share=1.0, seed=0, draw="zipf")
+
+
 def test_the_curriculum_reads_each_copy_row_once_first_and_then_the_plain_epochs(with_copy):
     """The loader of a split with a copy curriculum: copy rows at the share in the first curriculum_rows slots, in
     order, each once; the other slots walk exactly the epochs a plain loader over the other rows walks."""
@@ -516,6 +550,9 @@ def test_pretrain_params_check_the_copy_curriculum():
         PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[64, 16])
     with pytest.raises(ValueError, match="does not fit"):
         PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[200, 300])
+    assert ok.copy_draw == "uniform"
+    with pytest.raises(ValueError, match="copy_draw"):
+        PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_draw="zipf")
 
 
 def test_a_pure_copy_window_reads_only_copy_rows_then_the_plain_epochs_from_their_start():
