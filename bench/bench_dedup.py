@@ -359,6 +359,134 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _eval_items(records: list[dict], tmp: Path, n: int) -> tuple[list[dict], Path]:
+    """Eval passages for the decontamination row: 60-word windows of prose documents, hash-sampled."""
+    prose = sorted((r for r in records if r["domain"] == "prose" and len(r["text"].split()) > 200),
+                   key=lambda r: _h("eval", r["id"]))
+    items = []
+    for k in range(n):
+        words = prose[k % len(prose)]["text"].split()
+        start = (k * 37) % max(1, len(words) - 60)
+        items.append({"id": f"item-{k}", "text": " ".join(words[start:start + 60])})
+    eval_path = tmp / "eval.jsonl.gz"
+    with gzip.open(eval_path, "wb") as f:
+        f.writelines(orjson.dumps(i) + b"\n" for i in items)
+    return items, eval_path
+
+
+def _best(fn, repeats: int) -> tuple[float, float]:
+    """Best wall seconds and best CPU seconds (this process + finished child processes)."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        cpu0 = _cpu_seconds()
+        walls.append(fn()[0])
+        cpus.append(_cpu_seconds() - cpu0)
+    return min(walls), min(cpus)
+
+
+def _throughput(args: argparse.Namespace, tmp: Path, records: list[dict], corpus: Path) -> list[tuple]:
+    items, eval_path = _eval_items(records, tmp, args.eval_items)
+    rows = []
+    # warm-up first (imports, datatrove's dependency checks, page cache)
+    run_hylight(write_documents(tmp / "warmup", records[:200]), tmp / "out")
+    configs = [
+        ("hylight dedup, defaults (fast words, 20x6, verify: exact)", {}, args.repeats),
+        ("hylight dedup, verify: estimate, 11x11 (the previous default)",
+         {"verify": "estimate", "bands": 11, "rows": 11}, args.repeats),
+        (f"hylight dedup, defaults + decontamination ({len(items)} items)",
+         {"decontaminate_paths": [str(eval_path)]}, args.repeats),
+    ]
+    if not args.no_spacy:
+        configs.insert(2, ("hylight dedup, spaCy words, 20x6", {"word_tokenizer": "spacy"}, args.spacy_repeats))
+    for name, params, repeats in configs:
+        wall, cpu = _best(lambda p=params: run_hylight(corpus, tmp / "out", **p), repeats)
+        rows.append((name, wall, cpu))
+        print(f"{name}: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
+    wall, cpu = _best(lambda: run_datasketch(corpus), args.repeats)
+    rows.append(("datasketch MinHashLSH(0.7, 128 perms) + exact Jaccard (near dedup only, no output)", wall, cpu))
+    print(f"datasketch: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
+    if not args.no_spacy:
+        wall, cpu = _best(lambda: run_datatrove(corpus, tmp / "dt"), args.spacy_repeats)
+        rows.append(("plain datatrove: MinhashConfig() 14x8, spaCy, 4 stages, LocalPipelineExecutor", wall, cpu))
+        print(f"datatrove: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
+    return rows
+
+
+def _signatures(args: argparse.Namespace, tmp: Path, records: list[dict]) -> list[tuple]:
+    texts = [r["text"] for r in records]
+    kinds = [("plugged", "same step, FastWordTokenizer plugged in", args.repeats),
+             ("fast", "FastMinhashSignature (hylight default)", args.repeats)]
+    if not args.no_spacy:
+        kinds.insert(0, ("spacy", "datatrove MinhashDedupSignature (spaCy)", args.spacy_repeats))
+    sig_rows = []
+    for kind, label, repeats in kinds:
+        secs = min(signature_only(texts, kind, tmp / f"sig-{kind}") for _ in range(repeats))
+        sig_rows.append((label, secs))
+        print(f"signature {kind}: {secs:.1f}s", file=sys.stderr)
+    return sig_rows
+
+
+def _quality(args: argparse.Namespace, tmp: Path, records: list[dict]) -> tuple[list[tuple], list, list, set]:
+    docs, planted = planted_set(records, args.base_docs, args.copies)
+    planted_dir = write_documents(tmp / "planted", docs)
+    truth = true_pairs(docs)
+    index_of = {d["id"]: i for i, d in enumerate(docs)}
+    quality = []
+    for name, params in (("hylight default (20x6, verify: exact)", {}),
+                         ("hylight verify: estimate, 11x11 (the previous default)",
+                          {"verify": "estimate", "bands": 11, "rows": 11})):
+        _, clusters = run_hylight(planted_dir, tmp / "pout", **params)
+        quality.append((name, [[index_of[i] for i in c] for c in clusters.values()], True))
+    _, ds_clusters = run_datasketch(planted_dir)
+    quality.append(("datasketch MinHashLSH(0.7) + exact Jaccard",
+                    [[index_of[i] for i in c] for c in ds_clusters.values()], True))
+    if not args.no_spacy:
+        _, dt_clusters = run_datatrove(planted_dir, tmp / "pdt")
+        quality.append(("plain datatrove (14x8, spaCy)", list(dt_clusters.values()), False))
+    return quality, docs, planted, truth
+
+
+def _memory(args: argparse.Namespace, tmp: Path) -> list[tuple]:
+    from data import dedup
+
+    modules = [("hylight dedup (this tree)", Path(dedup.__file__))]
+    if args.compare_module:
+        modules.append((f"{args.compare_module}", Path(args.compare_module)))
+    memory = []
+    for label, module in modules:
+        for words in [0, *args.long_words]:
+            m = long_document_rss(module, words, tmp)
+            memory.append((label, words, m))
+            print(f"memory {label} {words} words: {m}", file=sys.stderr)
+    return memory
+
+
+def _print_quality(args: argparse.Namespace, quality: list[tuple], docs: list, planted: list, truth: set) -> None:
+    print(f"\n**Quality** on a planted set: {args.base_docs} corpus documents + {len(planted)} edited copies "
+          f"(targets {', '.join(map(str, TARGETS))}); ground truth: {len(truth)} pairs with exact "
+          f"Jaccard >= {THRESHOLD} over all pairs of the {len(docs)} documents.\n")
+    print("| config | predicted pairs | pair precision | pair recall | removed below threshold | "
+          "kept pairs >= threshold |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, clusters, rep_first in quality:
+        p, r, n = pair_scores(clusters, truth)
+        below = "{} of {}".format(*removed_below(clusters, docs)) if rep_first else "-"
+        kept = kept_duplicate_pairs(clusters, truth) if rep_first else "-"
+        print(f"| {name} | {n} | {p:.3f} | {r:.3f} | {below} | {kept} |")
+    print("\nShare of planted copies put in the same cluster as their original, by exact Jaccard:\n")
+    header = [f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}" for lo, hi in zip(BINS, BINS[1:], strict=False)]
+    print("| config | " + " | ".join(header) + " |\n| --- |" + " ---: |" * len(header))
+    counts = [sum(lo <= j < hi for _, _, j in planted) for lo, hi in zip(BINS, BINS[1:], strict=False)]
+    print("| copies in bin | " + " | ".join(map(str, counts)) + " |")
+    for name, clusters, _ in quality:
+        cluster_of = {i: k for k, c in enumerate(clusters) for i in c}
+        cells = []
+        for lo, hi in zip(BINS, BINS[1:], strict=False):
+            inbin = [(c, o) for c, o, j in planted if lo <= j < hi]
+            hit = sum(c in cluster_of and cluster_of.get(o) == cluster_of[c] for c, o in inbin)
+            cells.append(f"{hit / len(inbin):.2f}" if inbin else "-")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def _main(args: argparse.Namespace, tmp: Path) -> None:
     import datatrove
     import spacy
@@ -369,93 +497,10 @@ def _main(args: argparse.Namespace, tmp: Path) -> None:
     n_docs = len(records)
     mb = sum(len(r["text"].encode()) for r in records) / 1e6
     print(f"sample corpus: {n_docs} documents, {mb:.1f} MB of text", file=sys.stderr)
-
-    # eval passages for the decontamination row: 60-word windows of prose documents, hash-sampled
-    prose = sorted((r for r in records if r["domain"] == "prose" and len(r["text"].split()) > 200),
-                   key=lambda r: _h("eval", r["id"]))
-    items = []
-    for k in range(args.eval_items):
-        words = prose[k % len(prose)]["text"].split()
-        start = (k * 37) % max(1, len(words) - 60)
-        items.append({"id": f"item-{k}", "text": " ".join(words[start:start + 60])})
-    eval_path = tmp / "eval.jsonl.gz"
-    with gzip.open(eval_path, "wb") as f:
-        f.writelines(orjson.dumps(i) + b"\n" for i in items)
-
-    def best(fn, repeats: int) -> tuple[float, float]:
-        """Best wall seconds and best CPU seconds (this process + finished child processes)."""
-        walls, cpus = [], []
-        for _ in range(repeats):
-            cpu0 = _cpu_seconds()
-            walls.append(fn()[0])
-            cpus.append(_cpu_seconds() - cpu0)
-        return min(walls), min(cpus)
-
-    rows, sig_rows, quality, memory = [], [], [], []
-    if "throughput" in sections:
-        # warm-up first (imports, datatrove's dependency checks, page cache)
-        run_hylight(write_documents(tmp / "warmup", records[:200]), tmp / "out")
-        configs = [
-            ("hylight dedup, defaults (fast words, 20x6, verify: exact)", {}, args.repeats),
-            ("hylight dedup, verify: estimate, 11x11 (the previous default)",
-             {"verify": "estimate", "bands": 11, "rows": 11}, args.repeats),
-            (f"hylight dedup, defaults + decontamination ({len(items)} items)",
-             {"decontaminate_paths": [str(eval_path)]}, args.repeats),
-        ]
-        if not args.no_spacy:
-            configs.insert(2, ("hylight dedup, spaCy words, 20x6", {"word_tokenizer": "spacy"}, args.spacy_repeats))
-        for name, params, repeats in configs:
-            wall, cpu = best(lambda p=params: run_hylight(corpus, tmp / "out", **p), repeats)
-            rows.append((name, wall, cpu))
-            print(f"{name}: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
-        wall, cpu = best(lambda: run_datasketch(corpus), args.repeats)
-        rows.append(("datasketch MinHashLSH(0.7, 128 perms) + exact Jaccard (near dedup only, no output)",
-                     wall, cpu))
-        print(f"datasketch: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
-        if not args.no_spacy:
-            wall, cpu = best(lambda: run_datatrove(corpus, tmp / "dt"), args.spacy_repeats)
-            rows.append(("plain datatrove: MinhashConfig() 14x8, spaCy, 4 stages, LocalPipelineExecutor", wall, cpu))
-            print(f"datatrove: {wall:.1f}s wall, {cpu:.1f}s CPU", file=sys.stderr)
-
-    if "signature" in sections:
-        texts = [r["text"] for r in records]
-        kinds = [("plugged", "same step, FastWordTokenizer plugged in", args.repeats),
-                 ("fast", "FastMinhashSignature (hylight default)", args.repeats)]
-        if not args.no_spacy:
-            kinds.insert(0, ("spacy", "datatrove MinhashDedupSignature (spaCy)", args.spacy_repeats))
-        for kind, label, repeats in kinds:
-            secs = min(signature_only(texts, kind, tmp / f"sig-{kind}") for _ in range(repeats))
-            sig_rows.append((label, secs))
-            print(f"signature {kind}: {secs:.1f}s", file=sys.stderr)
-
-    if "quality" in sections:
-        docs, planted = planted_set(records, args.base_docs, args.copies)
-        planted_dir = write_documents(tmp / "planted", docs)
-        truth = true_pairs(docs)
-        index_of = {d["id"]: i for i, d in enumerate(docs)}
-        for name, params in (("hylight default (20x6, verify: exact)", {}),
-                             ("hylight verify: estimate, 11x11 (the previous default)",
-                              {"verify": "estimate", "bands": 11, "rows": 11})):
-            _, clusters = run_hylight(planted_dir, tmp / "pout", **params)
-            quality.append((name, [[index_of[i] for i in c] for c in clusters.values()], True))
-        _, ds_clusters = run_datasketch(planted_dir)
-        quality.append(("datasketch MinHashLSH(0.7) + exact Jaccard",
-                        [[index_of[i] for i in c] for c in ds_clusters.values()], True))
-        if not args.no_spacy:
-            _, dt_clusters = run_datatrove(planted_dir, tmp / "pdt")
-            quality.append(("plain datatrove (14x8, spaCy)", list(dt_clusters.values()), False))
-
-    if "memory" in sections:
-        from data import dedup
-
-        modules = [("hylight dedup (this tree)", Path(dedup.__file__))]
-        if args.compare_module:
-            modules.append((f"{args.compare_module}", Path(args.compare_module)))
-        for label, module in modules:
-            for words in [0, *args.long_words]:
-                m = long_document_rss(module, words, tmp)
-                memory.append((label, words, m))
-                print(f"memory {label} {words} words: {m}", file=sys.stderr)
+    rows = _throughput(args, tmp, records, corpus) if "throughput" in sections else []
+    sig_rows = _signatures(args, tmp, records) if "signature" in sections else []
+    quality = _quality(args, tmp, records) if "quality" in sections else None
+    memory = _memory(args, tmp) if "memory" in sections else []
 
     # -- print ------------------------------------------------------------------------------------
     cmd = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
@@ -475,29 +520,7 @@ def _main(args: argparse.Namespace, tmp: Path) -> None:
         for name, secs in sig_rows:
             print(f"| {name} | {secs:.1f} | {n_docs / secs:,.0f} | {mb / secs:.2f} |")
     if quality:
-        print(f"\n**Quality** on a planted set: {args.base_docs} corpus documents + {len(planted)} edited copies "
-              f"(targets {', '.join(map(str, TARGETS))}); ground truth: {len(truth)} pairs with exact "
-              f"Jaccard >= {THRESHOLD} over all pairs of the {len(docs)} documents.\n")
-        print("| config | predicted pairs | pair precision | pair recall | removed below threshold | "
-              "kept pairs >= threshold |\n| --- | ---: | ---: | ---: | ---: | ---: |")
-        for name, clusters, rep_first in quality:
-            p, r, n = pair_scores(clusters, truth)
-            below = "{} of {}".format(*removed_below(clusters, docs)) if rep_first else "-"
-            kept = kept_duplicate_pairs(clusters, truth) if rep_first else "-"
-            print(f"| {name} | {n} | {p:.3f} | {r:.3f} | {below} | {kept} |")
-        print("\nShare of planted copies put in the same cluster as their original, by exact Jaccard:\n")
-        header = [f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}" for lo, hi in zip(BINS, BINS[1:], strict=False)]
-        print("| config | " + " | ".join(header) + " |\n| --- |" + " ---: |" * len(header))
-        counts = [sum(lo <= j < hi for _, _, j in planted) for lo, hi in zip(BINS, BINS[1:], strict=False)]
-        print("| copies in bin | " + " | ".join(map(str, counts)) + " |")
-        for name, clusters, _ in quality:
-            cluster_of = {i: k for k, c in enumerate(clusters) for i in c}
-            cells = []
-            for lo, hi in zip(BINS, BINS[1:], strict=False):
-                inbin = [(c, o) for c, o, j in planted if lo <= j < hi]
-                hit = sum(c in cluster_of and cluster_of.get(o) == cluster_of[c] for c, o in inbin)
-                cells.append(f"{hit / len(inbin):.2f}" if inbin else "-")
-            print(f"| {name} | " + " | ".join(cells) + " |")
+        _print_quality(args, *quality)
     if memory:
         print("\n**Memory**: one single-line document of N words + 20 short ones (N = 0: the short ones only), "
               "the stage with its defaults in a fresh process; peak RSS of the process, imports included:\n")
