@@ -42,7 +42,7 @@ def random_repeat(vocab: list[int], bos: int, eos: int, length: int, rng: np.ran
     return tokens, no_loss, ~no_loss
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--data", required=True)
@@ -59,10 +59,14 @@ def main() -> None:
     ap.add_argument("--micro-rows", type=int, default=0, help="rows per micro-batch (0: the whole batch)")
     ap.add_argument("--label", default="", help="a name for this run in the output")
     ap.add_argument("--out", default="", help="append the final JSON line to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not 0.0 <= args.text_share <= 1.0:
         ap.error("--text-share must be within [0, 1]")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from tokenizers import Tokenizer
 
     from data.retrieval import RetrievalMaker
