@@ -807,14 +807,8 @@ def _human(n):
     return f"{n // 1024}K" if n >= 1024 else str(n)
 
 
-def tables() -> str:
-    out = []
-    bw = RES["ceilings"].get("copy_GBps")
-    meta = RES["meta"]
-    out.append(
-        f"Device: {meta.get('gpu', DEV)}; torch {meta.get('torch')}, triton {meta.get('triton')}, "
-        f"fla-core {meta.get('fla_core', 'n/a')}; copy bandwidth {_fmt(bw, 0)} GB/s; H={H}, d={D}, B·N={TOTAL}."
-    )
+def _correctness_table(out: list[str]) -> None:
+    """Errors against float64, per case and implementation."""
     if RES["correctness"]:
         out += [
             "",
@@ -834,6 +828,10 @@ def tables() -> str:
                     )
             if "error" in r:
                 out.append(f"| {r['case']} | | | | | | | ERROR | {r['error'][:100]} |")
+
+
+def _timing_tables(out: list[str]) -> None:
+    """fwd / fwd+bwd timings, and ours against fla, the byte floor and flatness."""
     timings = [r for r in RES["timings"] if not r.get("tag")]
     if timings:
         by = {(r["op"], r["N"]): r for r in timings}
@@ -876,6 +874,10 @@ def tables() -> str:
         for key in ("fwd", "fwdbwd"):
             cross = crossover(by, key)
             out.append(f"\nCrossover ours vs sdpa_cudnn ({key}): {cross}")
+
+
+def _tune_table(out: list[str]) -> None:
+    """Ours by tuning config, with registers and spills."""
     tune = RES["tune"]
     if tune:
         out += ["", "### tune: ours by config, median ms", ""]
@@ -895,6 +897,10 @@ def tables() -> str:
                 f"| {r['config']} | {_human(r['N'])} | {r.get('rate_layer')} | {_fmt(r.get('fwd_ms'))} | "
                 f"{_fmt(r.get('fwdbwd_ms'))} | {rs('fwd')} | {rs('rev')} | {rs('state')} |"
             )
+
+
+def _layout_and_decode_tables(out: list[str]) -> None:
+    """Ours on the transposed layout, and the decode step."""
     layout = [r for r in RES["timings"] if r.get("tag") == "layout"]
     if layout:
         out += ["", "### ours on [B, N, H, d] memory (transposed view, no copy)", ""]
@@ -917,6 +923,10 @@ def tables() -> str:
                 f"| {r['B']} | {_human(r['context'])} | {_fmt(r.get('ours_us'), 1)} | {_fmt(r.get('ours_tok_s'), 0)} | "
                 f"{_fmt(r.get('ours_bw_frac'), 2)} | {_fmt(r.get('torch_us'), 1)} | {_fmt(r.get('sdpa_us'), 1)} |"
             )
+
+
+def _profile_table(out: list[str]) -> None:
+    """Nsight Compute metrics of our kernels."""
     if RES["profile"]:
         out += ["", "### Nsight Compute (our kernels)", ""]
         cols = ["kernel", "grid", *PROFILE_METRICS[:-1]]
@@ -924,6 +934,18 @@ def tables() -> str:
         out.append("|" + "---|" * len(cols))
         for r in RES["profile"]:
             out.append("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+
+
+def tables() -> str:
+    out = []
+    bw = RES["ceilings"].get("copy_GBps")
+    meta = RES["meta"]
+    out.append(
+        f"Device: {meta.get('gpu', DEV)}; torch {meta.get('torch')}, triton {meta.get('triton')}, "
+        f"fla-core {meta.get('fla_core', 'n/a')}; copy bandwidth {_fmt(bw, 0)} GB/s; H={H}, d={D}, B·N={TOTAL}."
+    )
+    for table in (_correctness_table, _timing_tables, _tune_table, _layout_and_decode_tables, _profile_table):
+        table(out)
     if RES["errors"]:
         out += ["", f"{len(RES['errors'])} errors (results.json has them)"]
     return "\n".join(out)
