@@ -71,6 +71,27 @@ def peak_bf16() -> float:
 # --- MoE layer alone -------------------------------------------------------------------------------------------
 
 
+class _Holder(torch.nn.Module):
+    """A module whose ``moe`` child install_deepspeed_moe swaps for the DeepSpeed layer."""
+
+    def __init__(self, moe: torch.nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+
+
+class _Expert(torch.nn.Module):
+    """One SwiGLU expert (d -> 2F -> d) for DeepSpeed's classic MoE layer."""
+
+    def __init__(self, d: int, F: int) -> None:
+        super().__init__()
+        self.w13 = torch.nn.Linear(d, 2 * F, bias=False)
+        self.w2 = torch.nn.Linear(F, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.w13(x).chunk(2, -1)
+        return self.w2(torch.nn.functional.silu(g) * u)
+
+
 def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: int = 2, reps: int = 20) -> list:
     from deepspeed.moe.layer import MoE
 
@@ -109,11 +130,6 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
 
     run("dense matmuls, same FLOPs (ceiling)", None, dense)
 
-    class Holder(torch.nn.Module):
-        def __init__(self, moe):
-            super().__init__()
-            self.moe = moe
-
     for drop in (True, False):
         ref = MoEFeedForward(d, F, E, k, capacity_factor=1.25, token_drop=drop).to(dev, dt)
         for p in ref.parameters():
@@ -122,7 +138,7 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
         run(f"model/moe.py ({'token drop' if drop else 'dropless'})", ref, lambda m, x: m(x).hidden)
 
         ref32 = copy.deepcopy(ref).float()
-        h = Holder(ref)
+        h = _Holder(ref)
         install_deepspeed_moe(h)
         h.train()
         if not drop:  # correctness on this GPU: bf16 DeepSpeed layer against model/moe.py in fp32, same weights
@@ -139,23 +155,13 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
         run(f"pretrain/moe.py DeepSpeedMoEFeedForward ({'token drop' if drop else 'dropless'})", h.moe,
             lambda m, x: m(x).hidden)
 
-    class Expert(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w13 = torch.nn.Linear(d, 2 * F, bias=False)
-            self.w2 = torch.nn.Linear(F, d, bias=False)
-
-        def forward(self, x):
-            g, u = self.w13(x).chunk(2, -1)
-            return self.w2(torch.nn.functional.silu(g) * u)
-
     if COMPILE_MOE:  # as the stage runs its MoE layers (pretrain.train.compile_layers), library and stage alike
         for drop in (True, False):
             lib = MoEFeedForward(d, F, E, k, capacity_factor=1.25, token_drop=drop).to(dev, dt)
             for p in lib.parameters():
                 torch.nn.init.normal_(p, std=0.02)
             lib.train()
-            holder = Holder(copy.deepcopy(lib))
+            holder = _Holder(copy.deepcopy(lib))
             install_deepspeed_moe(holder)
             holder.train()
             tag = "token drop" if drop else "dropless"
@@ -176,7 +182,7 @@ def bench_moe(tokens: int = 16384, d: int = 1024, E: int = 8, F: int = 1536, k: 
     hf_block.train()
     run("transformers MiniMaxSparseMoeBlock (dropless, grouped_mm)", hf_block, lambda m, x: m(x))
 
-    classic = MoE(d, Expert(), num_experts=E, ep_size=1, k=k, capacity_factor=1.25, min_capacity=0,
+    classic = MoE(d, _Expert(d, F), num_experts=E, ep_size=1, k=k, capacity_factor=1.25, min_capacity=0,
                   drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=False).to(dev, dt)
     classic.set_deepspeed_parallelism()
     classic.train()
