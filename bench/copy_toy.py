@@ -14,7 +14,15 @@ fresh rows drawn from the whole vocabulary (ln V is the loss of a model that doe
     python bench/copy_toy.py --vocab 4096 --zipf --steps 400
     python bench/copy_toy.py --vocab 4096 --small 260 --small-steps 150 --steps 400
 
-One JSON line per report. BENCHMARKS.md ("Retrieval on one H100, continued") has the measured table.
+On a GPU (issue 33): ``--size gpu-300m`` builds a named size instead of the toy, ``--device cuda`` trains it in
+bf16 autocast (``--fp32``: not), ``--dropless`` turns the MoE's token drop off, ``--packed`` lays each span pair
+out as its own document as the recipe's copy rows are. ``bench/copy_probe_gpu.sh`` runs variants one per GPU.
+
+    python bench/copy_toy.py --size gpu-300m --device cuda --vocab 32768 --span 256 --seq-len 513 --rows 32 \
+        --steps 750 --lr 5e-4                                # the issue's probe task: ~175 s on an H100
+
+One JSON line per report. BENCHMARKS.md ("Retrieval on one H100, continued"; "The recipe on a 2-GPU host in one
+lease") has the measured tables.
 """
 
 from __future__ import annotations

@@ -92,8 +92,9 @@ phases+=("encoder_weights=$(since "$t")")
 
 # compile caches (inductor's, Triton's) in $WORK/compile-cache, inherited by every stage worker: a carried
 # .compile-cache/compile-cache.tar.gz (an earlier lease's, which bench/gpu_recipe_lease.sh returns in $OUT) is
-# unpacked there first, so that the softmax layers' FlexAttention compile (the likely cause of 260 s in every
-# pretrain's first window on a cold 4 x H200 host, BENCHMARKS.md) can be a cache hit. Inductor's cache is keyed by the GPU model too.
+# unpacked there first, so that the softmax layers' FlexAttention compile (183 s alone on an H200 with
+# bench/warm_compile.py, most of a cold pretrain's first window, BENCHMARKS.md) can be a cache hit. Inductor's
+# cache is keyed by the GPU model too.
 export TORCHINDUCTOR_CACHE_DIR="$WORK/compile-cache/inductor" TRITON_CACHE_DIR="$WORK/compile-cache/triton"
 if [ -f .compile-cache/compile-cache.tar.gz ] && [ ! -d "$WORK/compile-cache" ]; then
     mkdir -p "$WORK/compile-cache" && tar -C "$WORK" -xzf .compile-cache/compile-cache.tar.gz \
@@ -187,8 +188,9 @@ fi
 
 # The softmax layers' kernels, compiled on the last GPU while the CPU data stages run (bench/warm_compile.py); its
 # timings go into run.log. WARM_COMPILE=0: not. It compiles into caches of its own ($WORK/warm-cache, seeded with a
-# carried cache), merged into the stages' when it ends: those hold only the kernels of one pretrain step, small
-# enough for bench/gpu_recipe_lease.sh to return (the stages' whole caches were 19-38 MB, over one returned file).
+# carried cache), merged into the stages' when it ends: those hold only the kernels of one pretrain step, so they
+# should fit the one file bench/gpu_recipe_lease.sh returns (their size is not measured yet; the stages' whole
+# caches were 19-38 MB, over that limit).
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if [ "${WARM_COMPILE:-1}" = 1 ] && [ "${ngpu:-0}" -gt 0 ]; then
     mkdir -p "$WORK/warm-cache" "$WORK/compile-cache"

@@ -236,11 +236,8 @@ def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any
                                max_new_tokens=params.max_new_tokens, batch_size=params.sample_batch_size,
                                seed=params.seed, stats=stats, progress=ctx.progress)
     flat_records = [rec for rec, ss in zip(candidates, samples, strict=True) for _ in ss]
-    start = dict(getattr(scorer, "seconds", {}))
     rewards = scorer.score(flat_records, [s.text for ss in samples for s in ss])
-    if start:
-        ctx.progress(f"scored {len(flat_records)} samples: " + ", ".join(
-            f"{k} {v - start[k]:.1f} s" for k, v in scorer.seconds.items()))
+    ctx.progress(f"scored {len(flat_records)} samples: {scorer.timing()}")
     pairs, at = [], 0
     for rec, ss in zip(candidates, samples, strict=True):
         rw, at = rewards[at:at + len(ss)], at + len(ss)

@@ -155,16 +155,17 @@ class RewardHierarchy:
         if scorer is None and reward_model_dir is not None:
             scorer = RewardModelScorer(reward_model_dir, device=device)
         self.scorer = scorer
-        # seconds spent so far in the reward model and in the checkers (the code checker runs the sandbox)
-        self.seconds = {"reward_model": 0.0, "checkers": 0.0}
+        # the last score() call's seconds in the reward model and in the checkers (the code checker runs the sandbox)
+        self.last_seconds = {"reward_model": 0.0, "checkers": 0.0}
 
     def score(self, records: Sequence[dict[str, Any]], responses: Sequence[str]) -> list[RewardComponents]:
         if len(records) != len(responses):
             raise ValueError(f"reward hierarchy: {len(records)} prompt records but {len(responses)} responses")
+        seconds = self.last_seconds = {"reward_model": 0.0, "checkers": 0.0}
         start = time.monotonic()
         rm = (self.scorer.score([r["prompt"] for r in records], list(responses)) if self.scorer is not None
               else [None] * len(records))
-        self.seconds["reward_model"] += time.monotonic() - start
+        seconds["reward_model"] = time.monotonic() - start
         out = []
         for rec, resp, rm_score in zip(records, responses, rm, strict=True):
             correctness = correct = None
@@ -172,10 +173,14 @@ class RewardHierarchy:
             if rec.get("checker") in CHECKERS:
                 start = time.monotonic()
                 res = check(rec, resp)
-                self.seconds["checkers"] += time.monotonic() - start
+                seconds["checkers"] += time.monotonic() - start
                 correctness, correct, reason = res.score, res.correct, res.reason
             rules = check_constraints(rec["prompt"], resp, self.limits)
             share = sum(rules.values()) / len(rules) if rules else None
             total = combine(self.weights, correctness, correct, rm_score, share)
             out.append(RewardComponents(correctness, correct, rm_score, share, rules, total, reason))
         return out
+
+    def timing(self) -> str:
+        """Where the last score() call's time went, for a progress line."""
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.last_seconds.items())

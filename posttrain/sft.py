@@ -198,9 +198,8 @@ def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: 
     ref_texts = [reference_response(records[i]) for i in refs]
     ctx.progress(f"scoring {len(flat_text)} candidate samples and {len(ref_texts)} references with the reward "
                  "hierarchy")
-    start = dict(hierarchy.seconds)
     scored = hierarchy.score(flat_rec + [records[i] for i in refs], flat_text + ref_texts)
-    ctx.progress("scored: " + ", ".join(f"{k} {v - start[k]:.1f} s" for k, v in hierarchy.seconds.items()))
+    ctx.progress(f"scored: {hierarchy.timing()}")
     per_prompt: list[tuple[list[str], list[RewardComponents], list[float]]] = [([], [], []) for _ in records]
     for (i, temp), text, comp in zip(owner, flat_text, scored[:len(flat_text)], strict=True):
         per_prompt[i][0].append(text)

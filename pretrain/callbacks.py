@@ -98,7 +98,7 @@ class CheckpointCallback(Callback):
 
     ``every`` 0 saves none: a stopped run starts over from its first step. That is for runs that end inside one
     machine's lease, where a checkpoint cannot outlive the machine and each save of ``gpu-300m``'s weights and
-    optimizer state (~9 GB) cost ~20 s of a 4-GPU lease's pretraining (BENCHMARKS.md, issue 33)."""
+    optimizer state (~10 GB by count) cost ~20 s of a 4-GPU lease's pretraining (BENCHMARKS.md, issue 33)."""
 
     def __init__(self, checkpointer: Checkpointer, every: int) -> None:
         self.checkpointer, self.every = checkpointer, every

@@ -53,7 +53,7 @@ class EngineKnobs(BaseModel):
     aux_loss_coef: float = Field(0.001, ge=0, description="alpha_aux of the balance loss (released MiniMax value).")
     checkpoint_every: int = Field(50, ge=0, description=(
         "Steps between DeepSpeed checkpoints (plus one before the first step and one at the end); 0: none, and a "
-        "stopped run starts over (for runs that end inside one machine lease: each save of gpu-300m is ~9 GB)."))
+        "stopped run starts over (for runs that end inside one machine lease: each save of gpu-300m is ~10 GB)."))
     log_every: int = Field(10, ge=1, description="Steps between metric logs.")
     seed: int = Field(0, ge=0, description="Packing order, loader order and initialisation.")
     spike_factor: float = Field(10.0, gt=1, description="Skip a step whose grad norm exceeds this x the recent median.")

@@ -237,18 +237,17 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     """Append ``rows`` copy-curriculum rows to the training split in ``data_dir`` and record the schedule that
     reads them (``copy_curriculum.json``): the first ``rows / share`` rows a run reads hold them at ``share``,
     evenly spread (all of them at share 1), the rest of those rows and everything after coming from the split's
-    other rows (:class:`pretrain.packed_data.CurriculumLoader`). Our departure from the report (issue 33):
-    ``gpu-300m`` copied after ~700 steps of this task alone in a probe outside the pipeline (the issue's), and
-    not from natural text and the other retrieval kinds, nor from 671 steps with 60% copy rows mixed with text
-    (BENCHMARKS.md).
+    other rows (:class:`pretrain.packed_data.CurriculumLoader`). Our departure from the report (issue 33): the
+    issue reports ``gpu-300m`` copying after ~700 steps of this task alone. Natural text with the other retrieval
+    kinds did not teach it, and neither (so far) did 700 steps of these rows alone, 671 steps of them at 60% with
+    text, or our own run of the issue's task (BENCHMARKS.md).
 
     A row holds :func:`data.retrieval.copy_sample` s, one segment each, their spans drawn uniformly from
     ``span_tokens`` (min, max) and their ids from the ordinary vocabulary (every id but the special tokens):
     ``draw`` "uniform", each id alike, or "unigram", as often as the training text uses it (its unigram counts;
     ids the text never uses are never drawn). On the CPU a toy model copied Zipf-drawn ids from a 4,096-id
     vocabulary after ~150-400 steps and uniformly drawn ones not in 200 (BENCHMARKS.md). The loss counts the
-    repeats alone. The unigram counts leave the rows out: they are uniform noise, and
-    the unigram baseline describes the text. ``packing.json``'s train split counts them (rows, tokens, segments)."""
+    repeats alone. The unigram counts leave the rows out: the unigram baseline describes the text. ``packing.json``'s train split counts them (rows, tokens, segments)."""
     data_dir = Path(data_dir)
     if (data_dir / COPY_FILE).exists():
         raise ValueError(f"{data_dir} already holds copy rows ({COPY_FILE}); pack it again to change them")

@@ -63,10 +63,11 @@ class PretrainParams(TrainingParams, RunShape):
         "there are not enough, and counted)."))
     copy_share: float = Field(0.0, ge=0, le=1, description=(
         "Copy curriculum: share of the rows read in the first copy_until_tokens that are pure copy rows (a span "
-        "of token ids drawn uniformly from the vocabulary, a marker, the span again; the loss on the repeat), "
-        "each read once; 1: nothing else in that window; 0: none. Our departure from the report (issue 33): in "
-        "the issue's probe gpu-300m copied after ~700 steps of this task alone; text and the other retrieval "
-        "kinds, and 671 steps with 60% copy rows mixed with text, taught it no copying (BENCHMARKS.md)."))
+        "of token ids drawn from the vocabulary as copy_draw says, a marker, the span again; the loss on the "
+        "repeat), each read once; 1: nothing else in that window; 0: none. Our departure from the report (issue "
+        "33): the issue reports gpu-300m copying after ~700 steps of this task alone. Our runs have not shown it "
+        "yet: 700 steps of copy rows alone, 671 steps of 60% copy rows mixed with text, and our own run of the "
+        "issue's task all left the copy loss at ln V (BENCHMARKS.md)."))
     copy_until_tokens: int = Field(0, ge=0, description=(
         "Training tokens (rows read x seq_len, from the start) over which the copy rows are spread; after them "
         "the run reads only the mixture's rows and the retrieval rows."))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -345,20 +346,27 @@ def test_the_reward_hierarchy_puts_its_reward_model_on_the_device_it_is_given(tr
 
 def test_the_reward_hierarchy_times_its_reward_model_and_its_checkers() -> None:
     from posttrain.rewards import RewardHierarchy
+    from posttrain.verifiable import ANSWER_INSTRUCTION
 
     class SlowScores:
-        def score(self, prompts: list[str], responses: list[str]) -> list[float]:
-            time.sleep(0.05)
-            return [0.0] * len(prompts)
+        """Sleeps 0.3 s on its first call, not at all after."""
 
-    from posttrain.verifiable import ANSWER_INSTRUCTION
+        def __init__(self) -> None:
+            self.delays = [0.3]
+
+        def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+            time.sleep(self.delays.pop() if self.delays else 0.0)
+            return [0.0] * len(prompts)
 
     record = {"id": "a1", "prompt": f"Compute 40 + 2. {ANSWER_INSTRUCTION}", "checker": "exact_number",
               "reference": {"answer": "42"}}
     h = RewardHierarchy(scorer=SlowScores())
     comps = h.score([record, record], ["Answer: 42", "Answer: 41"])
     assert [c.correct for c in comps] == [True, False]
-    assert h.seconds["reward_model"] >= 0.05 and 0.0 <= h.seconds["checkers"] < h.seconds["reward_model"]
+    assert h.last_seconds["reward_model"] >= 0.3 and 0.0 <= h.last_seconds["checkers"] < h.last_seconds["reward_model"]
+    assert re.fullmatch(r"reward_model \d+\.\d s, checkers \d+\.\d s", h.timing())
+    h.score([record], ["Answer: 42"])  # each call's own seconds: a running total would still hold the 0.3 s
+    assert h.last_seconds["reward_model"] < 0.3
 
 
 def test_every_post_training_trainer_turns_off_trl_activation_checkpointing():
