@@ -5,26 +5,36 @@
 # the issue reports copy accuracy 1.000 at step 700; the same script copies on the CPU at small sizes
 # (BENCHMARKS.md). The variants separate the GPU path, the scale, the vocabulary, the MoE's token drop and bf16:
 #
+#   300m-v32k-long      the issue's probe itself (32,768 ids, uniform), 1,500 steps: its first 800 are the
+#                       baseline the other variants change one thing of
+#   300m-v8k            8,192 ids (the issue's table: 0.995 at step 560)
+#   300m-v32k-softmax   all 16 layers softmax: if this copies and the hybrid does not, the lightning layers hold
+#                       it back
+#   300m-v32k-tied      the output head tied to the embedding: copying needs no learnt map from 32K embeddings
+#                       back to their logits
+#   300m-v32k-small     ids from the first 8,192 for the first 400 steps, then from all 32,768 (a curriculum the
+#                       recipe could use), measured on all 32,768 throughout
+#   300m-v32k-dropless  the MoE dropless (every copy run so far dropped 40%+ of its slots)
+#   300m-v32k-zipf      ids drawn with p ~ 1/rank (as words are; the recipe's copy_draw: unigram draws as the
+#                       text does); its copy accuracy is measured on Zipf-drawn spans too
 #   toy-v256            the CPU toy's own model and task on the GPU (d 128, 8 layers, 256 ids): copies by ~150
 #                       steps on the CPU; if not here, the GPU path is at fault
 #   300m-v256           gpu-300m on the probe's rows (32 x (256 + 256)), 256 ids
-#   300m-v8k            the same at 8,192 ids (the issue's table: 0.995 at step 560)
-#   300m-v32k-dropless  32,768 ids with the MoE dropless (every copy run so far dropped 40%+ of its slots)
 #   300m-v32k-fp32      32,768 ids without bf16 autocast
-#   300m-v32k-long      32,768 ids, 1,500 steps
-#   300m-v32k-zipf      32,768 ids drawn with p ~ 1/rank (as words are; the recipe's copy_draw: unigram draws as the
-#                       text does); its copy accuracy is measured on Zipf-drawn spans too
 #
-#   bash bench/copy_probe_gpu.sh                      # carry .whl-dag/pack; logs and summary.md in $OUT
+#   bash bench/copy_probe_gpu.sh                      # carry .whl-dag/pack; summary.md and the logs (copy-probe-logs.tar.gz) in $OUT
 #   VARIANTS="toy-v256 300m-v8k" bash bench/copy_probe_gpu.sh
 #
-# GPU g runs variants g, g + NGPU, ... in turn. On 4 GPUs the seven take about 9 minutes (gpu-300m: ~175 s for 750
-# steps on an H100 in bf16; fp32 and the 1,500-step run longer); on fewer GPUs name fewer VARIANTS per call.
+# The variants wait in one queue, in the order above (most telling first); each GPU takes the next when it is free.
+# gpu-300m ran 750 steps in ~175 s on an H100 in bf16, so 4 GPUs get through about ten in DEADLINE_S (540 s):
+# a variant not started by then is skipped, and one still running is stopped there (its log keeps a report every
+# 50 steps). On fewer GPUs, name fewer VARIANTS per call.
 #
 # Env: VARIANTS (names above, space separated; default all), NGPU (the GPUs to use; default all nvidia-smi lists),
 # DEVICE (cuda; cpu runs them one at a time, for a check on a CPU), MORE_ARGS (appended to every variant's
 # arguments, e.g. "--steps 2" for that check), SITE (/tmp/site), ARCHIVE (.whl-dag/pack/site.tar.xz), SITE_READY=1
-# ($SITE holds the packages, or this machine's Python has them: nothing unpacked), PYTHON (python3), OUT.
+# ($SITE holds the packages, or this machine's Python has them: nothing unpacked), PYTHON (python3), OUT,
+# DEADLINE_S (540: seconds after the start at which every variant stops).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
@@ -32,18 +42,25 @@ ARCHIVE=${ARCHIVE:-.whl-dag/pack/site.tar.xz}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/copy-probe-out}
 DEVICE=${DEVICE:-cuda}
-mkdir -p "$OUT"
+DEADLINE_S=${DEADLINE_S:-540}
+START=$SECONDS
+LOGS=$OUT/logs  # archived into $OUT/copy-probe-logs.tar.gz at the end
+mkdir -p "$OUT" "$LOGS"
 PROBE="--size gpu-300m --span 256 --seq-len 513 --rows 32 --lr 5e-4"
 declare -A ARGS=(
+    [300m-v32k-long]="$PROBE --vocab 32768 --steps 1500"
+    [300m-v8k]="$PROBE --vocab 8192 --steps 800"
+    [300m-v32k-softmax]="$PROBE --vocab 32768 --steps 800 --pattern all-softmax"
+    [300m-v32k-tied]="$PROBE --vocab 32768 --steps 800 --tied"
+    [300m-v32k-small]="$PROBE --vocab 32768 --steps 800 --small 8192 --small-steps 400"
+    [300m-v32k-dropless]="$PROBE --vocab 32768 --steps 800 --dropless"
+    [300m-v32k-zipf]="$PROBE --vocab 32768 --steps 800 --zipf"
     [toy-v256]="--vocab 256 --steps 400"
     [300m-v256]="$PROBE --vocab 256 --steps 800"
-    [300m-v8k]="$PROBE --vocab 8192 --steps 800"
-    [300m-v32k-dropless]="$PROBE --vocab 32768 --steps 800 --dropless"
     [300m-v32k-fp32]="$PROBE --vocab 32768 --steps 800 --fp32"
-    [300m-v32k-long]="$PROBE --vocab 32768 --steps 1500"
-    [300m-v32k-zipf]="$PROBE --vocab 32768 --steps 800 --zipf"
 )
-ORDER=(toy-v256 300m-v8k 300m-v32k-dropless 300m-v32k-zipf 300m-v32k-fp32 300m-v256 300m-v32k-long)
+ORDER=(300m-v32k-long 300m-v8k 300m-v32k-softmax 300m-v32k-tied 300m-v32k-small 300m-v32k-dropless 300m-v32k-zipf
+       toy-v256 300m-v256 300m-v32k-fp32)
 read -ra WANT <<<"${VARIANTS:-${ORDER[*]}}"
 for v in "${WANT[@]}"; do
     [ -n "${ARGS[$v]:-}" ] || { echo "copy_probe_gpu: unknown variant $v (known: ${ORDER[*]})" >&2; exit 2; }
@@ -67,42 +84,76 @@ fi
 [ "${NGPU:-0}" -ge 1 ] || { echo "copy_probe_gpu: no GPU listed (DEVICE=cpu runs on the CPU)" >&2; exit 2; }
 echo "copy_probe_gpu: ${#WANT[@]} variant(s) on $NGPU $DEVICE device(s): ${WANT[*]}"
 
-# GPU g runs variants g, g + NGPU, g + 2 NGPU, ... one after another; the GPUs run at once
+# one queue: each device takes the next variant (a counter under a lock) until none is left or the deadline passes
+echo 0 >"$LOGS/.next"
+next_variant() {
+    local j
+    exec 9>"$LOGS/.lock"
+    flock 9
+    j=$(cat "$LOGS/.next")
+    echo $((j + 1)) >"$LOGS/.next"
+    flock -u 9
+    echo "$j"
+}
 run_on() {
-    local g=$1 j v
-    for ((j = g; j < ${#WANT[@]}; j += NGPU)); do
+    local g=$1 j v left
+    while true; do
+        j=$(next_variant)
+        ((j < ${#WANT[@]})) || return 0
         v=${WANT[$j]}
-        echo "copy_probe_gpu: $v on GPU $g: copy_toy.py ${ARGS[$v]} ${MORE_ARGS:-}"
+        left=$((DEADLINE_S - (SECONDS - START)))
+        if ((left < 30)); then
+            echo "copy_probe_gpu: $v skipped: the ${DEADLINE_S} s deadline" | tee "$LOGS/$v.err"
+            continue
+        fi
+        echo "copy_probe_gpu: $v on device $g (${left} s left): copy_toy.py ${ARGS[$v]} ${MORE_ARGS:-}"
         # shellcheck disable=SC2086  # the variant's arguments are words
-        CUDA_VISIBLE_DEVICES=$g OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} "$PYTHON" bench/copy_toy.py --device "$DEVICE" \
-            ${ARGS[$v]} ${MORE_ARGS:-} >"$OUT/$v.log" 2>"$OUT/$v.err"
-        echo "copy_probe_gpu: $v ended: $(tail -n 1 "$OUT/$v.log" 2>/dev/null)"
+        CUDA_VISIBLE_DEVICES=$g OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} timeout "$left" "$PYTHON" bench/copy_toy.py \
+            --device "$DEVICE" ${ARGS[$v]} ${MORE_ARGS:-} >"$LOGS/$v.log" 2>"$LOGS/$v.err"
+        rc=$?
+        ((rc == 124)) && echo "copy_probe_gpu: stopped at the ${DEADLINE_S} s deadline" >>"$LOGS/$v.err"
+        echo "copy_probe_gpu: $v ended (rc $rc): $(tail -n 1 "$LOGS/$v.log" 2>/dev/null)"
     done
 }
 pids=()
 for ((g = 0; g < NGPU; g++)); do run_on "$g" & pids+=($!); done
 for p in "${pids[@]}"; do wait "$p"; done
+rm -f "$LOGS/.next" "$LOGS/.lock"
 
-# the summary: per variant, the first report at copy accuracy >= 0.5 and the last report
-"$PYTHON" - "$OUT" "${WANT[@]}" <<'EOF' | tee "$OUT/summary.md"
+# the summary: per variant, the first report at copy accuracy >= 0.5, the last report and the accuracy every 100
+# steps; then the logs go into one archive ($OUT brings back 8 files)
+"$PYTHON" - "$LOGS" "${WANT[@]}" <<'EOF' | tee "$OUT/summary.md"
 import json, sys
 from pathlib import Path
-out, names = Path(sys.argv[1]), sys.argv[2:]
+logs, names = Path(sys.argv[1]), sys.argv[2:]
+curves = {}
 print("| variant | steps run | first step at copy accuracy >= 0.5 | last loss | last copy accuracy | ln V | seconds |")
 print("|---|---:|---:|---:|---:|---:|---:|")
 for name in names:
     rows = []
-    for line in (out / f"{name}.log").read_text().splitlines() if (out / f"{name}.log").exists() else []:
+    for line in (logs / f"{name}.log").read_text().splitlines() if (logs / f"{name}.log").exists() else []:
         try:
             rows.append(json.loads(line))
         except ValueError:
             pass
+    err = (logs / f"{name}.err").read_text().strip().splitlines() if (logs / f"{name}.err").exists() else []
     if not rows:
-        err = (out / f"{name}.err").read_text().strip().splitlines()[-1:] if (out / f"{name}.err").exists() else []
-        print(f"| {name} | failed: {err[0][:120] if err else 'no output'} | | | | | |")
+        print(f"| {name} | failed: {err[-1][:120] if err else 'no output'} | | | | | |")
         continue
     first = next((r["step"] for r in rows if r["copy_accuracy"] >= 0.5), "none")
     last = rows[-1]
-    print(f"| {name} | {last['step']} | {first} | {last['loss']} | {last['copy_accuracy']} | {last['ln_v']} | "
-          f"{last['seconds']} |")
+    stopped = " (stopped at the deadline)" if any("deadline" in e for e in err) else ""
+    print(f"| {name} | {last['step']}{stopped} | {first} | {last['loss']} | {last['copy_accuracy']} | "
+          f"{last['ln_v']} | {last['seconds']} |")
+    curves[name] = {r["step"]: r["copy_accuracy"] for r in rows if r["step"] % 100 == 0}
+steps = sorted({s for c in curves.values() for s in c})
+if steps:
+    print()
+    print("copy accuracy by step:")
+    print()
+    print("| variant | " + " | ".join(str(s) for s in steps) + " |")
+    print("|---|" + "---:|" * len(steps))
+    for name, c in curves.items():
+        print(f"| {name} | " + " | ".join(str(c.get(s, "")) for s in steps) + " |")
 EOF
+tar -C "$LOGS" -czf "$OUT/copy-probe-logs.tar.gz" . && rm -rf "$LOGS"

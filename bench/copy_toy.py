@@ -16,7 +16,8 @@ fresh rows drawn from the whole vocabulary (ln V is the loss of a model that doe
 
 On a GPU (issue 33): ``--size gpu-300m`` builds a named size instead of the toy, ``--device cuda`` trains it in
 bf16 autocast (``--fp32``: not), ``--dropless`` turns the MoE's token drop off, ``--packed`` lays each span pair
-out as its own document as the recipe's copy rows are. ``bench/copy_probe_gpu.sh`` runs variants one per GPU.
+out as its own document as the recipe's copy rows are, ``--pattern all-softmax`` trains without lightning layers
+and ``--tied`` ties the output head to the embedding. ``bench/copy_probe_gpu.sh`` runs variants one per GPU.
 
     python bench/copy_toy.py --size gpu-300m --device cuda --vocab 32768 --span 256 --seq-len 513 --rows 32 \
         --steps 750 --lr 5e-4                                # the issue's probe task: ~175 s on an H100
@@ -64,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="cuda: the model in bf16 autocast on the GPU")
     ap.add_argument("--fp32", action="store_true", help="on cuda: no bf16 autocast")
     ap.add_argument("--dropless", action="store_true", help="train the MoE dropless (moe_token_drop false)")
+    ap.add_argument("--pattern", default="hybrid", choices=("hybrid", "all-softmax", "all-lightning"),
+                    help="the attention pattern (model/configuration.py)")
+    ap.add_argument("--tied", action="store_true", help=(
+        "tie the output head to the input embedding (MiniMax-Text-01 does not; a diagnostic: copying then needs no "
+        "learnt map from each id's embedding back to its logit)"))
+    ap.add_argument("--warmup", type=int, default=20, help="linear LR warm-up steps, then constant")
     return ap.parse_args(argv)
 
 
@@ -121,7 +128,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from model.sizes import config_for
 
     V, L = args.vocab, args.seq_len
-    extra = {"moe_token_drop": False} if args.dropless else {}
+    extra = {"attention_pattern": args.pattern, "tie_word_embeddings": args.tied}
+    if args.dropless:
+        extra["moe_token_drop"] = False
     if args.size:
         cfg = config_for(args.size, vocab_size=V, **extra)
     else:
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, step / 20)
+            g["lr"] = args.lr * min(1.0, step / max(1, args.warmup))
         x, y = data.batch(args.rows, step, text_rows=round(args.rows * args.text_share))
         loss = forward(x, y).loss
         opt.zero_grad()

@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "copy_probe_gpu.sh"
 
 
-def _run(tmp_path: Path, variants: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, variants: str, **env_extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "SITE_READY": "1", "DEVICE": "cpu", "PYTHON": sys.executable, "OUT": str(tmp_path),
-           "VARIANTS": variants, "MORE_ARGS": "--steps 2 --rows 2", "OMP_NUM_THREADS": "1"}
+           "VARIANTS": variants, "MORE_ARGS": "--steps 2 --rows 2", "OMP_NUM_THREADS": "1", **env_extra}
     return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -25,9 +26,23 @@ def test_the_copy_probe_runs_its_variants_and_writes_the_summary(tmp_path: Path)
     row = next(line for line in summary if line.startswith("| toy-v256 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "2" and cells[2] == "none" and cells[5] == "5.53"  # 2 steps; ln(256 - 4 reserved ids)
+    with tarfile.open(tmp_path / "copy-probe-logs.tar.gz") as tar:  # the logs come back as one file
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"toy-v256.log", "toy-v256.err"} <= names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy-probe-logs.tar.gz", "summary.md"]
+
+
+def test_the_copy_probe_queue_runs_every_variant_once_and_skips_past_the_deadline(tmp_path: Path) -> None:
+    # a tied variant at the tiny size and the toy on one CPU device, one after another from the queue
+    r = _run(tmp_path, "300m-v32k-tied toy-v256", MORE_ARGS="--steps 2 --rows 2 --size tiny --seq-len 65 --span 32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("300m-v32k-tied on device 0") == 1 and r.stdout.count("toy-v256 on device 0") == 1
+    r = _run(tmp_path / "late", "toy-v256", DEADLINE_S="10")  # under 30 s left at the start: skipped, said so
+    assert r.returncode == 0 and "toy-v256 skipped: the 10 s deadline" in r.stdout
+    assert "failed: copy_probe_gpu: toy-v256 skipped" in (tmp_path / "late" / "summary.md").read_text()
 
 
 def test_the_copy_probe_refuses_an_unknown_variant_before_running_anything(tmp_path: Path) -> None:
     r = _run(tmp_path, "toy-v256 no-such-variant")
     assert r.returncode == 2 and "unknown variant no-such-variant" in r.stderr
-    assert not (tmp_path / "toy-v256.log").exists()
+    assert not (tmp_path / "logs" / "toy-v256.log").exists()
