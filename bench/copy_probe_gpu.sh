@@ -12,6 +12,8 @@
 #                       it back
 #   300m-v32k-tied      the output head tied to the embedding: copying needs no learnt map from 32K embeddings
 #                       back to their logits
+#   300m-v32k-headinit  untied, but the output head starts as a copy of the embedding (an init the recipe could use
+#                       and keep the released architecture's untied head)
 #   300m-v32k-small     ids from the first 8,192 for the first 400 steps, then from all 32,768 (a curriculum the
 #                       recipe could use), measured on all 32,768 throughout
 #   300m-v32k-dropless  the MoE dropless (every copy run so far dropped 40%+ of its slots)
@@ -22,10 +24,10 @@
 #   300m-v256           gpu-300m on the probe's rows (32 x (256 + 256)), 256 ids
 #   300m-v32k-fp32      32,768 ids without bf16 autocast
 #
-#   bash bench/copy_probe_gpu.sh                      # carry .whl-dag/pack; summary.md and the logs (copy-probe-logs.tar.gz) in $OUT
+#   bash bench/copy_probe_gpu.sh     # carry .whl-dag/pack; summary.md and the logs (copy-probe-logs.tar.gz) in $OUT
 #   VARIANTS="toy-v256 300m-v8k" bash bench/copy_probe_gpu.sh
 #
-# The variants wait in one queue, in the order above (most telling first); each GPU takes the next when it is free.
+# The variants wait in one queue, in ORDER (below; most telling first); each GPU takes the next when it is free.
 # gpu-300m ran 750 steps in ~175 s on an H100 in bf16, so 4 GPUs get through about ten in DEADLINE_S (540 s):
 # a variant not started by then is skipped, and one still running is stopped there (its log keeps a report every
 # 50 steps). On fewer GPUs, name fewer VARIANTS per call.
@@ -52,6 +54,7 @@ declare -A ARGS=(
     [300m-v8k]="$PROBE --vocab 8192 --steps 800"
     [300m-v32k-softmax]="$PROBE --vocab 32768 --steps 800 --pattern all-softmax"
     [300m-v32k-tied]="$PROBE --vocab 32768 --steps 800 --tied"
+    [300m-v32k-headinit]="$PROBE --vocab 32768 --steps 800 --head-init embed"
     [300m-v32k-small]="$PROBE --vocab 32768 --steps 800 --small 8192 --small-steps 400"
     [300m-v32k-dropless]="$PROBE --vocab 32768 --steps 800 --dropless"
     [300m-v32k-zipf]="$PROBE --vocab 32768 --steps 800 --zipf"
@@ -59,8 +62,8 @@ declare -A ARGS=(
     [300m-v256]="$PROBE --vocab 256 --steps 800"
     [300m-v32k-fp32]="$PROBE --vocab 32768 --steps 800 --fp32"
 )
-ORDER=(300m-v32k-long 300m-v8k 300m-v32k-softmax 300m-v32k-tied 300m-v32k-small 300m-v32k-dropless 300m-v32k-zipf
-       toy-v256 300m-v256 300m-v32k-fp32)
+ORDER=(300m-v32k-long 300m-v32k-tied 300m-v32k-headinit 300m-v8k 300m-v32k-softmax 300m-v32k-small 300m-v32k-dropless
+       300m-v32k-zipf toy-v256 300m-v256 300m-v32k-fp32)
 read -ra WANT <<<"${VARIANTS:-${ORDER[*]}}"
 for v in "${WANT[@]}"; do
     [ -n "${ARGS[$v]:-}" ] || { echo "copy_probe_gpu: unknown variant $v (known: ${ORDER[*]})" >&2; exit 2; }

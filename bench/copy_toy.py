@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tie the output head to the input embedding (MiniMax-Text-01 does not; a diagnostic: copying then needs no "
         "learnt map from each id's embedding back to its logit)"))
     ap.add_argument("--warmup", type=int, default=20, help="linear LR warm-up steps, then constant")
+    ap.add_argument("--head-init", default="xavier", choices=("xavier", "embed"), help=(
+        "embed: the (untied) output head starts as a copy of the input embedding, so that an id's embedding scores "
+        "its own id highest from the first step; xavier: drawn on its own (the model's init)"))
     return ap.parse_args(argv)
 
 
@@ -137,7 +140,11 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         cfg = config_for("tiny", vocab_size=V, hidden_size=args.d, num_hidden_layers=args.layers,
                          num_attention_heads=max(2, args.d // 32), head_dim=32,
                          num_key_value_heads=max(1, args.d // 64), max_position_embeddings=max(L, 256), **extra)
-    return HybridForCausalLM(cfg).to(torch.device(args.device))
+    model = HybridForCausalLM(cfg)
+    if args.head_init == "embed" and not args.tied:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    return model.to(torch.device(args.device))
 
 
 def main(argv: list[str] | None = None) -> None:
