@@ -76,6 +76,12 @@ class RunShape(BaseModel):
         "HybridConfig fields to override (e.g. num_hidden_layers, or attention_pattern: hybrid (§2: a softmax layer "
         "after every 7 lightning ones), all-lightning, all-softmax or a per-layer list, for the §2.2.2.3 ablation); "
         "vocab_size and the special token ids always come from the tokenizer."))
+    head_init: Literal["xavier", "embedding"] = Field("xavier", description=(
+        "How a model trained from scratch starts its output head (untied, as released): xavier (drawn on its own, "
+        "§4.1) or embedding (a copy of the input embedding, so each id's embedding scores its own id highest from "
+        "the first step; the head still trains on its own). Our departure from the report where a DAG sets it "
+        "(issue 33): on 4 x H200, gpu-300m learned the copy task at 32,768 ids after 150-400 steps with it and "
+        "450-600 without (BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description=(
         "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))

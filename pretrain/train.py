@@ -196,7 +196,22 @@ def build_model(cfg: EngineConfig) -> Any:
     if mc.max_position_embeddings < cfg.seq_len:
         mc.max_position_embeddings = cfg.seq_len
     torch.manual_seed(cfg.seed)  # the same DeepNorm init on every rank
-    return HybridForCausalLM(mc)
+    lm = HybridForCausalLM(mc)
+    if cfg.head_init == "embedding" and not mc.tie_word_embeddings:
+        init_head_from_embedding(lm)
+    return lm
+
+
+def init_head_from_embedding(model: Any) -> None:
+    """Start the (untied) output head as a copy of the input embedding (``head_init: embedding``): the logit of id
+    i for an input whose last hidden state is id i's embedding is then its largest, so copying an id needs no map
+    back from embedding space to be learnt first. The two stay separate parameters."""
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if head.shape != embed.shape:
+        raise ValueError(f"head_init: embedding needs the output head {tuple(head.shape)} to match the embedding "
+                         f"{tuple(embed.shape)}")
+    with torch.no_grad():
+        head.copy_(embed)
 
 
 def _model_from_checkpoint(cfg: EngineConfig, overrides: dict[str, Any]) -> Any:

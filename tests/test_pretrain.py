@@ -911,6 +911,37 @@ def test_engine_config_is_built_from_the_stage_params_and_round_trips_through_th
     assert phase.train_tokens == lc.phase_rows(1) * 1024 and phase.eval_max_rows == lc.eval_rows
 
 
+def test_head_init_embedding_starts_the_untied_head_as_the_embedding_and_xavier_does_not(
+        stage_inputs: PretrainInputs) -> None:
+    """``head_init: embedding`` (issue 33): the head equals the embedding at the start, is still its own parameter
+    (a step on the head leaves the embedding), and an id's embedding scores its own id highest; the default draws
+    the head on its own; a tied model is left tied."""
+    from pretrain.engine_config import EngineConfig
+    from pretrain.train import build_model
+
+    def cfg(**kw: object) -> EngineConfig:
+        return EngineConfig(data_dir="d", tokenizer_dir=str(stage_inputs.tokenizer.path), resume_dir="r",
+                            export_dir="e", size="tiny", **kw)
+
+    model = build_model(cfg(head_init="embedding"))
+    head, embed = model.lm_head.weight, model.get_input_embeddings().weight
+    assert head is not embed and head.data_ptr() != embed.data_ptr()
+    assert torch.equal(head, embed)
+    scores = embed @ head.T  # a hidden state equal to id i's embedding
+    assert torch.equal(scores.argmax(-1), torch.arange(embed.shape[0]))
+    with torch.no_grad():
+        head.add_(1.0)
+    assert not torch.equal(head, embed)
+
+    xavier = build_model(cfg())
+    assert not torch.equal(xavier.lm_head.weight, xavier.get_input_embeddings().weight)
+    assert torch.equal(xavier.get_input_embeddings().weight, build_model(cfg()).get_input_embeddings().weight)
+    tied = build_model(cfg(head_init="embedding", model_overrides={"tie_word_embeddings": True}))
+    assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    with pytest.raises(ValueError, match="head_init"):
+        cfg(head_init="zeros")
+
+
 @pytest.mark.parametrize("kind", ["pretrain", "long_context"])
 @pytest.mark.parametrize("bad, resources", [
     (dict(sequence_parallel=3), None),  # 256 (512/1024) is not divisible by 3
