@@ -10,12 +10,14 @@
 # not as the trees' ratio. Each run is stopped at DEADLINE_S (560) after the start; a round-2 run not started by
 # DEADLINE_S - 200 is skipped. Every run's JSON and log go into $OUT/step-speed.tar.gz and its tables to stdout.
 #
-#   bash bench/pack_gpu_dag.sh && git archive f091f71 | xz > .whl-dag/pack/tree-f091f71.tar.xz
+#   bash bench/pack_gpu_dag.sh      # then the old tree's code alone (the whole tree puts the carry over 64 MiB):
+#   git archive f091f71 bench model kernels pretrain pipeline pyproject.toml \
+#       $(git ls-tree --name-only f091f71 data/ | grep '\.py$') | xz -9 > .whl-dag/pack/tree-f091f71.tar.xz
 #   bash bench/step_speed_gpu.sh          # on the device: carry .whl-dag/pack
 #
 # Env: SITE (/tmp/site; unpacked from ARCHIVE unless it exists), ARCHIVE (.whl-dag/pack/site.tar.xz), OLD_TREE
-# (.whl-dag/pack/tree-f091f71.tar.xz), STEPS (6), PYTHON (python3), OUT, DEADLINE_S, NGPU (4), SHAPES_ONLY=1 (round
-# 1 only).
+# (.whl-dag/pack/tree-f091f71.tar.xz), OLD_DIR (/tmp/tree-f091f71), STEPS (6), PYTHON (python3), OUT, DEADLINE_S,
+# NGPU (4), SHAPES_ONLY=1 (round 1 only), DRY_RUN=1 (plan and archive without running anything: the CPU test).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
@@ -28,7 +30,7 @@ DEADLINE_S=${DEADLINE_S:-560}
 NGPU=${NGPU:-4}
 START=$SECONDS
 RUNS=$OUT/runs  # archived into $OUT/step-speed.tar.gz at the end
-OLD=/tmp/tree-f091f71
+OLD=${OLD_DIR:-/tmp/tree-f091f71}  # where the old tree is unpacked (kept for the next call)
 mkdir -p "$RUNS"
 
 if [ ! -d "$SITE" ]; then
@@ -36,7 +38,7 @@ if [ ! -d "$SITE" ]; then
     mkdir -p "$SITE" && tar -C "$SITE" -xJf "$ARCHIVE" || { echo "step_speed_gpu: unpacking $ARCHIVE failed" >&2; exit 2; }
 fi
 if [ ! -d "$OLD" ]; then
-    [ -f "$OLD_TREE" ] || { echo "step_speed_gpu: no $OLD_TREE (git archive f091f71 | xz > $OLD_TREE)" >&2; exit 2; }
+    [ -f "$OLD_TREE" ] || { echo "step_speed_gpu: no $OLD_TREE (the header says how to make it)" >&2; exit 2; }
     mkdir -p "$OLD" && tar -C "$OLD" -xJf "$OLD_TREE" || { echo "step_speed_gpu: unpacking $OLD_TREE failed" >&2; exit 2; }
 fi
 NEW=$PWD
