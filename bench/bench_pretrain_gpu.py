@@ -19,6 +19,8 @@ Sections:
   ceiling  the step's FLOPs at the speed of its kernels alone (plain matmuls, attention kernels; no routing, optimizer
            or launch gaps): the attainable MFU bound at each T x B
   profile  torch.profiler of hylight's step at T=2048: GPU time by kernel, GPU busy fraction
+  accum    the stage's compiled step with --accum micro-batches of the first --shapes entry a step, with and
+           without moving the CUDA-graph-written gradients out between micro-batches (issue 34 item 2)
 
 Prints a table per section at the end; JSON and the profile table go to --out.
 """
@@ -221,9 +223,11 @@ def _packed_batch(rows: int, T: int, vocab: int, dev, mean_doc: int | None = Non
                                                                 position_ids=pos[None]).items()}
 
 
-def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
+def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1, accum: int = 1, release: bool = True):
     """(config, step function) of exactly the stage's step on one GPU: DeepSpeed ZeRO-1 bf16, fused AdamW,
-    clip 1.0, DeepSpeed-MoE layers, a packed batch of random documents."""
+    clip 1.0, DeepSpeed-MoE layers, a packed batch of random documents; ``accum`` micro-batches a step, the
+    graph-written gradients moved out of the CUDA graphs' memory between them as the trainer does (``release``;
+    False: as the code before issue 34's fix)."""
     import deepspeed
 
     from model import HybridForCausalLM, config_for
@@ -238,6 +242,7 @@ def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
         install_foreach_grad_norm,
         optimizer_groups,
     )
+    from pretrain.trainer import release_graph_grads
 
     dev = torch.device("cuda")
     cfg = config_for(size, max_position_embeddings=max(8192, T), use_cache=False)
@@ -247,21 +252,26 @@ def hylight_step(size: str, T: int, B: int, compile_: bool, zero: int = 1):
     install_deepspeed_moe(model)
     opt = torch.optim.AdamW(optimizer_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
     tc = TrainConfig(data_dir="", tokenizer_dir="", resume_dir="", export_dir="", size=size, seq_len=T,
-                     micro_batch_rows=B, batch_rows=B, zero_stage=zero, compile=compile_)
+                     micro_batch_rows=B, batch_rows=B * accum, zero_stage=zero, compile=compile_)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(tc, 1, dev))
     # the stage's gradient norm; its divergence guard (one host read of that norm per step, as DeepSpeed's clipping
     # does anyway) is left out so that a random batch judged a spike cannot skip an optimizer step of the benchmark
     install_foreach_grad_norm(engine.optimizer)
     install_loss(engine.module, compile_)
+    graph_params = []
     if compile_:
-        compile_layers(engine.module, mode=COMPILE_MODE if COMPILE_MODE != "auto" else compile_mode(tc, dev))
+        graph_params = compile_layers(engine.module,
+                                      mode=COMPILE_MODE if COMPILE_MODE != "auto" else compile_mode(tc, dev))
     batch = _packed_batch(B, T, cfg.vocab_size, dev)
-    flops = packed_flops(cfg, batch["cu_seqlens"].diff().tolist())
+    flops = packed_flops(cfg, batch["cu_seqlens"].diff().tolist()) * accum
 
     def step():
-        out = engine(**batch, output_router_logits=True)
-        engine.backward(out.loss)
-        engine.step()
+        for i in range(accum):
+            out = engine(**batch, output_router_logits=True)
+            engine.backward(out.loss)
+            engine.step()
+            if i + 1 < accum and release:
+                release_graph_grads(graph_params)
         return out.loss.detach()
 
     return cfg, step, flops
@@ -302,6 +312,37 @@ def library_step(size: str, T: int, B: int, compile_: bool):
         return out.loss.detach()
 
     return step, flops
+
+
+def accum_check(size: str, T: int, B: int, accum: int, steps: int) -> list[dict]:
+    """Issue 34 item 2: the stage's compiled step with ``accum`` micro-batches of B x T a step, with and without
+    the trainer's move of graph-written gradients out of the CUDA graphs' memory (``release_graph_grads``). Each
+    row: the losses of ``steps`` steps, ms per step after the first, or the error that stopped it."""
+    from pretrain.train import init_distributed
+
+    if not torch.distributed.is_initialized():
+        init_distributed()
+    rows = []
+    for release in (True, False):
+        row: dict = {"T": T, "B": B, "accum": accum, "release": release}
+        try:
+            _, step, _ = hylight_step(size, T, B, True, ZERO_STAGE, accum, release)
+            losses, times = [], []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                losses.append(float(step()))
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            row |= {"losses": [round(x, 4) for x in losses],
+                    "ms": round(1e3 * statistics.median(times[1:] or times), 1),
+                    "tokens_per_s": round(T * B * accum / statistics.median(times[1:] or times))}
+        except RuntimeError as e:
+            row["error"] = str(e).splitlines()[0][:200]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        step = None
+        torch.cuda.empty_cache()
+    return rows
 
 
 def mode_check(size: str, T: int = 2048, B: int = 8, steps: int = 4) -> dict:
@@ -509,6 +550,8 @@ def main() -> int:
                     help="mean document length of hylight's packed rows (0: one document per row, as the anchor)")
     ap.add_argument("--compile-mode", default="auto",
                     help="torch.compile mode of the compiled modules (auto: the stage's choice)")
+    ap.add_argument("--accum", type=int, default=2,
+                    help="accum section: micro-batches a step (the first --shapes entry is the micro-batch)")
     ap.add_argument("--zero", type=int, default=1, help="DeepSpeed ZeRO stage of hylight's engine (the stage uses 1|2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
@@ -547,6 +590,13 @@ def main() -> int:
             ratio = r["tokens_per_s"] / other["tokens_per_s"] if other and other["tokens_per_s"] else math.nan
             lines.append(f"| {r['T']} x {r['B']} | {r['model']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
                          f"{r['mfu']:.1%} | {ratio:.2f}x |")
+    if "accum" in sections:
+        T, B = (int(v) for v in args.shapes.split(",")[0].split("x"))
+        report["accum_check"] = rows = accum_check(args.size, T, B, args.accum, args.steps)
+        lines += ["", f"| {args.size} compiled, {args.accum} micro-batches of {T} x {B} | release | losses | ms/step "
+                  "| tokens/s |", "|---|---|---|---|---|"]
+        lines += [f"| {T} x {B} x {r['accum']} | {r['release']} | {r.get('losses', r.get('error'))} | "
+                  f"{r.get('ms', '')} | {r.get('tokens_per_s', '')} |" for r in rows]
     if "modecheck" in sections:
         report["mode_check"] = mode_check(args.size)
         lines += ["", f"compile modes, losses of 4 steps: {report['mode_check']}"]

@@ -270,16 +270,21 @@ def compile_mode(cfg: EngineConfig, device: torch.device) -> str:
     return "reduce-overhead" if device.type == "cuda" and cfg.expert_parallel_size == 1 else "default"
 
 
-def compile_layers(model: torch.nn.Module, mode: str | None = None) -> None:
+def compile_layers(model: torch.nn.Module, mode: str | None = None) -> list[torch.nn.Parameter]:
     """torch.compile the RMSNorms and the MoE feed-forwards in place: it fuses the fp32 norm arithmetic and the
     routing/dispatch elementwise work. The attention layers stay eager (their Triton and FlexAttention kernels
-    are compiled already, and the packed-document bookkeeping around them does not lower in inductor)."""
+    are compiled already, and the packed-document bookkeeping around them does not lower in inductor). Returns the
+    parameters whose gradients CUDA graphs write (the compiled modules' under "reduce-overhead", else none): the
+    trainer moves them out of the graphs' memory between micro-batches (``pretrain/trainer.release_graph_grads``)."""
     from model.modeling import RMSNorm  # heavy: transformers
     from pretrain.moe import DeepSpeedMoEFeedForward  # heavy: deepspeed, transformers
 
+    params: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         if isinstance(module, RMSNorm | DeepSpeedMoEFeedForward):
             module.compile(dynamic=False, mode=mode)
+            params |= {id(p): p for p in module.parameters() if p.requires_grad}
+    return list(params.values()) if mode == "reduce-overhead" else []
 
 
 def install_foreach_grad_norm(optimizer: Any) -> None:
@@ -339,7 +344,7 @@ def train(cfg: EngineConfig) -> dict[str, float]:
         probe = RetrievalProbe(cfg.tokenizer_dir, eval_rows, seq_len=cfg.seq_len, trials=cfg.probe_trials,
                                seed=cfg.seed)
 
-    engine, optimizer, guard, sp = build_engine(cfg, grid, device)
+    engine, optimizer, guard, sp, graph_params = build_engine(cfg, grid, device)
     model_config = engine.module.config
     lr_schedule = WSDSchedule.from_total(
         cfg.peak_lr, max(1, cfg.train_tokens // (cfg.batch_rows * cfg.seq_len)), warmup_frac=cfg.warmup_frac,
@@ -363,7 +368,7 @@ def train(cfg: EngineConfig) -> dict[str, float]:
     trainer = Trainer(cfg, engine=engine, optimizer=optimizer, grid=grid, device=device, rows=rows, loader=loader,
                       make_batch=make_batch, lr_schedule=lr_schedule, batch_schedule=batch_schedule, guard=guard,
                       sp=sp, flops_of=lambda b: packed_flops(model_config, np.diff(b.cu_seqlens.numpy())),
-                      callbacks=callbacks)
+                      callbacks=callbacks, graph_params=graph_params)
     trainer.resumed = checkpointer.load(trainer)
     trainer.fit()
 
@@ -388,10 +393,12 @@ def train(cfg: EngineConfig) -> dict[str, float]:
     return summary
 
 
-def build_engine(cfg: EngineConfig, grid: RankGrid, device: torch.device) -> tuple[Any, Any, GradGuard, Any]:
+def build_engine(cfg: EngineConfig, grid: RankGrid,
+                 device: torch.device) -> tuple[Any, Any, GradGuard, Any, list[torch.nn.Parameter]]:
     """The model (DeepNorm init, or ``init_from``'s weights) with DeepSpeed-MoE layers and, under sequence
     parallelism, its plan; AdamW inside DeepSpeed's engine with the divergence guard and the one-kernel gradient norm
-    installed, the fused loss, and the compiled layers. Returns (engine, optimizer, guard, sequence-parallel plan)."""
+    installed, the fused loss, and the compiled layers. Returns (engine, optimizer, guard, sequence-parallel plan,
+    the parameters whose gradients CUDA graphs write)."""
     import deepspeed  # heavy: deepspeed
 
     from pretrain.moe import install_deepspeed_moe  # heavy: deepspeed, transformers
@@ -411,9 +418,8 @@ def build_engine(cfg: EngineConfig, grid: RankGrid, device: torch.device) -> tup
     install_foreach_grad_norm(optimizer)
     install_spike_guard(optimizer, guard)
     install_loss(engine.module, cfg.compile)
-    if cfg.compile:
-        compile_layers(engine.module, mode=compile_mode(cfg, device))
-    return engine, optimizer, guard, sp
+    graph_params = compile_layers(engine.module, mode=compile_mode(cfg, device)) if cfg.compile else []
+    return engine, optimizer, guard, sp, graph_params
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,22 +115,39 @@ def eager_layers(model: torch.nn.Module) -> Iterator[None]:
             m._compiled_call_impl = impl
 
 
+def release_graph_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Copy the gradients a CUDA-graph backward wrote out of the graphs' memory pool, between the micro-batches of a
+    step. Under ``compile_layers``' "reduce-overhead" mode the compiled modules' backward graphs return their
+    parameters' gradients in CUDA-graph memory, and autograd installs that tensor as ``.grad``. The next
+    micro-batch's forward starts a new graph generation, which reuses the memory; accumulating into the old
+    ``.grad`` then fails with "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"
+    (pytorch/pytorch#169545). That error stopped every compiled run with gradient accumulation on a GPU (the recipe's
+    16-row batch, long_context's phases); a step of one micro-batch needs nothing, as the optimizer reads the
+    gradients before the next forward."""
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad.clone()
+
+
 class Trainer:
     """One rank's training loop (:meth:`fit`) and its step (:meth:`step`).
 
     ``engine``/``optimizer``: DeepSpeed's (``deepspeed.initialize``); ``grid``: the rank's place among the
     data-parallel replicas and sequence-parallel groups (``pretrain/train.py``'s ``RankGrid``); ``sp``: the
     sequence-parallel plan or None; ``rows``/``loader``/``make_batch``: the packed rows, their order and how a
-    micro-batch is made of them; ``flops_of``: the model FLOPs of a micro-batch's documents."""
+    micro-batch is made of them; ``flops_of``: the model FLOPs of a micro-batch's documents; ``graph_params``: the
+    parameters whose gradients CUDA graphs write (``compile_layers``), moved out of the graphs' memory between
+    micro-batches (:func:`release_graph_grads`)."""
 
     def __init__(self, cfg: EngineConfig, *, engine: Any, optimizer: Any, grid: Any, device: torch.device,
                  rows: Any, loader: Any, make_batch: Callable[[Any, Any], Any], lr_schedule: Any,
                  batch_schedule: Any, guard: GradGuard, sp: Any, flops_of: Callable[[Any], float],
-                 callbacks: list[Callback]) -> None:
+                 callbacks: list[Callback], graph_params: Sequence[torch.nn.Parameter] = ()) -> None:
         self.cfg, self.engine, self.optimizer, self.grid, self.device = cfg, engine, optimizer, grid, device
         self.rows, self.loader, self.make_batch = rows, loader, make_batch
         self.lr_schedule, self.batch_schedule, self.guard = lr_schedule, batch_schedule, guard
         self.sp, self.flops_of, self.callbacks = sp, flops_of, callbacks
+        self.graph_params = list(graph_params)
         self.model_config = engine.module.config
         self.aux_coef = self.model_config.router_aux_loss_coef  # what the model adds to the loss (cfg.aux_loss_coef)
         self.state = TrainState()
@@ -189,12 +206,14 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: read once a step
         aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens, flops = 0, []
-        for micro in batch.micro_batches:
+        for i, micro in enumerate(batch.micro_batches):
             out, loss = self._forward(micro)
             if self.state.step in cfg.inject_nan_at_steps:
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
+            if i + 1 < batch.gas:  # another micro-batch's forward comes before the optimizer reads the gradients
+                release_graph_grads(self.graph_params)
             aux = out.aux_loss.detach()  # global over a sequence-parallel group: every rank has the row's
             # the row's cross-entropy (under SP this rank's part; the group's parts are summed after the step)
             loss_sum += (loss.detach() - self.aux_coef * aux).double() / (batch.gas * grid.sequence_parallel)

@@ -1033,6 +1033,82 @@ def _fake_trainer(callbacks: list, *, steps: int = 4, log_every: int = 2) -> obj
                    flops_of=lambda b: 1.0, callbacks=callbacks)
 
 
+class _GraphPoolEngine(_FakeEngine):
+    """A fake engine whose one parameter gets its gradient as CUDA-graph trees give it (pytorch/pytorch#169545):
+    the backward writes the gradient into graph-owned memory (``pool``) and autograd installs that very tensor as
+    ``.grad``; the next forward starts a new graph generation that reuses (here: poisons) the memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.param = torch.nn.Parameter(torch.zeros(3))
+        self.pool = torch.zeros(3)
+
+    def __call__(self, **kw: torch.Tensor) -> object:
+        self.pool.fill_(float("nan"))  # a new generation's replay overwrites the previous outputs
+        return super().__call__(**kw)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.pool.copy_(torch.full((3,), float(self.forwards)))  # micro-batch i's gradient: i everywhere
+        if self.param.grad is None:
+            self.param.grad = self.pool  # autograd keeps the graph's output tensor itself
+        else:
+            self.param.grad += self.pool
+
+
+@pytest.mark.parametrize("graph_params", [True, False])
+def test_gradients_cuda_graphs_write_survive_the_next_micro_batch(graph_params: bool) -> None:
+    """Issue 34: compiled runs with gradient accumulation failed on GPUs ("accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run"). The trainer copies the graph-written gradients out between the
+    micro-batches of a step, so a step of two micro-batches ends with the sum of both gradients; without it the
+    first micro-batch's gradient is whatever the second forward left in the graphs' memory."""
+    from types import SimpleNamespace
+
+    from pretrain.engine_config import EngineConfig
+    from pretrain.grad_guard import GradGuard
+    from pretrain.schedules import BatchSizeSchedule
+    from pretrain.trainer import Trainer
+
+    cfg = EngineConfig(data_dir="", tokenizer_dir="", resume_dir="", export_dir="", seq_len=16, batch_rows=2,
+                       micro_batch_rows=1, max_batch_rows=2, train_tokens=32)
+    micro = SimpleNamespace(input_ids=torch.zeros(1, 16, dtype=torch.long), labels=torch.zeros(1, 16),
+                            cu_seqlens=torch.tensor([0, 16]), position_ids=torch.zeros(1, 16))
+    engine = _GraphPoolEngine()
+    trainer = Trainer(cfg, engine=engine, optimizer=SimpleNamespace(param_groups=[{}]),
+                      grid=SimpleNamespace(rank=0, world=1, data_parallel=1, sequence_parallel=1),
+                      device=torch.device("cpu"), rows=None, loader=SimpleNamespace(next_indices=lambda n: [0] * n),
+                      make_batch=lambda rows, idx: micro, lr_schedule=SimpleNamespace(lr=lambda step: 0.1),
+                      batch_schedule=BatchSizeSchedule(2, 2), guard=GradGuard(10.0, 5), sp=None,
+                      flops_of=lambda b: 1.0, callbacks=[], graph_params=[engine.param] if graph_params else [])
+    trainer.fit()
+    assert (trainer.state.step, engine.forwards) == (1, 2)
+    if graph_params:
+        assert torch.equal(engine.param.grad, torch.full((3,), 3.0))  # 1 + 2
+    else:  # what compiled runs with accumulation got before: the first gradient lost
+        assert not torch.equal(engine.param.grad, torch.full((3,), 3.0))
+
+
+def test_compile_layers_names_the_parameters_cuda_graphs_write_only_under_reduce_overhead() -> None:
+    """``compile_layers`` returns the compiled modules' parameters (the RMSNorm gains, each MoE layer's router
+    and experts) under "reduce-overhead", the mode whose backward graphs own the gradients, and none otherwise."""
+    from model.modeling import RMSNorm
+    from pretrain.train import compile_layers
+
+    def model() -> HybridForCausalLM:
+        m = HybridForCausalLM(config_for("tiny", num_hidden_layers=2))
+        install_deepspeed_moe(m)
+        return m
+
+    m = model()
+    expected = {id(p) for mod in m.modules() if isinstance(mod, RMSNorm | DeepSpeedMoEFeedForward)
+                for p in mod.parameters()}
+    params = compile_layers(m, mode="reduce-overhead")
+    assert {id(p) for p in params} == expected and len(params) == len(expected)
+    moe = [mod for mod in m.modules() if isinstance(mod, DeepSpeedMoEFeedForward)]
+    assert len(moe) == 2 and all(id(p) in expected for mod in moe for p in mod.parameters())
+    assert id(m.get_input_embeddings().weight) not in expected  # eager modules' gradients are autograd's own
+    assert compile_layers(model(), mode="default") == []
+
+
 class _Recorder:
     def __init__(self, name: str, calls: list[str]) -> None:
         self.name, self.calls = name, calls
