@@ -128,8 +128,10 @@ class LongContextParams(TrainingParams, LongContextPlan):
     warmup_frac: float = Field(0.1, ge=0, lt=1, description="Linear warm-up of each phase (fresh optimizer).")
     seed: int = Field(0, ge=0, description="Row order of every phase, QA facts and loader.")
     compile: bool = Field(False, description=(
-        "torch.compile the RMSNorms and MoE feed-forwards. Refused with GPUs for now: on an H100 the first compiled "
-        "backward of a phase failed under CUDA graphs (BENCHMARKS.md); the eager path is the one measured."))
+        "torch.compile the RMSNorms and MoE feed-forwards (on one GPU with CUDA graphs). Compiled phases failed "
+        "at their first backward until issue 34 (gradient accumulation and CUDA graphs); the stage's step at 4 "
+        "micro-batches of 8192 x 2 now trains compiled on an H200 (bench_pretrain_gpu.py --sections accum, "
+        "BENCHMARKS.md), but no long_context stage run has been measured compiled yet."))
     retrieval_share: float = Field(0.0, ge=0, lt=1, description=(
         "Share of each phase's training rows made of retrieval-bearing samples of up to the phase length "
         "(pretrain/retrieval_rows.py), spread evenly through the phase; the phase's token budget stays the same."))
@@ -473,11 +475,9 @@ def _plots(params: LongContextParams, ctx: StageContext, history: list[dict[str,
 
 def long_context_resource_problems(params: LongContextParams, resources: Any) -> list[tuple[str, str]]:
     """Spec-time checks of the params against the stage's resources: the rank layout (:func:`layout_problems`),
-    every phase's batch in whole micro-batches of every data-parallel replica, and ``compile: true`` on GPUs refused.
-    On an H100 (2026-11-23, dags/ablation-retrieval-gpu.yaml, BENCHMARKS.md) the first backward of a compiled
-    long-context phase failed with "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent
-    run" (an RMSNorm output), where the same compiled layers train in ``pretrain``. The cause is not found; until it
-    is, the stage says so before any work instead of failing a minute into a phase."""
+    every phase's batch in whole micro-batches of every data-parallel replica. (``compile: true`` on GPUs was
+    refused here until issue 34 found why a compiled phase failed: its gradient accumulation, whose graph-written
+    gradients the trainer now moves out of the CUDA graphs' memory between micro-batches.)"""
     problems = layout_problems(params, resources)
     world = ranks_per_node(params.processes, resources.gpus) * resources.nodes
     replicas = world // params.sequence_parallel  # a sequence-parallel group reads one set of rows
@@ -487,10 +487,6 @@ def long_context_resource_problems(params: LongContextParams, resources: Any) ->
             problems.append(("params.batch_tokens", f"phase {i} has {rows} rows per batch, not a multiple of {micro} "
                              f"rows per forward call x {replicas} data-parallel replicas ({world} ranks / "
                              f"sequence_parallel={params.sequence_parallel}); raise batch_tokens"))
-    if params.compile and resources.gpus > 0:
-        problems.append(("params.compile", "compile: true is not supported on GPUs in long_context yet: on an H100 "
-                         "the first compiled backward failed with a CUDA-graphs error (overwritten RMSNorm output; "
-                         "BENCHMARKS.md, 'Retrieval after long_context'); set compile: false (eager)"))
     return problems
 
 
