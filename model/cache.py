@@ -94,6 +94,7 @@ class StaticHybridCache:
         self.prefill_rows: torch.Tensor | None = None  # [N] first cache row of each packed prompt
         self.prefill_token_rows: torch.Tensor | None = None  # [T_total] that row, per packed token
         self.prefill_token_pos: torch.Tensor | None = None  # [T_total] the token's position in its row
+        self.prefill_start = 0  # a chunked prefill's piece: its first token's position (0: a whole prefill)
         self.copies = 1
 
     @torch.no_grad()
@@ -128,11 +129,30 @@ class StaticHybridCache:
         self.prefill_token_rows = first_row.repeat_interleave(lengths).to(device)
         self.prefill_token_pos = torch.cat([torch.arange(int(n_i)) for n_i in lengths]).to(device)
         self.copies = copies
+        self.prefill_start = 0
         for state in self.lightning_states.values():
             state.zero_()
         row_lengths = torch.zeros(self.batch, dtype=torch.long)
         row_lengths[: n * copies] = lengths.repeat_interleave(copies)
         self.lengths.copy_(row_lengths.to(device))
+
+    def begin_prefill_chunk(self, start: int, length: int) -> None:
+        """Plan the piece ``start .. start + length - 1`` of a chunked prefill of one prompt (after
+        :meth:`begin_prefill` of that one prompt): its keys and values go to those positions of the prompt's rows,
+        and a piece after the first continues the state and attends to the keys the earlier pieces left."""
+        if self.prefill_rows is None or self.prefill_rows.numel() != 1:
+            raise ValueError("StaticHybridCache: a chunked prefill is of one prompt; call begin_prefill([n]) first")
+        if start < 0 or length < 1 or start + length > int(self.lengths[0]):
+            raise ValueError(f"StaticHybridCache: piece {start}..{start + length - 1} lies outside the prompt's "
+                             f"{int(self.lengths[0])} tokens")
+        device = self.lengths.device
+        self.prefill_token_rows = torch.zeros(length, dtype=torch.long, device=device)
+        self.prefill_token_pos = torch.arange(start, start + length, device=device)
+        self.prefill_start = start
+
+    def prefill_keys(self, layer_idx: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's cached keys and values at positions 0 .. end - 1 (row 0; [1, H_kv, end, D] views)."""
+        return self.keys[layer_idx][:1, :, :end], self.values[layer_idx][:1, :, :end]
 
     def store_prefill_state(self, layer_idx: int, final: torch.Tensor) -> None:
         """final [N, H, D, D]: each prompt's state after its last token, into its rows."""

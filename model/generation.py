@@ -42,6 +42,11 @@ from model.cache import StaticHybridCache
 CHECK_EVERY = 8  # decode steps between host reads of "every row finished"
 CAPACITY_ROUND = 256  # cache capacity (prompt + new tokens) is rounded up to this, so calls can share a graph
 ENGINES_KEPT = 2  # decode engines (cache + graph) kept per model, most recently used first
+# A prompt longer than this, alone in its call, is prefilled in pieces of this many tokens (HYLIGHT_PREFILL_CHUNK;
+# 0: never): each piece continues the lightning states and attends to the keys cached so far, so the prefill's
+# activations are those of one piece, not of the whole prompt (issue 34: one 1M-token prefill of gpu-300m peaked at
+# 70 GiB for 2 GiB of caches).
+PREFILL_CHUNK = int(os.environ.get("HYLIGHT_PREFILL_CHUNK", "65536"))
 # What a generation config may set (beyond transformers' defaults) for this path to serve the call; anything else
 # (beams, penalties, processors, streamers, returned scores ...) goes to transformers' own loop.
 SERVED = frozenset({
@@ -243,14 +248,36 @@ class DecodeEngine:
         if self.stacked:  # the weights as they are now (a policy trains between calls)
             self.cache.load_decode_projections(self.model)
         self.cache.begin_prefill(lengths, copies)
+        if len(prompts) == 1 and 0 < PREFILL_CHUNK < lengths[0]:
+            logits = self._prefill_pieces(prompts[0], PREFILL_CHUNK).repeat_interleave(copies, 0)
+            self._first_token(logits)
+            return
         ends = torch.tensor(lengths).cumsum(0)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)  # host bounds: no device read
         ids = torch.cat(prompts).to(self.device)[None]
         out = self.model(input_ids=ids, cu_seqlens=cu, past_key_values=self.cache, use_cache=True,
                          output_router_logits=False, output_moe_stats=False,
                          logits_to_keep=(ends - 1).to(self.device))
-        rows = len(prompts) * copies
-        logits = out.logits[0].float().repeat_interleave(copies, 0)
+        self._first_token(out.logits[0].float().repeat_interleave(copies, 0))
+
+    def _prefill_pieces(self, prompt: torch.Tensor, chunk: int) -> torch.Tensor:
+        """One prompt through the model ``chunk`` tokens at a time (``StaticHybridCache.begin_prefill_chunk``):
+        the next-token logits [1, V] after its last token."""
+        ids = prompt.to(self.device)
+        n = int(ids.numel())
+        for start in range(0, n, chunk):
+            piece = min(chunk, n - start)
+            self.cache.begin_prefill_chunk(start, piece)
+            out = self.model(input_ids=ids[start:start + piece][None],
+                             cu_seqlens=torch.tensor([0, piece], dtype=torch.int32),  # host bounds: no device read
+                             position_ids=torch.arange(start, start + piece, device=self.device)[None],
+                             past_key_values=self.cache, use_cache=True, output_router_logits=False,
+                             output_moe_stats=False, logits_to_keep=1)
+        return out.logits[0, -1:].float()
+
+    def _first_token(self, logits: torch.Tensor) -> None:
+        """Reset the rows' bookkeeping and choose token 0 from the prompts' last logits [rows, V]."""
+        rows = logits.shape[0]
         if rows < self.batch:  # rows past the prompts: start finished, stay pad
             logits = torch.cat([logits, logits.new_zeros(self.batch - rows, logits.shape[1])])
         self.finished.copy_(torch.arange(self.batch, device=self.device) >= rows)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -318,6 +319,14 @@ class LightningAttention(nn.Module):
         """Generation over a preallocated cache: a packed prefill (one prompt per document, its final state into
         its rows) or one decode token per row, the state updated in place."""
         B, H, T, D = q.shape
+        if layout.cu_seqlens is not None and cache.prefill_start:  # a later piece of a chunked prefill
+            state = cache.lightning_states[self.layer_idx][:1]
+            o, final = lightning_attention(
+                q, k, v, self.decay_rates, block_size=self.block_size, initial_state=state,
+                output_final_state=True, impl=self.impl,
+            )  # fmt: skip
+            cache.store_prefill_state(self.layer_idx, final)
+            return o
         if layout.cu_seqlens is not None:
             flat = [t.transpose(0, 1).reshape(1, H, B * T, D) for t in (q, k, v)]
             o, final = lightning_attention(
@@ -400,6 +409,10 @@ class SoftmaxAttention(nn.Module):
             flat = [t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q, k, v)]
             # a generation prefill packs a different number of tokens each call: the SDPA loop (one flash call per
             # prompt) needs no compilation per shape, as the compiled Flex path would
+            if static and cache.prefill_start:  # a later piece of a chunked prefill: the earlier pieces' keys too
+                cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])
+                o = _continued_prefill_attention(q, *cache.prefill_keys(self.layer_idx, cache.prefill_start + T))
+                return o
             if static:  # packed prefill of a generation cache: each prompt's keys/values into its rows
                 o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa, impl="sdpa_loop")
                 cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])
@@ -422,6 +435,17 @@ class SoftmaxAttention(nn.Module):
             enable_gqa=gqa,
         )
         return o
+
+
+def _continued_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [1, H, T, D] of a prefill piece, k/v [1, H_kv, S, D] of the prompt so far (S >= T, the piece's own keys
+    last): causal attention aligned at the bottom right (query i sees keys 0 .. S - T + i). The keys are repeated
+    to H heads first: SDPA's memory-efficient kernel takes a lower-right causal bias, but not with GQA, and the
+    math fallback would build the [T, S] scores (64K x 1M) instead. At gpu-300m and S = 1M the repeat is 4 GiB."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
 
 
 # --- decoder layer ------------------------------------------------------------------------------------------

@@ -356,3 +356,63 @@ def test_a_compiled_small_batch_step_routes_without_a_gemm(tokens, reduced):
     assert bool(products) != reduced, graphs[0]
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pattern", ["hybrid", "all-softmax", "all-lightning"])
+def test_a_chunked_prefill_fills_the_cache_and_gives_the_logits_of_the_whole_prefill(pattern):
+    """Issue 34 item 5: one long prompt prefilled in pieces (each continuing the lightning states and attending to
+    the keys cached so far, aligned bottom right) leaves the same states, keys and last logits as one whole
+    prefill, pieces of unequal length included (37 tokens in pieces of 16: 16 + 16 + 5)."""
+    model = _model(pattern, dtype=torch.float64)
+    prompt = torch.randint(3, 512, (37,), generator=torch.Generator().manual_seed(5))
+    whole = StaticHybridCache(model.config, 2, 48, "cpu", torch.float64)
+    pieces = StaticHybridCache(model.config, 2, 48, "cpu", torch.float64)
+    with torch.no_grad():
+        whole.begin_prefill([37], copies=2)
+        ref = model(input_ids=prompt[None], cu_seqlens=torch.tensor([0, 37], dtype=torch.int32),
+                    past_key_values=whole, use_cache=True, logits_to_keep=1).logits[0, -1]
+        pieces.begin_prefill([37], copies=2)
+        for start in (0, 16, 32):
+            n = min(16, 37 - start)
+            pieces.begin_prefill_chunk(start, n)
+            out = model(input_ids=prompt[start:start + n][None], cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+                        position_ids=torch.arange(start, start + n)[None], past_key_values=pieces, use_cache=True,
+                        logits_to_keep=1).logits[0, -1]
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for layer, state in whole.lightning_states.items():
+        torch.testing.assert_close(pieces.lightning_states[layer], state, rtol=1e-9, atol=1e-12)  # both copies
+    for layer, keys in whole.keys.items():
+        torch.testing.assert_close(pieces.keys[layer][:, :, :37], keys[:, :, :37], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(pieces.values[layer][:, :, :37], whole.values[layer][:, :, :37])
+    assert pieces.lengths.tolist() == [37, 37]
+
+
+def test_generate_prefills_one_long_prompt_in_pieces_with_the_tokens_of_one_whole_prefill(monkeypatch):
+    """A call of one prompt longer than PREFILL_CHUNK goes through the pieces (counted), and greedy decoding after
+    it gives transformers' loop's tokens; a call of two prompts still packs them in one prefill."""
+    import model.generation as generation
+
+    model = _model("hybrid")
+    ids, mask = _left_padded([45], seed=9)
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 16)
+    calls = []
+    real = generation.DecodeEngine._prefill_pieces
+    monkeypatch.setattr(generation.DecodeEngine, "_prefill_pieces",
+                        lambda self, prompt, chunk: calls.append((prompt.numel(), chunk)) or real(self, prompt, chunk))
+    fast, slow = _both(model, ids, mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    assert calls == [(45, 16)]
+    assert torch.equal(fast, slow)
+    ids2, mask2 = _left_padded([45, 20], seed=9)
+    fast2, slow2 = _both(model, ids2, mask2, max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    assert calls == [(45, 16)] and torch.equal(fast2, slow2)
+
+
+def test_a_chunk_outside_the_prompt_or_of_several_prompts_is_refused():
+    model = _model("hybrid")
+    cache = StaticHybridCache(model.config, 2, 32, "cpu", torch.float32)
+    cache.begin_prefill([10, 5])
+    with pytest.raises(ValueError, match="chunked prefill is of one prompt"):
+        cache.begin_prefill_chunk(0, 5)
+    cache.begin_prefill([10])
+    with pytest.raises(ValueError, match="outside the prompt's 10 tokens"):
+        cache.begin_prefill_chunk(8, 4)
