@@ -157,7 +157,10 @@ def _flex_functions(compiled: bool) -> tuple[Callable, Callable] | None:
     if _flex_unavailable is not None:
         return None
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # optional: absent in older torch
+        from torch.nn.attention.flex_attention import (  # optional: absent in older torch
+            create_block_mask,
+            flex_attention,
+        )
     except ImportError as err:  # older torch: the SDPA loop serves
         _flex_unavailable = f"torch.nn.attention.flex_attention is not in torch {torch.__version__} ({err})"
         return None
