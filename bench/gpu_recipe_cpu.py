@@ -9,6 +9,8 @@ a GPU shows (bench/gpu_recipe_lease.sh is that run).
 
     python bench/gpu_recipe_cpu.py --root /tmp/rehearsal          # runs it; prints the stage table
     python bench/gpu_recipe_cpu.py --print                         # the --set overrides alone, one a line
+    python bench/gpu_recipe_cpu.py --spec dags/lasp-gpu.yaml       # another GPU spec (sequence-parallel stages get
+                                                                   # their ranks as CPU processes)
 
 Only the sizes change: every stage's kind, inputs and every other param are the spec's. GPU stages get
 ``resources.gpus=0`` and one CPU (the stages themselves choose CPU or GPU from what they are given).
@@ -59,6 +61,7 @@ BY_KIND = {
 }
 # params of a kind that a given stage must not get (it does not have them, or the spec's value must stay)
 SKIP = {("dpo", "min_prompt_tokens")}
+NOT_WITH_SP = {"probe_every"}  # sizes a sequence-parallel stage refuses (the in-training probe runs on one rank)
 
 
 def overrides(spec_path: Path = SPEC) -> list[str]:
@@ -67,11 +70,14 @@ def overrides(spec_path: Path = SPEC) -> list[str]:
     out: list[str] = []
     for name, st in spec.stages.items():
         fields = type(st.params).model_fields
+        sp = getattr(st.params, "sequence_parallel", 1)
         for key, value in BY_KIND.get(st.kind.name, {}).items():
-            if key in fields and (st.kind.name, key) not in SKIP:
+            if key in fields and (st.kind.name, key) not in SKIP and not (sp > 1 and key in NOT_WITH_SP):
                 out.append(f"{name}.{key}={json.dumps(value)}")
         if st.resources.gpus:
             out.append(f"{name}.resources.gpus=0")
+            if sp > 1:  # a sequence-parallel group's ranks as CPU processes over gloo
+                out.append(f"{name}.processes={sp}")
         out.append(f"{name}.resources.cpus=1")
     # dpo_long reads long prompts only: at 1K-token rows, the spec's 256-token floor leaves few; keep it near
     if "dpo_long" in spec.stages:
@@ -81,17 +87,18 @@ def overrides(spec_path: Path = SPEC) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", type=Path, help="artifact root (its MLflow store too); default runs/gpu-recipe-cpu")
+    ap.add_argument("--spec", type=Path, default=SPEC, help="the GPU spec to rehearse (default dags/gpu-recipe.yaml)")
+    ap.add_argument("--root", type=Path, help="artifact root (its MLflow store too); default runs/<spec name>-cpu")
     ap.add_argument("--print", action="store_true", help="print the overrides and exit")
     ap.add_argument("--json", type=Path, help="write `hylight run --json` here")
     ap.add_argument("run_args", nargs="*", help="more `hylight run` arguments, e.g. --stage pretrain")
     args = ap.parse_args()
-    sets = overrides()
+    sets = overrides(args.spec)
     if args.print:
         print("\n".join(sets))
         return 0
-    root = args.root or ROOT / "runs" / "gpu-recipe-cpu"
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(SPEC), "--set", f"artifact_root={root}"]
+    root = args.root or ROOT / "runs" / f"{args.spec.stem}-cpu"
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(args.spec), "--set", f"artifact_root={root}"]
     for s in sets:
         cmd += ["--set", s]
     if args.json:

@@ -546,7 +546,14 @@ class Orchestrator:
                     tracking.end_run(c, rid, "FAILED")
                 progressed = True
                 continue
-            res.cache_key = key
+            twin = next((n for n, _, _ in running.values() if results[n].cache_key == key), None)
+            if twin is not None:  # the same kind, params and inputs is running: its artifact will serve this one
+                if res.reason != f"waits for {twin}":
+                    res.reason = f"waits for {twin}"
+                    say(f"· {name} waits for {twin}: the same kind, params and inputs (one cache key); it then "
+                        "reads that stage's artifact")
+                continue
+            res.cache_key, res.reason = key, ""
             lineage = {role: [{"stage": n, "type": artifacts[n].type, "digest": artifacts[n].digest,
                                "path": str(artifacts[n].path),
                                "run_id": (artifacts[n].manifest.get("producer") or {}).get("run_id")}

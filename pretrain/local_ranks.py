@@ -1,6 +1,10 @@
 """Start the ranks of a one-machine training job: ``python -m pretrain.local_ranks N -m pretrain.train --config C``
 runs ``python -m pretrain.train --config C`` N times, each with ``RANK``/``LOCAL_RANK``, ``WORLD_SIZE``/
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and one free ``MASTER_PORT``.
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and one free ``MASTER_PORT``. The launcher binds that port
+itself and hands the listening socket to rank 0 (``HYLIGHT_STORE_FD``), so two jobs started at once on one
+machine cannot be given the same port: with a port only looked up free and bound later, two concurrent
+sequence-parallel stages once drew the same one, and one job's rank joined the other's store (one failed, the
+other trained on with a stranger's rank: issue 34's CPU rehearsal of dags/lasp-gpu.yaml).
 
 In place of ``torchrun --standalone``, whose agent opens two rendezvous stores listening on every interface: here
 rank 0 hosts the only store, on loopback (:func:`pretrain.train.init_distributed`), so a local run is not reachable
@@ -21,6 +25,7 @@ import time
 
 LOOPBACK = "127.0.0.1"
 GRACE_S = 10.0
+STORE_FD_ENV = "HYLIGHT_STORE_FD"  # rank 0's inherited listening socket for the store (pretrain/train.py)
 
 
 def free_loopback_port() -> int:
@@ -28,6 +33,14 @@ def free_loopback_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def listening_loopback_socket() -> socket.socket:
+    """A socket bound to a port the kernel picks on 127.0.0.1 and listening: the port is this job's from now on."""
+    sock = socket.socket()
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    return sock
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -39,9 +52,12 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 def run_ranks(world: int, args: list[str]) -> int:
     """Run ``python *args`` as ranks 0..world-1 until all exit; the first failed rank's status, else 0 (a rank
     killed by a signal gives 128 + its number, as a shell reports it)."""
-    port = free_loopback_port()
-    ranks = [subprocess.Popen([sys.executable, *args], env={**os.environ, **rank_env(r, world, port)})
-             for r in range(world)]
+    with listening_loopback_socket() as sock:  # held until rank 0 has its own copy: no other job can take the port
+        port, fd = sock.getsockname()[1], sock.fileno()
+        ranks = [subprocess.Popen([sys.executable, *args], pass_fds=(fd,) if r == 0 else (),
+                                  env={**os.environ, **rank_env(r, world, port),
+                                       **({STORE_FD_ENV: str(fd)} if r == 0 else {})})
+                 for r in range(world)]
 
     def stop(*_: object) -> None:
         for p in ranks:

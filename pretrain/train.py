@@ -58,7 +58,7 @@ from pretrain.engine_config import EngineConfig
 from pretrain.events import emit
 from pretrain.export import export_checkpoint
 from pretrain.grad_guard import DivergenceError, GradGuard, install_spike_guard
-from pretrain.local_ranks import LOOPBACK, free_loopback_port
+from pretrain.local_ranks import LOOPBACK, STORE_FD_ENV, free_loopback_port
 from pretrain.loss import install_loss
 from pretrain.packed_data import PackedRows, make_batch, make_loader, unigram_loss
 from pretrain.probe import RetrievalProbe
@@ -165,12 +165,17 @@ def _loopback_store(rank: int, world: int) -> Any:
     port = int(os.environ["MASTER_PORT"])
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=default_pg_timeout)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a previous run's store left in TIME_WAIT
-    sock.bind((host, port))
-    sock.listen(128)
+    inherited = os.environ.pop(STORE_FD_ENV, None)  # pretrain.local_ranks bound the port before any rank started
+    if inherited is not None:
+        listen_fd = int(inherited)
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a previous run's store left in TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(128)
+        listen_fd = sock.detach()
     return dist.TCPStore(host, port, world, is_master=True, timeout=default_pg_timeout, multi_tenant=True,
-                         master_listen_fd=sock.detach())
+                         master_listen_fd=listen_fd)
 
 
 def build_model(cfg: EngineConfig) -> Any:

@@ -89,3 +89,44 @@ def test_the_gpu_runs_preflight_passes_against_this_machines_packages(tmp_path):
     log = (tmp_path / "out" / "run.log").read_text()
     assert r.returncode == 0, log[-3000:] + r.stderr[-2000:]
     assert log.count(": ok") >= 8 and "FAILED" not in log
+
+
+LASP = ROOT / "dags" / "lasp-gpu.yaml"
+
+
+def test_the_lasp_spec_rehearses_with_cpu_ranks_for_its_sequence_parallel_stages():
+    """dags/lasp-gpu.yaml (issue 34 item 4): its rehearsal overrides validate here, resources included; each
+    sequence-parallel stage gets its ranks as CPU processes and no in-training probe (which SP refuses); the one-GPU
+    and two-GPU runs differ only in sequence_parallel, so their losses can be compared step by step."""
+    sets = gpu_recipe_cpu.overrides(LASP)
+    spec = load_spec(LASP, overrides=sets, capacity=local_capacity())
+    base = load_spec(LASP)
+    for name in ("lc_two_gpus", "lc_128k"):
+        st = spec.stages[name]
+        assert st.params.sequence_parallel == 2 and st.params.processes == 2 and st.params.probe_every == 0, name
+        assert base.stages[name].resources.gpus == 2 and st.resources.gpus == 0
+    one, two = (base.stages[n].params.model_dump() for n in ("lc_one_gpu", "lc_two_gpus"))
+    assert {k for k in one if one[k] != two[k]} == {"sequence_parallel"}
+    assert base.stages["lc_128k"].params.phases[0].seq_len == 131072
+    assert all(not base.stages[n].params.token_drop for n in ("lc_one_gpu", "lc_two_gpus", "lc_128k"))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_the_lasp_spec_runs_on_the_cpu_and_two_ranks_train_like_one(tmp_path):
+    report = tmp_path / "report.json"
+    rc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_recipe_cpu.py"), "--spec", str(LASP),
+                         "--root", str(tmp_path / "root"), "--json", str(report)], cwd=ROOT, timeout=1500).returncode
+    stages = json.loads(report.read_text())["stages"]
+    assert rc == 0 and all(r["state"] in ("done", "cached") for r in stages.values()), {
+        n: r["error"] for n, r in stages.items() if r["state"] not in ("done", "cached")}
+    # cut to the rehearsal's sizes, lc_128k is lc_two_gpus (one cache key): it waits for it and reads its artifact
+    assert stages["lc_128k"]["state"] == "cached" and stages["lc_two_gpus"]["state"] == "done"
+
+    def losses(name: str) -> list[float]:
+        log = Path(stages[name]["artifact"]) / "train_log.jsonl"
+        return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+    one, two = losses("lc_one_gpu"), losses("lc_two_gpus")
+    assert len(one) == len(two) >= 4
+    assert two == pytest.approx(one, rel=1e-5)  # fp32 on the CPU; on GPUs, bf16 noise

@@ -94,3 +94,41 @@ def test_local_ranks_stops_the_other_ranks_when_one_fails_and_exits_with_its_sta
     out = subprocess.run([sys.executable, "-m", "pretrain.local_ranks", "3", "-c", rank], cwd=REPO, timeout=60)
     assert out.returncode == 7
     assert time.monotonic() - start < 30  # ranks 0 and 2 were stopped, not waited for
+
+
+SUM_RANK = textwrap.dedent("""
+    import os, sys, torch
+    import torch.distributed as dist
+    from pretrain.train import _loopback_store
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=_loopback_store(rank, world), rank=rank, world_size=world)
+    value = float(sys.argv[1])
+    for _ in range(20):
+        t = torch.tensor([value])
+        dist.all_reduce(t)
+        assert t.item() == value * world, f"job {value}: all-reduce gave {t.item()}, another job's rank joined"
+    dist.destroy_process_group()
+""")
+
+
+def test_two_jobs_launched_at_once_never_share_a_store_even_when_handed_the_same_free_port(tmp_path: Path) -> None:
+    """Two 2-rank jobs started at once on one machine, each all-reducing its own value. Their launchers are made to
+    look up the same 'free' port (as the kernel can hand one out twice: two concurrent sequence-parallel stages of
+    the lasp-gpu rehearsal drew the same one, one failed and the other trained with the stranger's rank). The
+    launcher binds its own port and gives the listening socket to rank 0, so each job keeps its own store."""
+    import socket
+
+    rank = tmp_path / "sum_rank.py"
+    rank.write_text(SUM_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = ("import sys; import pretrain.local_ranks as lr; lr.free_loopback_port = lambda: {port}; "
+                "sys.exit(lr.main(sys.argv[1:]))").format(port=port)
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    jobs = [subprocess.Popen([sys.executable, "-c", launcher, "2", str(rank), value], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for value in ("1", "100")]
+    outs = [job.communicate(timeout=240)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], "\n".join(o[-2000:] for o in outs)

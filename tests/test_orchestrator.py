@@ -103,6 +103,32 @@ def test_first_run_then_all_cached(env):
     assert report2.stages["n"].digest == report.stages["n"].digest
 
 
+def test_two_stages_with_one_cache_key_run_once_and_the_second_reads_the_firsts_artifact(env, tmp_path):
+    """Two stages of the same kind, params and inputs that could run at once (2 CPUs) share one cache key, and so
+    one resume directory: run together, they wrote into each other's files (two long_context stages of
+    dags/lasp-gpu.yaml's CPU rehearsal, whose overrides made them equal, mixed their training logs). The second
+    waits for the first and is then a cache hit."""
+    spec_path = tmp_path / "twins.yaml"
+    spec_path.write_text(textwrap.dedent(f"""\
+        name: twins
+        artifact_root: {tmp_path / "twins"}
+        stages:
+          first:
+            uses: tests.stage_fixtures:SOURCE
+            params: {{text: "same", sleep_s: 1.0}}
+          second:
+            uses: tests.stage_fixtures:SOURCE
+            params: {{text: "same", sleep_s: 1.0}}
+        """))
+    log = Path(os.environ["HYLIGHT_TEST_LOG"])
+    out = io.StringIO()
+    report = run_pipeline(load_spec(spec_path), RunOptions(), out=out)
+    assert report.ok and len(log.read_text().split()) == 1, out.getvalue()  # one of the two ran
+    assert sorted(states(report).values()) == ["cached", "done"]
+    assert report.stages["first"].digest == report.stages["second"].digest
+    assert "waits for" in out.getvalue()
+
+
 def test_param_change_reruns_stage_and_dependents_only(env):
     env.run()
     report, ran = env.run(overrides=["a.text=ZZ"])
