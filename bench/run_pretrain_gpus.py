@@ -11,6 +11,13 @@ tokenizer) exactly as `hylight run` would, with the same global batch in every r
     1gpu        one rank, micro-batch 4 rows x 2 gradient-accumulation steps
     2gpu        two ranks, expert parallelism over both (ZeRO-2, expert_parallel_size 2), global router
     2gpu-local  the same without the global router (each rank caps its own slots)
+    4gpu        four ranks, expert parallelism over all four (two of gpu-300m's 8 experts a rank), global router
+    4gpu-local  the same without the global router
+
+On four GPUs pass ``--batch-rows 16``: the global batch must be a whole number of micro-batches on every rank
+(16 rows = 4 ranks x 4 rows, and 4 / 2 accumulation steps on 1 / 2 GPUs), so every run trains the same batches.
+
+    python bench/run_pretrain_gpus.py --runs 1gpu,2gpu,4gpu,4gpu-local --batch-rows 16 --out $OUT
 
 Prints a table (final loss, eval_loss, tokens/s, drop rate per run) and writes each run's train_log.jsonl.
 """
@@ -31,6 +38,8 @@ RUNS = {
     "1gpu": dict(processes=1, expert_parallel_size=1, global_router=True, gpus=1),
     "2gpu": dict(processes=2, expert_parallel_size=2, global_router=True, gpus=2),
     "2gpu-local": dict(processes=2, expert_parallel_size=2, global_router=False, gpus=2),
+    "4gpu": dict(processes=4, expert_parallel_size=4, global_router=True, gpus=4),
+    "4gpu-local": dict(processes=4, expert_parallel_size=4, global_router=False, gpus=4),
 }
 
 
@@ -51,6 +60,8 @@ def main() -> int:
     ap.add_argument("--zero", type=int, default=2)
     ap.add_argument("--inject-nan", default="", help="comma-separated optimizer steps whose loss is made NaN")
     ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--batch-rows", type=int, default=8, help="global batch in rows (16 for the 4-GPU runs)")
+    ap.add_argument("--micro-rows", type=int, default=4, help="rows per forward call on each rank")
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,14 +76,22 @@ def main() -> int:
     inputs = {k: Artifact.load(work / "in" / d) for k, d in
               (("documents", "documents"), ("tokenizer", "tokenizer"), ("mixture", "mixture"))}
     rows = []
-    for name in args.runs.split(","):
+    names = args.runs.split(",")
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        ap.error(f"unknown run(s) {unknown}; known: {', '.join(RUNS)}")
+    for name in names:
+        if args.batch_rows % (args.micro_rows * RUNS[name]["gpus"]):
+            ap.error(f"--batch-rows {args.batch_rows} is not a whole number of {args.micro_rows}-row micro-batches "
+                     f"on each of {name}'s {RUNS[name]['gpus']} ranks")
+    for name in names:
         spec = dict(RUNS[name])
         gpus = spec.pop("gpus")
         shutil.rmtree(work / name, ignore_errors=True)
         ctx = StageContext(work / name / "out", inputs, stage_name=name, resume_dir=work / name / "resume",
                            resources=Resources(cpus=8 * gpus, gpus=gpus))
-        params = PretrainParams(size=args.size, seq_len=args.seq_len, micro_batch_rows=4, batch_rows=8,
-                                max_batch_rows=8, train_tokens=args.tokens, peak_lr=args.lr, log_every=args.log_every,
+        params = PretrainParams(size=args.size, seq_len=args.seq_len, micro_batch_rows=args.micro_rows,
+                                batch_rows=args.batch_rows, max_batch_rows=args.batch_rows, train_tokens=args.tokens, peak_lr=args.lr, log_every=args.log_every,
                                 checkpoint_every=1000, eval_documents=32, eval_max_rows=16, zero_stage=args.zero,
                                 inject_nan_at_steps=[int(v) for v in args.inject_nan.split(",") if v],
                                 compile=args.compile, **spec)
