@@ -141,7 +141,8 @@ for name in names:
             pass
     err = (logs / f"{name}.err").read_text().strip().splitlines() if (logs / f"{name}.err").exists() else []
     if not rows:
-        print(f"| {name} | failed: {err[-1][:120] if err else 'no output'} | | | | | |")
+        what = "skipped" if any("skipped" in e for e in err) else "failed"
+        print(f"| {name} | {what}: {err[-1][:120] if err else 'no output'} | | | | | |")
         continue
     first = next((r["step"] for r in rows if r["copy_accuracy"] >= 0.5), "none")
     last = rows[-1]

@@ -24,7 +24,7 @@ SITE=${SITE:-/tmp/site}
 ARCHIVE=${ARCHIVE:-.whl-dag/pack/site.tar.xz}
 OLD_TREE=${OLD_TREE:-.whl-dag/pack/tree-f091f71.tar.xz}
 PYTHON=${PYTHON:-python3}
-OUT=${OUT:-/tmp/step-speed-out}
+OUT=$(realpath -m "${OUT:-/tmp/step-speed-out}")  # absolute: the runs cd into each tree
 STEPS=${STEPS:-6}
 DEADLINE_S=${DEADLINE_S:-560}
 NGPU=${NGPU:-4}
@@ -39,7 +39,8 @@ if [ ! -d "$SITE" ]; then
 fi
 if [ ! -d "$OLD" ]; then
     [ -f "$OLD_TREE" ] || { echo "step_speed_gpu: no $OLD_TREE (the header says how to make it)" >&2; exit 2; }
-    mkdir -p "$OLD" && tar -C "$OLD" -xJf "$OLD_TREE" || { echo "step_speed_gpu: unpacking $OLD_TREE failed" >&2; exit 2; }
+    rm -rf "$OLD.part" && mkdir -p "$OLD.part" && tar -C "$OLD.part" -xJf "$OLD_TREE" && mv "$OLD.part" "$OLD" \
+        || { echo "step_speed_gpu: unpacking $OLD_TREE failed" >&2; exit 2; }
 fi
 NEW=$PWD
 if [ -z "${DRY_RUN:-}" ]; then

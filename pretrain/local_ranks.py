@@ -4,7 +4,9 @@ runs ``python -m pretrain.train --config C`` N times, each with ``RANK``/``LOCAL
 itself and hands the listening socket to rank 0 (``HYLIGHT_STORE_FD``), so two jobs started at once on one
 machine cannot be given the same port: with a port only looked up free and bound later, two concurrent
 sequence-parallel stages once drew the same one, and one job's rank joined the other's store (one failed, the
-other trained on with a stranger's rank: issue 34's CPU rehearsal of dags/lasp-gpu.yaml).
+other trained on with a stranger's rank: issue 34's CPU rehearsal of dags/lasp-gpu.yaml). So rank 0 must serve
+the store on that socket (``pretrain.train.init_distributed`` does); a rank 0 that opens its own store on
+``MASTER_PORT`` finds the port taken.
 
 In place of ``torchrun --standalone``, whose agent opens two rendezvous stores listening on every interface: here
 rank 0 hosts the only store, on loopback (:func:`pretrain.train.init_distributed`), so a local run is not reachable

@@ -128,10 +128,11 @@ class LongContextParams(TrainingParams, LongContextPlan):
     warmup_frac: float = Field(0.1, ge=0, lt=1, description="Linear warm-up of each phase (fresh optimizer).")
     seed: int = Field(0, ge=0, description="Row order of every phase, QA facts and loader.")
     compile: bool = Field(False, description=(
-        "torch.compile the RMSNorms and MoE feed-forwards (on one GPU with CUDA graphs). Compiled phases failed "
-        "at their first backward until issue 34 (gradient accumulation and CUDA graphs); the stage's step at 4 "
-        "micro-batches of 8192 x 2 now trains compiled on an H200 (bench_pretrain_gpu.py --sections accum, "
-        "BENCHMARKS.md), but no long_context stage run has been measured compiled yet."))
+        "torch.compile the RMSNorms and MoE feed-forwards (CUDA graphs on GPUs without expert parallelism). "
+        "Compiled phases failed at their first backward until issue 34 (gradient accumulation and CUDA graphs); "
+        "pretrain's benchmark step at a long_context-like shape, 4 micro-batches of 8192 x 2, now trains compiled "
+        "on an H200 (bench_pretrain_gpu.py --sections accum, BENCHMARKS.md), but no long_context stage run has "
+        "been measured compiled yet."))
     retrieval_share: float = Field(0.0, ge=0, lt=1, description=(
         "Share of each phase's training rows made of retrieval-bearing samples of up to the phase length "
         "(pretrain/retrieval_rows.py), spread evenly through the phase; the phase's token budget stays the same."))

@@ -58,7 +58,7 @@ from pretrain.engine_config import EngineConfig
 from pretrain.events import emit
 from pretrain.export import export_checkpoint
 from pretrain.grad_guard import DivergenceError, GradGuard, install_spike_guard
-from pretrain.local_ranks import LOOPBACK, STORE_FD_ENV, free_loopback_port
+from pretrain.local_ranks import LOOPBACK, STORE_FD_ENV, free_loopback_port, listening_loopback_socket
 from pretrain.loss import install_loss
 from pretrain.packed_data import PackedRows, make_batch, make_loader, unigram_loss
 from pretrain.probe import RetrievalProbe
@@ -135,6 +135,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
         return dist.get_rank(), dist.get_world_size(), device
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": LOOPBACK}.items():
         os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ and os.environ["MASTER_ADDR"] == LOOPBACK:
+        # a lone process: its store's port bound here, not looked up and bound later (another job could take it)
+        sock = listening_loopback_socket()
+        os.environ["MASTER_PORT"], os.environ[STORE_FD_ENV] = str(sock.getsockname()[1]), str(sock.detach())
     os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if cuda:
@@ -158,16 +162,21 @@ def _loopback_store(rank: int, world: int) -> Any:
     for their own listeners unless the user chose an interface. None for a cluster's address, or under torchrun,
     whose agent already serves the store (``TORCHELASTIC_USE_AGENT_STORE``)."""
     host = LOOPBACK_HOSTS.get(os.environ["MASTER_ADDR"])
+    inherited = os.environ.pop(STORE_FD_ENV, None)  # pretrain.local_ranks bound the port before any rank started
     if host is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if inherited is not None:  # not ours to serve: free the port for whoever serves the store
+            os.close(int(inherited))
         return None
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     port = int(os.environ["MASTER_PORT"])
     if rank != 0:
+        if inherited is not None:
+            os.close(int(inherited))
         return dist.TCPStore(host, port, world, is_master=False, timeout=default_pg_timeout)
-    inherited = os.environ.pop(STORE_FD_ENV, None)  # pretrain.local_ranks bound the port before any rank started
     if inherited is not None:
         listen_fd = int(inherited)
+        os.set_inheritable(listen_fd, False)  # a process this rank starts must not keep the store's port
     else:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a previous run's store left in TIME_WAIT
@@ -275,11 +284,14 @@ def compile_mode(cfg: EngineConfig, device: torch.device) -> str:
     return "reduce-overhead" if device.type == "cuda" and cfg.expert_parallel_size == 1 else "default"
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs
+
+
 def compile_layers(model: torch.nn.Module, mode: str | None = None) -> list[torch.nn.Parameter]:
     """torch.compile the RMSNorms and the MoE feed-forwards in place: it fuses the fp32 norm arithmetic and the
     routing/dispatch elementwise work. The attention layers stay eager (their Triton and FlexAttention kernels
     are compiled already, and the packed-document bookkeeping around them does not lower in inductor). Returns the
-    parameters whose gradients CUDA graphs write (the compiled modules' under "reduce-overhead", else none): the
+    parameters whose gradients CUDA graphs write (the compiled modules' in a CUDA-graph mode, else none): the
     trainer moves them out of the graphs' memory between micro-batches (``pretrain/trainer.release_graph_grads``)."""
     from model.modeling import RMSNorm  # heavy: transformers
     from pretrain.moe import DeepSpeedMoEFeedForward  # heavy: deepspeed, transformers
@@ -289,7 +301,7 @@ def compile_layers(model: torch.nn.Module, mode: str | None = None) -> list[torc
         if isinstance(module, RMSNorm | DeepSpeedMoEFeedForward):
             module.compile(dynamic=False, mode=mode)
             params |= {id(p): p for p in module.parameters() if p.requires_grad}
-    return list(params.values()) if mode == "reduce-overhead" else []
+    return list(params.values()) if mode in CUDA_GRAPH_MODES else []
 
 
 def install_foreach_grad_norm(optimizer: Any) -> None:

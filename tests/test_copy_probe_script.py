@@ -39,7 +39,7 @@ def test_the_copy_probe_queue_runs_every_variant_once_and_skips_past_the_deadlin
     assert r.stdout.count("300m-v32k-tied on device 0") == 1 and r.stdout.count("toy-v256 on device 0") == 1
     r = _run(tmp_path / "late", "toy-v256", DEADLINE_S="10")  # under 30 s left at the start: skipped, said so
     assert r.returncode == 0 and "toy-v256 skipped: the 10 s deadline" in r.stdout
-    assert "failed: copy_probe_gpu: toy-v256 skipped" in (tmp_path / "late" / "summary.md").read_text()
+    assert "| toy-v256 | skipped: copy_probe_gpu: toy-v256 skipped" in (tmp_path / "late" / "summary.md").read_text()
 
 
 def test_the_copy_probe_refuses_an_unknown_variant_before_running_anything(tmp_path: Path) -> None:

@@ -389,22 +389,23 @@ def test_a_chunked_prefill_fills_the_cache_and_gives_the_logits_of_the_whole_pre
 
 def test_generate_prefills_one_long_prompt_in_pieces_with_the_tokens_of_one_whole_prefill(monkeypatch):
     """A call of one prompt longer than PREFILL_CHUNK goes through the pieces (counted), and greedy decoding after
-    it gives transformers' loop's tokens; a call of two prompts still packs them in one prefill."""
+    it gives transformers' loop's tokens, a last piece of one token included (33 = 16 + 16 + 1: a one-token piece
+    goes through the decode step's stacked projections); a call of two prompts still packs them in one prefill."""
     import model.generation as generation
 
     model = _model("hybrid")
-    ids, mask = _left_padded([45], seed=9)
+    ids, mask = _left_padded([33], seed=9)
     monkeypatch.setattr(generation, "PREFILL_CHUNK", 16)
     calls = []
     real = generation.DecodeEngine._prefill_pieces
     monkeypatch.setattr(generation.DecodeEngine, "_prefill_pieces",
                         lambda self, prompt, chunk: calls.append((prompt.numel(), chunk)) or real(self, prompt, chunk))
     fast, slow = _both(model, ids, mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=None)
-    assert calls == [(45, 16)]
+    assert calls == [(33, 16)]
     assert torch.equal(fast, slow)
-    ids2, mask2 = _left_padded([45, 20], seed=9)
+    ids2, mask2 = _left_padded([33, 20], seed=9)
     fast2, slow2 = _both(model, ids2, mask2, max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None)
-    assert calls == [(45, 16)] and torch.equal(fast2, slow2)
+    assert calls == [(33, 16)] and torch.equal(fast2, slow2)
 
 
 def test_a_chunk_outside_the_prompt_or_of_several_prompts_is_refused():

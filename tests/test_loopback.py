@@ -112,11 +112,12 @@ SUM_RANK = textwrap.dedent("""
 """)
 
 
-def test_two_jobs_launched_at_once_never_share_a_store_even_when_handed_the_same_free_port(tmp_path: Path) -> None:
-    """Two 2-rank jobs started at once on one machine, each all-reducing its own value. Their launchers are made to
-    look up the same 'free' port (as the kernel can hand one out twice: two concurrent sequence-parallel stages of
-    the lasp-gpu rehearsal drew the same one, one failed and the other trained with the stranger's rank). The
-    launcher binds its own port and gives the listening socket to rank 0, so each job keeps its own store."""
+def test_two_jobs_started_at_once_keep_their_own_stores_even_if_a_port_lookup_repeats(tmp_path: Path) -> None:
+    """Two 2-rank jobs started at once on one machine, each all-reducing its own value, with the port lookup
+    (``free_loopback_port``) made to give both the same port, as the kernel can: two concurrent sequence-parallel
+    stages of the lasp-gpu rehearsal drew one port, and one failed while the other trained with the stranger's rank.
+    The launcher no longer looks a port up: it binds one and gives the listening socket to rank 0, so each job
+    keeps its own store (with the lookup, as before, this test fails)."""
     import socket
 
     rank = tmp_path / "sum_rank.py"
