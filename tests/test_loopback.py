@@ -125,8 +125,8 @@ def test_two_jobs_started_at_once_keep_their_own_stores_even_if_a_port_lookup_re
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = ("import sys; import pretrain.local_ranks as lr; lr.free_loopback_port = lambda: {port}; "
-                "sys.exit(lr.main(sys.argv[1:]))").format(port=port)
+    launcher = (f"import sys; import pretrain.local_ranks as lr; lr.free_loopback_port = lambda: {port}; "
+                "sys.exit(lr.main(sys.argv[1:]))")
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     jobs = [subprocess.Popen([sys.executable, "-c", launcher, "2", str(rank), value], cwd=tmp_path, env=env,
