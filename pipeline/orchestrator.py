@@ -44,9 +44,6 @@ TAG_ROOT = "hylight.artifact_root"
 TAG_CACHE_REJECTED = "hylight.cache_rejected"  # why the cached artifact of this stage's key was not reused
 
 
-WAITS_FOR = "waits for "  # a pending stage's reason while a stage of its cache key runs (Orchestrator._schedule)
-
-
 def stage_cache_key(st: ResolvedStage, upstream: dict[str, Artifact]) -> tuple[str, dict[str, Any]]:
     """A stage's cache key and its material, from the artifacts of the stages it needs (by name). Raises what
     the kind's ``fingerprint`` raises (e.g. an external input file that does not exist)."""
@@ -536,8 +533,8 @@ class Orchestrator:
                 continue
             if not all(n in artifacts for n in st.needs):
                 continue
-            if res.reason.startswith(WAITS_FOR) and res.reason[len(WAITS_FOR):] in {n for n, _, _ in running.values()}:
-                continue  # its twin is still running (below): no need to hash the inputs again
+            if res.reason.removeprefix("waits for ") in {n for n, _, _ in running.values()}:
+                continue  # a stage of its cache key still runs (below): no need to hash the inputs again
             try:
                 key, material = stage_cache_key(st, artifacts)
             except Exception as e:  # noqa: BLE001 (a fingerprint failed, e.g. an input file that does not exist)
@@ -553,7 +550,7 @@ class Orchestrator:
                 continue
             twin = next((n for n, _, _ in running.values() if results[n].cache_key == key), None)
             if twin is not None:  # the same kind, params and inputs is running: its artifact will serve this one
-                res.reason = WAITS_FOR + twin
+                res.reason = f"waits for {twin}"
                 say(f"· {name} waits for {twin}: the same kind, params and inputs (one cache key), so one resume "
                     "directory; then it reads that stage's artifact, or runs itself if that stage failed")
                 continue
