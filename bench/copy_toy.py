@@ -141,9 +141,10 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
                          num_attention_heads=max(2, args.d // 32), head_dim=32,
                          num_key_value_heads=max(1, args.d // 64), max_position_embeddings=max(L, 256), **extra)
     model = HybridForCausalLM(cfg)
-    if args.head_init == "embed" and not args.tied:
-        with torch.no_grad():
-            model.lm_head.weight.copy_(model.get_input_embeddings().weight)
+    if args.head_init == "embed" and not args.tied:  # what the pretrain stage's head_init: embedding runs
+        from pretrain.train import init_head_from_embedding
+
+        init_head_from_embedding(model)
     return model.to(torch.device(args.device))
 
 

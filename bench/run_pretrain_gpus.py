@@ -91,7 +91,8 @@ def main() -> int:
         ctx = StageContext(work / name / "out", inputs, stage_name=name, resume_dir=work / name / "resume",
                            resources=Resources(cpus=8 * gpus, gpus=gpus))
         params = PretrainParams(size=args.size, seq_len=args.seq_len, micro_batch_rows=args.micro_rows,
-                                batch_rows=args.batch_rows, max_batch_rows=args.batch_rows, train_tokens=args.tokens, peak_lr=args.lr, log_every=args.log_every,
+                                batch_rows=args.batch_rows, max_batch_rows=args.batch_rows, train_tokens=args.tokens,
+                                peak_lr=args.lr, log_every=args.log_every,
                                 checkpoint_every=1000, eval_documents=32, eval_max_rows=16, zero_stage=args.zero,
                                 inject_nan_at_steps=[int(v) for v in args.inject_nan.split(",") if v],
                                 compile=args.compile, **spec)

@@ -42,11 +42,19 @@ from model.cache import StaticHybridCache
 CHECK_EVERY = 8  # decode steps between host reads of "every row finished"
 CAPACITY_ROUND = 256  # cache capacity (prompt + new tokens) is rounded up to this, so calls can share a graph
 ENGINES_KEPT = 2  # decode engines (cache + graph) kept per model, most recently used first
-# A prompt longer than this, alone in its call, is prefilled in pieces of this many tokens (HYLIGHT_PREFILL_CHUNK;
-# 0: never): each piece continues the lightning states and attends to the keys cached so far, so the prefill's
-# activations are those of one piece, not of the whole prompt (issue 34: one 1M-token prefill of gpu-300m peaked at
-# 70 GiB for 2 GiB of caches).
-PREFILL_CHUNK = int(os.environ.get("HYLIGHT_PREFILL_CHUNK", "65536"))
+
+
+def _prefill_chunk(raw: str) -> int:
+    """``HYLIGHT_PREFILL_CHUNK`` as a number of tokens (0: a prompt is always prefilled in one piece)."""
+    if not raw.isdigit():
+        raise ValueError(f"HYLIGHT_PREFILL_CHUNK={raw!r}: expected a whole number of tokens (0: one piece)")
+    return int(raw)
+
+
+# A prompt longer than this, alone in its call, is prefilled in pieces of this many tokens: each piece continues the
+# lightning states and attends to the keys cached so far, so the prefill's activations are one piece's, not the
+# whole prompt's (issue 34; a 1M-token gpu-300m prefill on an H200 peaked at 10.2 GiB in pieces, 70.4 GiB in one).
+PREFILL_CHUNK = _prefill_chunk(os.environ.get("HYLIGHT_PREFILL_CHUNK", "65536"))
 # What a generation config may set (beyond transformers' defaults) for this path to serve the call; anything else
 # (beams, penalties, processors, streamers, returned scores ...) goes to transformers' own loop.
 SERVED = frozenset({

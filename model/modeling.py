@@ -407,12 +407,11 @@ class SoftmaxAttention(nn.Module):
                     "packed documents (cu_seqlens, restarting position_ids) cannot use a KV cache"
                 )
             flat = [t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q, k, v)]
-            # a generation prefill packs a different number of tokens each call: the SDPA loop (one flash call per
-            # prompt) needs no compilation per shape, as the compiled Flex path would
             if static and cache.prefill_start:  # a later piece of a chunked prefill: the earlier pieces' keys too
                 cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])
-                o = _continued_prefill_attention(q, *cache.prefill_keys(self.layer_idx, cache.prefill_start + T))
-                return o
+                return _continued_prefill_attention(q, *cache.prefill_keys(self.layer_idx, cache.prefill_start + T))
+            # a generation prefill packs a different number of tokens each call: the SDPA loop (one flash call per
+            # prompt) needs no compilation per shape, as the compiled Flex path would
             if static:  # packed prefill of a generation cache: each prompt's keys/values into its rows
                 o = document_causal_attention(*flat, layout.cu_seqlens, enable_gqa=gqa, impl="sdpa_loop")
                 cache.store_prefill_kv(self.layer_idx, flat[1], flat[2])

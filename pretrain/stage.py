@@ -66,8 +66,9 @@ class PretrainParams(TrainingParams, RunShape):
         "of token ids drawn from the vocabulary as copy_draw says, a marker, the span again; the loss on the "
         "repeat), each read once; 1: nothing else in that window; 0: none. Our departure from the report (issue "
         "33). On 4 x H200 this task alone made gpu-300m copy 32,768 uniform ids after 450-600 steps of 16K tokens "
-        "(150-350 with head_init: embedding; the first step at copy accuracy >= 0.5); on an H100 it had not started by step 750, and the recipe's 700 steps "
-        "of copy rows and 671 steps of 60% copy rows mixed with text left the copy loss at ln V (BENCHMARKS.md)."))
+        "(150-350 with head_init: embedding; the first step at copy accuracy >= 0.5); on an H100 it had not "
+        "started by step 750, and the recipe's 700 steps of copy rows and 671 steps of 60% copy rows mixed with "
+        "text left the copy loss at ln V (BENCHMARKS.md)."))
     copy_until_tokens: int = Field(0, ge=0, description=(
         "Training tokens (rows read x seq_len, from the start) over which the copy rows are spread; after them "
         "the run reads only the mixture's rows and the retrieval rows."))

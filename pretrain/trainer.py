@@ -117,7 +117,7 @@ def eager_layers(model: torch.nn.Module) -> Iterator[None]:
 
 def release_graph_grads(params: Sequence[torch.nn.Parameter]) -> None:
     """Copy the gradients a CUDA-graph backward wrote out of the graphs' memory pool, between the micro-batches of a
-    step. Under ``compile_layers``' "reduce-overhead" mode the compiled modules' backward graphs return their
+    step. Under a CUDA-graph mode of ``compile_layers`` the compiled modules' backward graphs return their
     parameters' gradients in CUDA-graph memory, and autograd installs that tensor as ``.grad``. The next
     micro-batch's forward starts a new graph generation, which reuses the memory; accumulating into the old
     ``.grad`` then fails with "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"

@@ -417,3 +417,12 @@ def test_a_chunk_outside_the_prompt_or_of_several_prompts_is_refused():
     cache.begin_prefill([10])
     with pytest.raises(ValueError, match="outside the prompt's 10 tokens"):
         cache.begin_prefill_chunk(8, 4)
+
+
+def test_a_bad_prefill_chunk_setting_is_refused_with_its_name():
+    from model.generation import _prefill_chunk
+
+    assert _prefill_chunk("0") == 0 and _prefill_chunk("65536") == 65536
+    for bad in ("64k", "-1", ""):
+        with pytest.raises(ValueError, match="HYLIGHT_PREFILL_CHUNK"):
+            _prefill_chunk(bad)
