@@ -24,6 +24,21 @@
 #   300m-v256           gpu-300m on the probe's rows (32 x (256 + 256)), 256 ids
 #   300m-v32k-fp32      32,768 ids without bf16 autocast
 #
+# Spans of varying length (--span-min; issue 33, 2026-11-27): every variant above copies spans of one length, which
+# a model can do by attending a fixed distance back. The recipe's copy rows (spans of 32-256, each sample its own
+# document) can only be copied by an induction head (find the current id earlier, take the one after it), and on
+# the CPU a model that copied fixed spans perfectly was worse than chance on varying ones (BENCHMARKS.md). These
+# variants measure when gpu-300m learns that, each pair its own document as in the recipe (--packed), 1,500 steps:
+#
+#   var-v32k            spans of 32-256 ids, 32,768 ids, the model's own (Xavier) head
+#   var-v32k-embed      the same with the head started as the embedding
+#   var-v32k-fixed      the first 300 steps' spans all 256 (fixed-distance copying first), then 32-256
+#   var-v8k             8,192 ids
+#   var-v32k-softmax    all 16 layers softmax
+#   var-v32k-short      spans of 8-64 ids (shorter, more pairs a row)
+#   var-v32k-lr1e-3     peak LR 1e-3
+#   toy-v4k-var         the CPU toy (d 128, 8 layers), 4,096 ids, spans of 16-48
+#
 #   bash bench/copy_probe_gpu.sh     # carry .whl-dag/pack; summary.md and the logs (copy-probe-logs.tar.gz) in $OUT
 #   VARIANTS="toy-v256 300m-v8k" bash bench/copy_probe_gpu.sh
 #
@@ -49,6 +64,7 @@ START=$SECONDS
 LOGS=$OUT/logs  # archived into $OUT/copy-probe-logs.tar.gz at the end
 mkdir -p "$OUT" "$LOGS"
 PROBE="--size gpu-300m --span 256 --seq-len 513 --rows 32 --lr 5e-4"
+VAR="$PROBE --span-min 32 --packed --steps 1500"
 declare -A ARGS=(
     [300m-v32k-long]="$PROBE --vocab 32768 --steps 1500"
     [300m-v8k]="$PROBE --vocab 8192 --steps 800"
@@ -61,8 +77,17 @@ declare -A ARGS=(
     [toy-v256]="--vocab 256 --steps 400"
     [300m-v256]="$PROBE --vocab 256 --steps 800"
     [300m-v32k-fp32]="$PROBE --vocab 32768 --steps 800 --fp32"
+    [var-v32k]="$VAR --vocab 32768"
+    [var-v32k-embed]="$VAR --vocab 32768 --head-init embed"
+    [var-v32k-fixed]="$VAR --vocab 32768 --fixed-steps 300"
+    [var-v8k]="$VAR --vocab 8192"
+    [var-v32k-softmax]="$VAR --vocab 32768 --pattern all-softmax"
+    [var-v32k-short]="--size gpu-300m --span 64 --span-min 8 --seq-len 513 --rows 32 --lr 5e-4 --packed --steps 1500 --vocab 32768"
+    [var-v32k-lr1e-3]="--size gpu-300m --span 256 --span-min 32 --seq-len 513 --rows 32 --lr 1e-3 --packed --steps 1500 --vocab 32768"
+    [toy-v4k-var]="--vocab 4096 --span 48 --span-min 16 --seq-len 256 --rows 8 --packed --steps 1500"
 )
-ORDER=(300m-v32k-long 300m-v32k-tied 300m-v32k-headinit 300m-v8k 300m-v32k-softmax 300m-v32k-small 300m-v32k-dropless
+ORDER=(var-v32k var-v32k-embed var-v32k-fixed var-v8k var-v32k-softmax var-v32k-short var-v32k-lr1e-3 toy-v4k-var
+       300m-v32k-long 300m-v32k-tied 300m-v32k-headinit 300m-v8k 300m-v32k-softmax 300m-v32k-small 300m-v32k-dropless
        300m-v32k-zipf toy-v256 300m-v256 300m-v32k-fp32)
 read -ra WANT <<<"${VARIANTS:-${ORDER[*]}}"
 for v in "${WANT[@]}"; do

@@ -53,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--small", type=int, default=0)
     ap.add_argument("--small-steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--span-min", type=int, default=0, help=(
+        "draw each pair's span uniformly from [span-min, span] instead of always --span (0: fixed). A fixed span "
+        "can be copied by attending a fixed distance back (position alone); spans of varying length, each pair "
+        "its own document under --packed, can only be copied by finding the current id earlier in the span and "
+        "taking the one after it (an induction head), which is what the recipe's copy rows and retrieval need. "
+        "The accuracy check draws its spans the same way"))
+    ap.add_argument("--fixed-steps", type=int, default=0, help=(
+        "with --span-min: the first S steps' spans are all --span (a curriculum: fixed-distance copying first)"))
     ap.add_argument("--text-share", type=float, default=0.0, help=(
         "share of each batch's rows that are i.i.d. Zipf tokens with the loss on every token (a stand-in for text: "
         "learnable as a unigram, no copying), as the recipe's copy curriculum mixes copy rows with text"))
@@ -86,12 +94,19 @@ class CopyRows:
         zipf = 1.0 / np.arange(1, self.V - RESERVED + 1)
         self.zipf = zipf / zipf.sum()
 
-    def draw(self, step: int | None) -> np.ndarray:
+    def span_of(self, step: int | None) -> int:
+        """This pair's span: --span, or uniform in [--span-min, --span] (after --fixed-steps)."""
+        args = self.args
+        if not args.span_min or (step is not None and step <= args.fixed_steps):
+            return self.span
+        return int(self.rng.integers(args.span_min, self.span + 1))
+
+    def draw(self, step: int | None, span: int) -> np.ndarray:
         args, V = self.args, self.V
         if args.zipf:
-            return RESERVED + self.rng.choice(V - RESERVED, size=self.span, p=self.zipf)
+            return RESERVED + self.rng.choice(V - RESERVED, size=span, p=self.zipf)
         hi = args.small if args.small and step is not None and step <= args.small_steps else V
-        return self.rng.integers(RESERVED, hi, size=self.span)
+        return self.rng.integers(RESERVED, hi, size=span)
 
     def batch(self, n: int, step: int | None, text_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         L, span, V = self.L, self.span, self.V
@@ -100,22 +115,27 @@ class CopyRows:
         for b in range(n - text_rows, n):  # the text stand-in: Zipf tokens, every one a target
             ids[b, 1:] = RESERVED + self.rng.choice(V - RESERVED, size=L - 1, p=self.zipf)
             labels[b, 2:] = ids[b, 2:]
+        self.cuts = [[1] for _ in range(n)]  # per row: where each span pair starts a document (packed())
         for b in range(n - text_rows):
             p = 1
-            while p + 2 * span <= L:
-                r = self.draw(step)
+            while True:
+                span = self.span_of(step)
+                if p + 2 * span > L:
+                    break
+                r = self.draw(step, span)
                 ids[b, p:p + span] = ids[b, p + span:p + 2 * span] = r
                 labels[b, p + span + 1:p + 2 * span] = r[1:]  # the repeat after its first token
                 p += 2 * span
+                self.cuts[b].append(p)
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
     def packed(self, n: int) -> dict[str, torch.Tensor]:
-        """``n`` rows as one sequence of documents: each row's first token, each span pair, the row's tail."""
-        L, span = self.L, self.span
+        """The last :meth:`batch`'s ``n`` rows as one sequence of documents: each row's first token, each span
+        pair, the row's tail."""
+        L = self.L
         bounds, positions = [0], []
         for b in range(n):
-            cuts = [1, *range(1 + 2 * span, L + 1, 2 * span)]
-            cuts = [c for c in cuts if c <= L] + ([L] if cuts[-1] != L else [])
+            cuts = self.cuts[b] + ([L] if self.cuts[b][-1] != L else [])
             start = 0
             for c in cuts:
                 if c > start:

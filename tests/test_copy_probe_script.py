@@ -34,9 +34,13 @@ def test_the_copy_probe_runs_its_variants_and_writes_the_summary(tmp_path: Path)
 
 def test_the_copy_probe_queue_runs_every_variant_once_and_skips_past_the_deadline(tmp_path: Path) -> None:
     # a tied variant at the tiny size and the toy on one CPU device, one after another from the queue
-    r = _run(tmp_path, "300m-v32k-tied toy-v256", MORE_ARGS="--steps 2 --rows 2 --size tiny --seq-len 65 --span 32")
+    # (and a varying-span variant: its --span-min 32 with this --span 32 and --packed)
+    r = _run(tmp_path, "300m-v32k-tied var-v32k toy-v256",
+             MORE_ARGS="--steps 2 --rows 2 --size tiny --seq-len 65 --span 32")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("300m-v32k-tied on device 0") == 1 and r.stdout.count("toy-v256 on device 0") == 1
+    for v in ("300m-v32k-tied", "var-v32k", "toy-v256"):
+        assert r.stdout.count(f"{v} on device 0") == 1
+        assert f"{v} ended (rc 0)" in r.stdout
     r = _run(tmp_path / "late", "toy-v256", DEADLINE_S="10")  # under 30 s left at the start: skipped, said so
     assert r.returncode == 0 and "toy-v256 skipped: the 10 s deadline" in r.stdout
     assert "| toy-v256 | skipped: copy_probe_gpu: toy-v256 skipped" in (tmp_path / "late" / "summary.md").read_text()

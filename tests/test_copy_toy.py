@@ -1,0 +1,66 @@
+"""bench/copy_toy.py's rows (issue 33): spans of varying length, each pair its own document, so that copying needs an
+induction head and not a fixed look-back."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import copy_toy  # noqa: E402
+
+
+def _pairs(ids: np.ndarray, labels: np.ndarray, cuts: list[int]) -> list[int]:
+    """Check every span pair of one row; return their spans."""
+    spans = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        span = (b - a) // 2
+        assert b - a == 2 * span
+        assert (ids[a:a + span] == ids[a + span:b]).all()  # the repeat is the span
+        assert (labels[a + span + 1:b] == ids[a + span + 1:b]).all()  # targets: the repeat after its first id
+        assert (labels[a:a + span + 1] == -100).all()
+        spans.append(span)
+    return spans
+
+
+def test_varying_spans_are_pairs_each_its_own_document() -> None:
+    args = copy_toy.parse_args(["--vocab", "64", "--span", "24", "--span-min", "8", "--seq-len", "200", "--packed"])
+    data = copy_toy.CopyRows(args)
+    x, y = data.batch(6, step=1)
+    packed = data.packed(6)
+    cu = packed["cu_seqlens"].tolist()
+    pos = packed["position_ids"][0].numpy()
+    spans = []
+    for b in range(6):
+        cuts = data.cuts[b]
+        spans += _pairs(x[b].numpy(), y[b].numpy(), cuts)
+        assert 200 - cuts[-1] < 2 * 24  # the row ends when a drawn pair no longer fits
+        for c in cuts:  # every pair starts a document, its positions from 0
+            assert b * 200 + c in cu and pos[b * 200 + c] == 0
+    assert all(8 <= s <= 24 for s in spans) and len(set(spans)) > 3  # lengths vary: no fixed look-back copies them
+    assert (y[:, 1:][y[:, 1:] != -100] >= copy_toy.RESERVED).all()
+
+
+def test_fixed_steps_and_the_default_keep_one_span() -> None:
+    args = copy_toy.parse_args(["--vocab", "64", "--span", "16", "--span-min", "4", "--fixed-steps", "5",
+                                "--seq-len", "129"])
+    data = copy_toy.CopyRows(args)
+    x, y = data.batch(2, step=5)  # inside the fixed window
+    assert {s for b in range(2) for s in _pairs(x[b].numpy(), y[b].numpy(), data.cuts[b])} == {16}
+    x, y = data.batch(2, step=6)
+    assert len({s for b in range(2) for s in _pairs(x[b].numpy(), y[b].numpy(), data.cuts[b])}) > 1
+    fixed = copy_toy.CopyRows(copy_toy.parse_args(["--vocab", "64", "--span", "16", "--seq-len", "129"]))
+    x, y = fixed.batch(2, step=1)
+    assert fixed.cuts[0] == [1, 33, 65, 97, 129]
+    assert _pairs(x[0].numpy(), y[0].numpy(), fixed.cuts[0]) == [16] * 4
+
+
+@pytest.mark.parametrize("flags", [["--span-min", "8"], ["--span-min", "8", "--packed"]])
+def test_a_few_steps_train_on_varying_spans(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    copy_toy.main(["--vocab", "64", "--d", "32", "--layers", "2", "--span", "16", "--seq-len", "65", "--rows", "2",
+                   "--steps", "2", *flags])
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert '"step": 2' in out and '"ln_v": 4.09' in out  # ln(64 - 4 reserved ids)
