@@ -80,8 +80,9 @@ class RunShape(BaseModel):
         "How a model trained from scratch starts its output head (untied, as released): xavier (drawn on its own, "
         "§4.1) or embedding (a copy of the input embedding, so each id's embedding scores its own id highest from "
         "the first step; the head still trains on its own). Our departure from the report where a DAG sets it "
-        "(issue 33): on 4 x H200, gpu-300m first passed 0.5 copy accuracy at 32,768 ids after 150-350 steps with "
-        "it and 450-600 without (BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
+        "(issue 33). On 4 x H200, gpu-300m first passed 0.5 copy accuracy at 32,768 ids after 150-350 steps with "
+        "it and 450-600 without, on spans of one length (a fixed look-back copies them); on spans of varying "
+        "length nothing is measured yet (BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description=(
         "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))

@@ -65,10 +65,10 @@ class PretrainParams(TrainingParams, RunShape):
         "Copy curriculum: share of the rows read in the first copy_until_tokens that are pure copy rows (a span "
         "of token ids drawn from the vocabulary as copy_draw says, a marker, the span again; the loss on the "
         "repeat), each read once; 1: nothing else in that window; 0: none. Our departure from the report (issue "
-        "33). On 4 x H200 this task alone made gpu-300m copy 32,768 uniform ids after 450-600 steps of 16K tokens "
-        "(150-350 with head_init: embedding; the first step at copy accuracy >= 0.5); on an H100 it had not "
-        "started by step 750, and the recipe's 700 steps of copy rows and 671 steps of 60% copy rows mixed with "
-        "text left the copy loss at ln V (BENCHMARKS.md)."))
+        "33). Not yet shown to teach copying at gpu-300m: 700 steps of these rows alone (two runs) and 671 steps "
+        "of 60% copy rows mixed with text left the copy loss at ln V. Their spans vary in length, so only an "
+        "induction head copies them; the copy probe that gpu-300m learns in 150-600 steps has spans of one length, "
+        "which a fixed look-back copies (BENCHMARKS.md)."))
     copy_until_tokens: int = Field(0, ge=0, description=(
         "Training tokens (rows read x seq_len, from the start) over which the copy rows are spread; after them "
         "the run reads only the mixture's rows and the retrieval rows."))
@@ -79,7 +79,7 @@ class PretrainParams(TrainingParams, RunShape):
         "(as often as the training text uses each; ids it never uses are never drawn). On the CPU a toy model "
         "copied Zipf-drawn ids from 4,096 after ~150-400 steps and uniform ones not in 200; but on 4 x H200 "
         "gpu-300m learnt only the unigram guess from Zipf-drawn ids of 32,768 in 800 steps (copy accuracy 0.09) "
-        "where it copied uniform ones after 450-600 (BENCHMARKS.md)."))
+        "where it copied uniform ones after 450-600 (spans of one length, BENCHMARKS.md)."))
 
     @model_validator(mode="after")
     def _attention_pattern(self) -> PretrainParams:

@@ -64,3 +64,24 @@ def test_a_few_steps_train_on_varying_spans(flags: list[str], capsys: pytest.Cap
                    "--steps", "2", *flags])
     out = capsys.readouterr().out.strip().splitlines()[-1]
     assert '"step": 2' in out and '"ln_v": 4.09' in out  # ln(64 - 4 reserved ids)
+
+
+def test_copy_rows_cpu_builds_the_stage_layout_with_varying_spans() -> None:
+    import copy_rows_cpu
+
+    rows = copy_rows_cpu.Rows(copy_rows_cpu.parse_args([]))  # the stage's layout: BOS, R, 5-id marker, R, EOS
+    b = rows.batch()
+    ids, labels = b["input_ids"][0].numpy(), b["labels"][0].numpy()
+    cu = b["cu_seqlens"].tolist()
+    assert cu[-1] == copy_rows_cpu.ROWS * 256 and all(p == 0 for p in b["position_ids"][0].numpy()[cu[:-1]])
+    spans = set()
+    for a, e in zip(cu[:-1], cu[1:], strict=True):
+        doc, lab = ids[a:e], labels[a:e]
+        assert doc[0] == 0 and doc[-1] == 1  # BOS ... EOS
+        m = int(np.flatnonzero(doc == 4)[0])  # the marker 4..8
+        assert (doc[m:m + 5] == np.arange(4, 9)).all()
+        r2 = doc[m + 5:-1]
+        assert (doc[m - r2.size:m] == r2).all()  # the repeat is the span before the marker
+        assert (lab[m + 5:] == doc[m + 5:]).all() and (lab[:m + 5] == -100).all()  # targets: repeat and EOS
+        spans.add(r2.size)
+    assert min(spans) >= 16 and len(spans) > 3

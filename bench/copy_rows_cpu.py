@@ -1,0 +1,140 @@
+"""Which part of the pretrain stage's copy rows slows copying? (CPU, minutes a run; issue 33, 2026-11-27)
+
+Trains ``bench/copy_toy.py``'s toy hybrid (d 128, 8 layers, head started as the embedding, AdamW 1e-3 after 20
+warm-up steps, clip 1.0) on 8 rows of ``--L`` tokens a step, each row packed with copy samples, each sample its own
+document (``cu_seqlens``, positions from 0), in the layout of ``data/retrieval.copy_sample``:
+``[BOS] x R MARK R [EOS]`` (``R``: ``--lo``..``--hi`` ids drawn uniformly; ``x``: fillers where the length needs them;
+the last sample of a row takes what is left of it). Each flag takes one part of that layout away:
+
+    python bench/copy_rows_cpu.py                                              # the stage's rows: BOS, 5-id marker, EOS
+    python bench/copy_rows_cpu.py --lo 32 --hi 32 --mark 0 --bos 0 --eos 0 --first 0   # the copy probe's pairs
+    python bench/copy_rows_cpu.py --lo 32 --hi 32 --mark 0 --bos 0 --first 0 --L 260   # ... with an EOS
+    python bench/copy_rows_cpu.py --lo 16 --hi 48 --mark 0 --bos 0 --eos 0 --first 0   # ... spans of 16-48
+    python bench/copy_rows_cpu.py --lo 32 --hi 32 --mark 0 --bos 0 --eos 0 --first 0 --steps 400 \
+        --eval-lo 16 --eval-hi 48                                              # fixed spans, scored on varying ones
+
+``--first 0`` leaves the repeat's first id out of the loss (no model can predict it), as copy_toy does. Every 25
+steps one JSON line: the training loss on the batch and, with ``--eval-hi``, the loss on a fresh batch whose spans
+are drawn from ``--eval-lo``..``--eval-hi``. ln V is 8.32 at the default 4,096 ids. BENCHMARKS.md ("The whole spec
+in one lease") has the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import copy_toy  # noqa: E402
+
+ROWS = 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lo", type=int, default=16, help="shortest span")
+    ap.add_argument("--hi", type=int, default=48, help="longest span")
+    ap.add_argument("--mark", type=int, default=5, help="marker ids between the span and its repeat (0: none)")
+    ap.add_argument("--bos", type=int, default=1, help="1: each sample starts with BOS")
+    ap.add_argument("--eos", type=int, default=1, help="1: each sample ends with EOS, a target")
+    ap.add_argument("--first", type=int, default=1, help="1: the repeat's first id is a target (the stage's rows)")
+    ap.add_argument("--L", type=int, default=256, help="row length")
+    ap.add_argument("--eval-lo", type=int, default=0)
+    ap.add_argument("--eval-hi", type=int, default=0, help="also score spans of eval-lo..eval-hi every 25 steps")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+class Rows:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a, self.lo, self.hi = a, a.lo, a.hi
+        self.rng = np.random.default_rng(a.seed)
+        self.pool = np.arange(8, a.vocab)
+        self.mark = np.arange(4, 4 + a.mark) if a.mark else np.zeros(0, np.int64)
+
+    def sample(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sample of ``n`` tokens and its no-loss mask."""
+        a, rng, pool = self.a, self.rng, self.pool
+        lead = [0] if a.bos else []
+        span = (n - len(lead) - self.mark.size - a.eos) // 2
+        r = pool[rng.integers(pool.size, size=span)]
+        x = pool[rng.integers(pool.size, size=n - len(lead) - self.mark.size - a.eos - 2 * span)]
+        t = np.concatenate([lead, x, r, self.mark, r, [1] * a.eos]).astype(np.int64)
+        no_loss = np.ones(n, bool)
+        no_loss[len(t) - a.eos - span + (0 if a.first else 1):] = False
+        return t, no_loss
+
+    def row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a, L = self.a, self.a.L
+        pieces, masks, starts, space = [], [], [0], L
+        extra = (1 if a.bos else 0) + a.eos + self.mark.size
+        while space:
+            n = min(2 * int(self.rng.integers(self.lo, self.hi + 1)) + extra, space)
+            if space - n < 2 * self.lo + extra:
+                n = space  # the last sample takes the rest of the row
+            t, no_loss = self.sample(n)
+            pieces.append(t)
+            masks.append(no_loss)
+            space -= n
+            if space:
+                starts.append(L - space)
+        return np.concatenate(pieces), np.asarray(starts + [L]), np.concatenate(masks)
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        """ROWS rows as one packed sequence (the stage's make_batch layout)."""
+        L = self.a.L
+        ids, labels, pos, cu = [], [], [], []
+        for b in range(ROWS):
+            t, st, no_loss = self.row()
+            keep = ~no_loss
+            keep[st[:-1]] = False
+            ids.append(t)
+            labels.append(np.where(keep, t, -100))
+            pos.append(np.arange(L) - np.repeat(st[:-1], np.diff(st)))
+            cu.append(st[:-1] + b * L)
+        cu.append([ROWS * L])
+        return {"input_ids": torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
+                "labels": torch.from_numpy(np.concatenate(labels).astype(np.int64))[None],
+                "position_ids": torch.from_numpy(np.concatenate(pos))[None],
+                "cu_seqlens": torch.from_numpy(np.concatenate(cu).astype(np.int32))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    torch.manual_seed(a.seed)
+    model = copy_toy.build_model(copy_toy.parse_args(["--vocab", str(a.vocab), "--seq-len", str(a.L),
+                                                      "--head-init", "embed"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    rows = Rows(a)
+    t0 = time.time()
+    for step in range(1, a.steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = 1e-3 * min(1.0, step / 20)
+        loss = model(**rows.batch()).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == a.steps:
+            rec = {"step": step, "loss": round(float(loss.detach()), 3), "s": round(time.time() - t0)}
+            if a.eval_hi:
+                rows.lo, rows.hi = a.eval_lo, a.eval_hi
+                with torch.no_grad():
+                    model.eval()
+                    rec["eval_loss"] = round(float(model(**rows.batch()).loss), 3)
+                    model.train()
+                rows.lo, rows.hi = a.lo, a.hi
+            print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
