@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "its own document under --packed, can only be copied by finding the current id earlier in the span and "
         "taking the one after it (an induction head), which is what the recipe's copy rows and retrieval need. "
         "The accuracy check draws its spans the same way"))
+    ap.add_argument("--eval-span", type=int, nargs=2, metavar=("MIN", "MAX"), default=None, help=(
+        "also report the accuracy on spans drawn from [MIN, MAX] (eval_copy_accuracy): does what was learnt on "
+        "the training spans carry over to others?"))
     ap.add_argument("--fixed-steps", type=int, default=0, help=(
         "with --span-min: the first S steps' spans are all --span (a curriculum: fixed-distance copying first)"))
     ap.add_argument("--text-share", type=float, default=0.0, help=(
@@ -177,16 +180,27 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = CopyRows(args)
 
-    def forward(x: torch.Tensor, y: torch.Tensor | None = None):
+    def forward(x: torch.Tensor, y: torch.Tensor | None = None, rows: CopyRows = data):
         n = x.shape[0]
         x, y = x.to(device), None if y is None else y.to(device)
         with autocast:
             if not args.packed:
                 return model(input_ids=x, labels=y)
-            extra = {k: v.to(device) if k == "position_ids" else v for k, v in data.packed(n).items()}
+            extra = {k: v.to(device) if k == "position_ids" else v for k, v in rows.packed(n).items()}
             out = model(input_ids=x.reshape(1, -1), labels=None if y is None else y.reshape(1, -1), **extra)
         out.logits = out.logits.reshape(n, args.seq_len, -1)
         return out
+
+    def accuracy(rows: CopyRows) -> float:
+        """Top-1 accuracy on the repeats of 16 fresh rows, always over the whole vocabulary (or the Zipf draw)."""
+        model.eval()
+        with torch.no_grad():
+            x, y = rows.batch(16, None)
+            pred = forward(x, rows=rows).logits[:, :-1].argmax(-1)
+        model.train()
+        target = y[:, 1:].to(pred.device)
+        keep = target != -100
+        return round(float((pred[keep] == target[keep]).float().mean()), 3)
 
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -199,16 +213,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == args.steps:
-            model.eval()
-            with torch.no_grad():
-                x, y = data.batch(16, None)  # always over the whole vocabulary (or the Zipf draw)
-                pred = forward(x).logits[:, :-1].argmax(-1)
-            model.train()
-            target = y[:, 1:].to(pred.device)
-            keep = target != -100
-            acc = float((pred[keep] == target[keep]).float().mean())
-            print(json.dumps({"step": step, "loss": round(float(loss.detach()), 3), "copy_accuracy": round(acc, 3),
-                              "ln_v": round(math.log(args.vocab - RESERVED), 2),
+            report = {"step": step, "loss": round(float(loss.detach()), 3), "copy_accuracy": accuracy(data)}
+            if args.eval_span:
+                report["eval_copy_accuracy"] = accuracy(CopyRows(argparse.Namespace(
+                    **{**vars(args), "span_min": args.eval_span[0], "span": args.eval_span[1], "fixed_steps": 0,
+                       "seed": args.seed + step})))
+            print(json.dumps({**report, "ln_v": round(math.log(args.vocab - RESERVED), 2),
                               "seconds": round(time.perf_counter() - t0)}), flush=True)
 
 

@@ -66,6 +66,19 @@ def test_a_few_steps_train_on_varying_spans(flags: list[str], capsys: pytest.Cap
     assert '"step": 2' in out and '"ln_v": 4.09' in out  # ln(64 - 4 reserved ids)
 
 
+def test_eval_span_scores_other_spans_without_changing_training(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    base = ["--vocab", "64", "--d", "32", "--layers", "2", "--span", "8", "--span-min", "4", "--seq-len", "65",
+            "--rows", "2", "--steps", "2", "--packed"]
+    copy_toy.main(base)
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    copy_toy.main([*base, "--eval-span", "16", "32"])
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert both["loss"] == plain["loss"] and both["copy_accuracy"] == plain["copy_accuracy"]
+    assert 0.0 <= both["eval_copy_accuracy"] <= 1.0 and "eval_copy_accuracy" not in plain
+
+
 def test_copy_rows_cpu_builds_the_stage_layout_with_varying_spans() -> None:
     import copy_rows_cpu
 
