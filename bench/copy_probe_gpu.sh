@@ -39,6 +39,13 @@
 #   var-v32k-lr1e-3     peak LR 1e-3
 #   toy-v4k-var         the CPU toy (d 128, 8 layers), 4,096 ids, spans of 16-48
 #
+# and two in the stage's own layout (bench/copy_rows.py: [BOS] R MARK R [EOS] samples packed into 8 rows of 2,048,
+# the loss on the repeat and the EOS; on the CPU, short spans in this layout learnt nothing in 900 steps where the
+# bare pairs did):
+#
+#   stage-rows          spans of 32-256: the recipe's copy window outside the stage (2 leases: nothing by 700)
+#   stage-rows-short    spans of 8-64, scored also on 32-256
+#
 #   bash bench/copy_probe_gpu.sh     # carry .whl-dag/pack; summary.md and the logs (copy-probe-logs.tar.gz) in $OUT
 #   VARIANTS="toy-v256 300m-v8k" bash bench/copy_probe_gpu.sh
 #
@@ -65,6 +72,7 @@ LOGS=$OUT/logs  # archived into $OUT/copy-probe-logs.tar.gz at the end
 mkdir -p "$OUT" "$LOGS"
 PROBE="--size gpu-300m --span 256 --seq-len 513 --rows 32 --lr 5e-4"
 VAR="$PROBE --span-min 32 --packed --steps 1500"
+ROWS="--size gpu-300m --vocab 32768 --L 2048 --rows 8 --lr 5e-4 --steps 1500"
 declare -A ARGS=(
     [300m-v32k-long]="$PROBE --vocab 32768 --steps 1500"
     [300m-v8k]="$PROBE --vocab 8192 --steps 800"
@@ -82,11 +90,15 @@ declare -A ARGS=(
     [var-v32k-fixed]="$VAR --vocab 32768 --fixed-steps 300"
     [var-v8k]="$VAR --vocab 8192"
     [var-v32k-softmax]="$VAR --vocab 32768 --pattern all-softmax"
-    [var-v32k-short]="--size gpu-300m --span 64 --span-min 8 --seq-len 513 --rows 32 --lr 5e-4 --packed --steps 1500 --vocab 32768"
+    [var-v32k-short]="--size gpu-300m --span 64 --span-min 8 --seq-len 513 --rows 32 --lr 5e-4 --packed --steps 1500 --vocab 32768 --eval-span 32 256"
     [var-v32k-lr1e-3]="--size gpu-300m --span 256 --span-min 32 --seq-len 513 --rows 32 --lr 1e-3 --packed --steps 1500 --vocab 32768"
     [toy-v4k-var]="--vocab 4096 --span 48 --span-min 16 --seq-len 256 --rows 8 --packed --steps 1500"
+    [stage-rows]="$ROWS --lo 32 --hi 256"
+    [stage-rows-short]="$ROWS --lo 8 --hi 64 --eval-lo 32 --eval-hi 256"
 )
-ORDER=(var-v32k var-v32k-embed var-v32k-fixed var-v8k var-v32k-softmax var-v32k-short var-v32k-lr1e-3 toy-v4k-var
+declare -A SCRIPT=([stage-rows]=bench/copy_rows.py [stage-rows-short]=bench/copy_rows.py)  # else copy_toy.py
+ORDER=(var-v32k var-v32k-embed stage-rows-short var-v32k-short var-v8k var-v32k-fixed var-v32k-softmax var-v32k-lr1e-3
+       stage-rows toy-v4k-var
        300m-v32k-long 300m-v32k-tied 300m-v32k-headinit 300m-v8k 300m-v32k-softmax 300m-v32k-small 300m-v32k-dropless
        300m-v32k-zipf toy-v256 300m-v256 300m-v32k-fp32)
 read -ra WANT <<<"${VARIANTS:-${ORDER[*]}}"
@@ -134,9 +146,10 @@ run_on() {
             echo "copy_probe_gpu: $v skipped: the ${DEADLINE_S} s deadline" | tee "$LOGS/$v.err"
             continue
         fi
-        echo "copy_probe_gpu: $v on device $g (${left} s left): copy_toy.py ${ARGS[$v]} ${MORE_ARGS:-}"
+        script=${SCRIPT[$v]:-bench/copy_toy.py}
+        echo "copy_probe_gpu: $v on device $g (${left} s left): $(basename "$script") ${ARGS[$v]} ${MORE_ARGS:-}"
         # shellcheck disable=SC2086  # the variant's arguments are words
-        CUDA_VISIBLE_DEVICES=$g OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} timeout "$left" "$PYTHON" bench/copy_toy.py \
+        CUDA_VISIBLE_DEVICES=$g OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} timeout "$left" "$PYTHON" "$script" \
             --device "$DEVICE" ${ARGS[$v]} ${MORE_ARGS:-} >"$LOGS/$v.log" 2>"$LOGS/$v.err"
         rc=$?
         ((rc == 124)) && echo "copy_probe_gpu: stopped at the ${DEADLINE_S} s deadline" >>"$LOGS/$v.err"

@@ -50,3 +50,13 @@ def test_the_copy_probe_refuses_an_unknown_variant_before_running_anything(tmp_p
     r = _run(tmp_path, "toy-v256 no-such-variant")
     assert r.returncode == 2 and "unknown variant no-such-variant" in r.stderr
     assert not (tmp_path / "logs" / "toy-v256.log").exists()
+
+
+def test_the_stage_layout_variants_run_bench_copy_rows(tmp_path: Path) -> None:
+    r = _run(tmp_path, "stage-rows-short", MORE_ARGS="--steps 2 --rows 1 --size tiny --L 160 --vocab 512")
+    assert r.returncode == 0, r.stderr
+    assert "stage-rows-short on device 0 (" in r.stdout and "copy_rows.py --size gpu-300m" in r.stdout
+    row = next(line for line in (tmp_path / "summary.md").read_text().splitlines()
+               if line.startswith("| stage-rows-short |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2" and cells[5] == "6.22"  # 2 steps; ln(512 - 8 reserved ids)
