@@ -8,15 +8,17 @@ document (``cu_seqlens``, positions from 0), in the layout of ``data/retrieval.c
 the last sample of a row takes what is left of it). Each flag takes one part of that layout away:
 
     python bench/copy_rows.py                                              # the stage's rows: BOS, 5-id marker, EOS
+    python bench/copy_rows.py --eos-target 1                               # ... as they were: the EOS a target
     python bench/copy_rows.py --lo 32 --hi 32 --mark 0 --bos 0 --eos 0 --first 0   # the copy probe's pairs
-    python bench/copy_rows.py --lo 32 --hi 32 --mark 0 --bos 0 --first 0 --L 260   # ... with an EOS
+    python bench/copy_rows.py --lo 32 --hi 32 --mark 0 --bos 0 --first 0 --L 260 --eos-target 1   # ... with an EOS
     python bench/copy_rows.py --lo 16 --hi 48 --mark 0 --bos 0 --eos 0 --first 0   # ... spans of 16-48
     python bench/copy_rows.py --lo 32 --hi 32 --mark 0 --bos 0 --eos 0 --first 0 --steps 400 \
         --eval-lo 16 --eval-hi 48                                              # fixed spans, scored on varying ones
 
-``--first 0`` leaves the repeat's first id out of the loss (no model can predict it), as copy_toy does. Every 25
+``--eos-target 1`` makes the EOS a target too, as the stage's rows did until this session (BENCHMARKS.md: that
+alone stopped the toy from learning short spans). ``--first 0`` leaves the repeat's first id out of the loss (no model can predict it), as copy_toy does. Every 25
 steps one JSON line: the training loss on the batch, ``copy_accuracy`` (top-1 over the targets of a fresh batch:
-the repeat and, by default, its first id and the EOS) and, with ``--eval-hi``, the loss and accuracy on a fresh
+the repeat, by default with its first id) and, with ``--eval-hi``, the loss and accuracy on a fresh
 batch whose spans are drawn from ``--eval-lo``..``--eval-hi``. ln V is 8.32 at the default 4,096 ids (8 reserved). The ``--eval-hi`` batch comes
 from the training draws (as in BENCHMARKS.md's runs), the accuracy batch from draws of its own. BENCHMARKS.md ("The whole spec
 in one lease") has the table.
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mark", type=int, default=5, help="marker ids between the span and its repeat (0: none)")
     ap.add_argument("--bos", type=int, default=1, help="1: each sample starts with BOS")
     ap.add_argument("--eos", type=int, default=1, help="1: each sample ends with EOS, a target")
+    ap.add_argument("--eos-target", type=int, default=0, help=(
+        "with --eos 1: 1 makes the EOS a target too (the stage's rows before 2026-11-27; data.retrieval.copy_sample "
+        "no longer does)"))
     ap.add_argument("--first", type=int, default=1, help="1: the repeat's first id is a target (the stage's rows)")
     ap.add_argument("--L", type=int, default=256, help="row length")
     ap.add_argument("--eval-lo", type=int, default=0)
@@ -77,6 +82,8 @@ class Rows:
         t = np.concatenate([lead, x, r, self.mark, r, [1] * a.eos]).astype(np.int64)
         no_loss = np.ones(n, bool)
         no_loss[len(t) - a.eos - span + (0 if a.first else 1):] = False
+        if a.eos and not a.eos_target:
+            no_loss[-1] = True
         return t, no_loss
 
     def row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

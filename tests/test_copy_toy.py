@@ -95,6 +95,16 @@ def test_copy_rows_builds_the_stage_layout_with_varying_spans() -> None:
         assert (doc[m:m + 5] == np.arange(4, 9)).all()
         r2 = doc[m + 5:-1]
         assert (doc[m - r2.size:m] == r2).all()  # the repeat is the span before the marker
-        assert (lab[m + 5:] == doc[m + 5:]).all() and (lab[:m + 5] == -100).all()  # targets: repeat and EOS
+        assert (lab[m + 5:-1] == doc[m + 5:-1]).all() and (lab[:m + 5] == -100).all()  # targets: the repeat
+        assert lab[-1] == -100  # not the EOS (data.retrieval.copy_sample's rows)
         spans.add(r2.size)
     assert min(spans) >= 16 and len(spans) > 3
+
+
+def test_copy_rows_can_make_the_eos_a_target_as_the_stage_did() -> None:
+    import copy_rows
+
+    b = copy_rows.Rows(copy_rows.parse_args(["--eos-target", "1"])).batch()
+    ids, labels, cu = b["input_ids"][0].numpy(), b["labels"][0].numpy(), b["cu_seqlens"].tolist()
+    ends = np.asarray(cu[1:]) - 1
+    assert (ids[ends] == 1).all() and (labels[ends] == 1).all()  # every sample ends with EOS, now a target

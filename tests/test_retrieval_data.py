@@ -396,8 +396,8 @@ def test_a_copy_sample_repeats_its_span_after_the_marker_with_the_loss_on_the_re
         first, second = s.tokens[length - 1 - span - 3 - span:length - 1 - span - 3], s.tokens[length - 1 - span:-1]
         assert (first == second).all() and (s.tokens[length - 1 - span - 3:length - 1 - span] == mark).all()
         assert np.isin(first, pool).all()
-        # targets: the repeat and the EOS, nothing else
-        assert (~s.no_loss).sum() == span + 1 and (~s.no_loss[length - 1 - span:]).all()
+        # the targets: the second R alone (not the EOS, whose place can only be counted)
+        assert (~s.no_loss).sum() == span and (~s.no_loss[length - 1 - span:length - 1]).all() and s.no_loss[-1]
         assert (s.answer == ~s.no_loss).all()
     a = copy_sample(pool, 300, np.random.default_rng(0), bos=1, eos=2, mark=mark)
     b = copy_sample(pool, 300, np.random.default_rng(1), bos=1, eos=2, mark=mark)
@@ -439,10 +439,10 @@ def test_copy_rows_are_appended_after_the_other_rows_with_counts_that_add_up(tok
         loss += int(keep.sum())
         for a, b in zip(starts[:-1], starts[1:], strict=True):  # every segment: [BOS] R MARK R [EOS]
             seg, lab = tokens[a:b], keep[a:b]
-            span = int(lab.sum()) - 1
+            span = int(lab.sum())  # the targets are the repeat alone
             assert seg[0] == tokenizer.token_to_id("<|bos|>") and seg[-1] == tokenizer.token_to_id("<|eos|>")
             assert (seg[-1 - span:-1] == seg[-1 - span - mark.size - span:-1 - mark.size - span]).all()
-            assert (seg[-1 - span - mark.size:-1 - span] == mark).all() and lab[-1 - span:].all()
+            assert (seg[-1 - span - mark.size:-1 - span] == mark).all() and lab[-1 - span:-1].all() and not lab[-1]
             assert not set(seg[-1 - span:-1].tolist()) & specials and span >= 8
             samples += 1
     assert samples == record["samples"] and loss == record["loss_tokens"] > 0
