@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rows", type=int, default=8, help="rows a step")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--head-init", default="embed", choices=("embed", "xavier"), help="copy_toy's --head-init")
     ap.add_argument("--size", default="", help="a named model size (model/sizes.py) instead of the toy")
     ap.add_argument("--device", default="cpu", help="cuda: bf16 autocast on the GPU")
     return ap.parse_args(argv)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     torch.manual_seed(a.seed)
     model = copy_toy.build_model(copy_toy.parse_args(["--vocab", str(a.vocab), "--seq-len", str(a.L),
-                                                      "--head-init", "embed", "--size", a.size,
+                                                      "--head-init", a.head_init, "--size", a.size,
                                                       "--device", a.device]))
     device = torch.device(a.device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
