@@ -43,7 +43,9 @@
 # the loss on the repeat and the EOS; on the CPU, short spans in this layout learnt nothing in 900 steps where the
 # bare pairs did):
 #
-#   stage-rows          spans of 32-256: the recipe's copy window outside the stage (2 leases: nothing by 700)
+#   stage-rows          spans of 32-256, the head from the embedding: the recipe's copy window as the rows are now
+#                       (the EOS no target; the two leases' rows had it and taught nothing by 700)
+#   stage-rows-xavier   the same with the model's own head (on the CPU: no copying in 400 steps)
 #   stage-rows-short    spans of 8-64, scored also on 32-256
 #
 #   bash bench/copy_probe_gpu.sh     # carry .whl-dag/pack; summary.md and the logs (copy-probe-logs.tar.gz) in $OUT
@@ -94,11 +96,13 @@ declare -A ARGS=(
     [var-v32k-lr1e-3]="--size gpu-300m --span 256 --span-min 32 --seq-len 513 --rows 32 --lr 1e-3 --packed --steps 1500 --vocab 32768"
     [toy-v4k-var]="--vocab 4096 --span 48 --span-min 16 --seq-len 256 --rows 8 --packed --steps 1500"
     [stage-rows]="$ROWS --lo 32 --hi 256"
+    [stage-rows-xavier]="$ROWS --lo 32 --hi 256 --head-init xavier"
     [stage-rows-short]="$ROWS --lo 8 --hi 64 --eval-lo 32 --eval-hi 256"
 )
-declare -A SCRIPT=([stage-rows]=bench/copy_rows.py [stage-rows-short]=bench/copy_rows.py)  # else copy_toy.py
-ORDER=(var-v32k var-v32k-embed stage-rows-short var-v32k-short var-v8k var-v32k-fixed var-v32k-softmax var-v32k-lr1e-3
-       stage-rows toy-v4k-var
+declare -A SCRIPT=([stage-rows]=bench/copy_rows.py [stage-rows-xavier]=bench/copy_rows.py
+                   [stage-rows-short]=bench/copy_rows.py)  # else copy_toy.py
+ORDER=(stage-rows stage-rows-xavier var-v32k-embed var-v32k stage-rows-short var-v32k-short var-v8k var-v32k-softmax
+       var-v32k-fixed var-v32k-lr1e-3 toy-v4k-var
        300m-v32k-long 300m-v32k-tied 300m-v32k-headinit 300m-v8k 300m-v32k-softmax 300m-v32k-small 300m-v32k-dropless
        300m-v32k-zipf toy-v256 300m-v256 300m-v32k-fp32)
 read -ra WANT <<<"${VARIANTS:-${ORDER[*]}}"
