@@ -35,13 +35,13 @@
 #   var-v32k-fixed      the first 300 steps' spans all 256 (fixed-distance copying first), then 32-256
 #   var-v8k             8,192 ids
 #   var-v32k-softmax    all 16 layers softmax
-#   var-v32k-short      spans of 8-64 ids (shorter, more pairs a row)
+#   var-v32k-short      spans of 8-64 ids (shorter, more pairs a row), scored also on 32-256
 #   var-v32k-lr1e-3     peak LR 1e-3
 #   toy-v4k-var         the CPU toy (d 128, 8 layers), 4,096 ids, spans of 16-48
 #
-# and two in the stage's own layout (bench/copy_rows.py: [BOS] R MARK R [EOS] samples packed into 8 rows of 2,048,
-# the loss on the repeat and the EOS; on the CPU, short spans in this layout learnt nothing in 900 steps where the
-# bare pairs did):
+# and three in the stage's own layout (bench/copy_rows.py: [BOS] R MARK R [EOS] samples packed into 8 rows of 2,048,
+# the loss on the repeat alone, as data/retrieval.copy_sample now makes them; with the EOS a target too, short spans
+# in this layout learnt nothing in 900 steps on the CPU):
 #
 #   stage-rows          spans of 32-256, the head from the embedding: the recipe's copy window as the rows are now
 #                       (the EOS no target; the two leases' rows had it and taught nothing by 700)

@@ -15,13 +15,19 @@ the last sample of a row takes what is left of it). Each flag takes one part of 
     python bench/copy_rows.py --lo 32 --hi 32 --mark 0 --bos 0 --eos 0 --first 0 --steps 400 \
         --eval-lo 16 --eval-hi 48                                              # fixed spans, scored on varying ones
 
-``--eos-target 1`` makes the EOS a target too, as the stage's rows did until this session (BENCHMARKS.md: that
-alone stopped the toy from learning short spans). ``--first 0`` leaves the repeat's first id out of the loss (no model can predict it), as copy_toy does. Every 25
-steps one JSON line: the training loss on the batch, ``copy_accuracy`` (top-1 over the targets of a fresh batch:
-the repeat, by default with its first id) and, with ``--eval-hi``, the loss and accuracy on a fresh
-batch whose spans are drawn from ``--eval-lo``..``--eval-hi``. ln V is 8.32 at the default 4,096 ids (8 reserved). The ``--eval-hi`` batch comes
-from the training draws (as in BENCHMARKS.md's runs), the accuracy batch from draws of its own. BENCHMARKS.md ("The whole spec
-in one lease") has the table.
+``--eos-target 1`` makes the EOS a target too, as the stage's rows did until 2026-11-27 (BENCHMARKS.md: that
+alone stopped the toy from learning short spans). ``--first 0`` leaves the repeat's first id out of the loss (no
+model can predict it), as copy_toy does. Every 25 steps one JSON line: the training loss on the batch,
+``copy_accuracy`` (top-1 over the targets of a fresh batch: the repeat, by default with its first id) and, with
+``--eval-hi``, the loss and accuracy on a fresh batch whose spans are drawn from ``--eval-lo``..``--eval-hi``. ln V
+is 8.32 at the default 4,096 ids (8 reserved). The ``--eval-hi`` batch comes from the training draws (as in
+BENCHMARKS.md's runs), the accuracy batch from draws of its own. BENCHMARKS.md ("The whole spec in one lease") has
+the tables.
+
+The samples are built here rather than by ``data.retrieval.copy_sample`` because every part of them is switched on
+and off, and because BENCHMARKS.md's runs are reproduced by these exact draws; with the defaults the targets are
+the ones ``copy_sample`` marks (``tests/test_copy_toy.py`` checks that), with the marker ids 4-8 in place of the
+tokenizer's marker.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hi", type=int, default=48, help="longest span")
     ap.add_argument("--mark", type=int, default=5, help="marker ids between the span and its repeat (0: none)")
     ap.add_argument("--bos", type=int, default=1, help="1: each sample starts with BOS")
-    ap.add_argument("--eos", type=int, default=1, help="1: each sample ends with EOS, a target")
+    ap.add_argument("--eos", type=int, default=1, help="1: each sample ends with EOS (a target only with --eos-target 1)")
     ap.add_argument("--eos-target", type=int, default=0, help=(
         "with --eos 1: 1 makes the EOS a target too (the stage's rows before 2026-11-27; data.retrieval.copy_sample "
         "no longer does)"))

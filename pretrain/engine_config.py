@@ -81,8 +81,9 @@ class RunShape(BaseModel):
         "§4.1) or embedding (a copy of the input embedding, so each id's embedding scores its own id highest from "
         "the first step; the head still trains on its own). Our departure from the report where a DAG sets it "
         "(issue 33). On 4 x H200, gpu-300m first passed 0.5 copy accuracy at 32,768 ids after 150-350 steps with "
-        "it and 450-600 without, on spans of one length (a fixed look-back copies them); on spans of varying "
-        "length nothing is measured yet (BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
+        "it and 450-600 without, on spans of one length (a fixed look-back copies them). On spans of varying "
+        "length, on the CPU, the pretrain stage's toy copied with it and not without it in 400 steps; at gpu-300m "
+        "that is not measured yet (BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description=(
         "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))

@@ -56,6 +56,7 @@ def test_the_stage_layout_variants_run_bench_copy_rows(tmp_path: Path) -> None:
     r = _run(tmp_path, "stage-rows-short stage-rows-xavier", MORE_ARGS="--steps 2 --rows 1 --size tiny --L 160 --vocab 512")
     assert r.returncode == 0, r.stderr
     assert "stage-rows-short on device 0 (" in r.stdout and "copy_rows.py --size gpu-300m" in r.stdout
+    assert "stage-rows-short ended (rc 0)" in r.stdout and "stage-rows-xavier ended (rc 0)" in r.stdout
     row = next(line for line in (tmp_path / "summary.md").read_text().splitlines()
                if line.startswith("| stage-rows-short |"))
     cells = [c.strip() for c in row.strip("|").split("|")]

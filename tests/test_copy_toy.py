@@ -108,3 +108,21 @@ def test_copy_rows_can_make_the_eos_a_target_as_the_stage_did() -> None:
     ids, labels, cu = b["input_ids"][0].numpy(), b["labels"][0].numpy(), b["cu_seqlens"].tolist()
     ends = np.asarray(cu[1:]) - 1
     assert (ids[ends] == 1).all() and (labels[ends] == 1).all()  # every sample ends with EOS, now a target
+
+
+def test_copy_rows_marks_the_targets_data_retrieval_copy_sample_marks() -> None:
+    """With the defaults, bench/copy_rows.py's samples have copy_sample's layout and targets (its own draws)."""
+    import copy_rows
+
+    from data.retrieval import copy_sample
+
+    rows = copy_rows.Rows(copy_rows.parse_args([]))
+    for n in (41, 42, 103):  # odd and even rest after [BOS], the marker and [EOS]
+        tokens, no_loss = rows.sample(n)
+        ref = copy_sample(rows.pool, n, np.random.default_rng(0), bos=0, eos=1, mark=rows.mark)
+        assert tokens.size == ref.tokens.size and (no_loss == ref.no_loss).all()
+        span = ref.meta["span_tokens"]
+        m = n - 1 - span - rows.mark.size  # where copy_sample puts the marker
+        assert tokens[0] == ref.tokens[0] == 0 and tokens[-1] == ref.tokens[-1] == 1
+        assert (tokens[m:m + rows.mark.size] == rows.mark).all() and (ref.tokens[m:m + rows.mark.size] == rows.mark).all()
+        assert (tokens[m - span:m] == tokens[n - 1 - span:n - 1]).all()  # the repeat is the span
