@@ -134,7 +134,9 @@ def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
     keys = ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
             "niah_choice_accuracy", "copy_accuracy", "copy_loss_gain")
     out = ["| eval | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
-    for name in ("eval", "eval_long_context", "eval_all_softmax", "eval_all_lightning"):
+    evals = [n for n in ("eval", "eval_long_context") if n in stages] + sorted(
+        n for n in stages if n.startswith("eval_") and n != "eval_long_context" and n not in PASS_RATE_EVALS)
+    for name in evals:  # after pretraining and long_context, and each ablation branch's eval
         s = (stages.get(name) or {}).get("summary") or {}
         if s:
             out.append(f"| {name} | " + " | ".join(_fmt(s.get(k, math.nan)) for k in keys) + " |")
@@ -159,8 +161,10 @@ def results(report: dict[str, Any]) -> str:
     table, spans = stage_table(stages)
     parts = ["# GPU recipe: results", "", f"{sum(r.get('state') in ('done', 'cached') for r in stages.values())} of "
              f"{len(stages)} stages done or cached.", "", "## Stages", "", *table, "", "## GPUs busy", "",
-             *gpu_busy(spans), "", "## Pretraining: the copy curriculum's probe", "", *probe_curve(stages, "pretrain"),
-             "", "## NIAH and copying", "", *niah(stages), "", "## Post-training", "", *pass_rates(stages), ""]
+             *gpu_busy(spans), "", "## Pretraining: the copy curriculum's probe", ""]
+    for name in sorted(n for n in stages if n.startswith("pretrain")):  # the hybrid's, then each ablation branch's
+        parts += [f"### {name}", "", *probe_curve(stages, name), ""]
+    parts += ["## NIAH and copying", "", *niah(stages), "", "## Post-training", "", *pass_rates(stages), ""]
     comp = (stages.get("compare") or {}).get("artifact")
     if comp and (Path(comp) / "comparison.md").is_file():
         parts += ["## Ablation (`compare`)", "", (Path(comp) / "comparison.md").read_text()]

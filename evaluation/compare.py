@@ -204,15 +204,28 @@ def _final_train_loss(v: Variant) -> float:
     return v.train_curve[-1][1] if v.train_curve else float(v.pretrain["summary"].get("loss", math.nan))
 
 
-def rows(variants: list[Variant]) -> list[tuple[str, str, list[Any]]]:
+def _varied_rows(variants: list[Variant], varied: list[str]) -> list[tuple[str, str, list[Any]]]:
+    """A row per varied pretrain param besides the attention pattern (its own rows show it): the param's value per
+    variant, from the checkpoint's key material ("—" where a manifest lacks it)."""
+    out: list[tuple[str, str, list[Any]]] = []
+    for p in varied:
+        if p == "model_overrides.attention_pattern":
+            continue
+        values = [_flatten(v.pretrain.get("key_material", {}).get("params", {})).get(p) for v in variants]
+        out.append(("", f"pretrain param `{p}` (varied)", [x if x is None else str(x) for x in values]))
+    return out
+
+
+def rows(variants: list[Variant], varied: list[str] = ()) -> list[tuple[str, str, list[Any]]]:
     """The table, one row per quantity: (metric key, label, value per variant). The metric key names the MLflow metric
-    ``<variant>.<key>`` ('' for rows that are not numbers)."""
+    ``<variant>.<key>`` ('' for rows that are not numbers). ``varied``: the params the comparison varies, each a row."""
     T = variants[0].report["trained_length"]
     lengths = sorted({int(L) for v in variants for L in v.report["loss_by_position"]["loss_at"]})
     out: list[tuple[str, str, list[Any]]] = [
         ("", "attention pattern", [describe_pattern(v.pattern) for v in variants]),
         ("", "layers (lightning / softmax)",
          [f"{sum(k == 'lightning' for k in v.pattern)} / {sum(k == 'softmax' for k in v.pattern)}" for v in variants]),
+        *_varied_rows(variants, list(varied)),
         ("params_total", "parameters, total", [v.params_total for v in variants]),
         ("params_activated", "parameters, activated", [v.params_activated for v in variants]),
         ("tokens", "tokens trained on", [v.tokens for v in variants]),
@@ -379,7 +392,7 @@ def compare(variants: list[Variant], params: CompareParams) -> dict[str, Any]:
                          "comparison would be unfair:\n  - " + "\n  - ".join(problems) +
                          "\nBind every variant to the same data stages and give them the same pretrain/eval params "
                          "(or set allow_unfair: true on the compare stage to compare anyway, with a warning)")
-    table = rows(variants)
+    table = rows(variants, params.varied)
     power = power_analysis(variants, params.alpha, params.power)
     return {
         "variants": [{"name": v.name, "attention_pattern": v.pattern, "pattern": describe_pattern(v.pattern),

@@ -262,3 +262,18 @@ def test_stage_writes_table_json_and_plot_and_logs_variant_metrics(three, tmp_pa
     assert ctx.sink.last("all-lightning.eval_loss_at_256") == 6.1
     assert ctx.sink.last("hybrid.tokens") == 20480
     assert ctx.rows == {"variants": 3}
+
+
+def test_each_varied_param_besides_the_pattern_is_a_row_with_its_value_per_variant(tmp_path) -> None:
+    """Two hybrids that differ in head_init alone look alike in the pattern rows: the table names what differs."""
+    a = _variant(tmp_path, "embed", "hybrid", _report(0.5, 0.25, -1.3, 6.0), params={"head_init": "embedding"})
+    b = _variant(tmp_path, "xavier", "hybrid", _report(0.0, 0.25, -1.3, 6.0), params={"head_init": "xavier"})
+    variants = [load_variant(*a), load_variant(*b)]
+    with pytest.raises(ValueError, match="head_init differs"):
+        compare(variants, CompareParams())
+    result = compare(variants, CompareParams(varied=["model_overrides.attention_pattern", "head_init", "peak_lr"]))
+    lines = result["markdown"].splitlines()
+    assert "| pretrain param `head_init` (varied) | embedding | xavier |" in lines
+    assert "| pretrain param `peak_lr` (varied) | 0.003 | 0.003 |" in lines
+    assert not any("attention_pattern` (varied)" in line for line in lines)  # its own rows show it
+    assert result["fair"]

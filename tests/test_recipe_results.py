@@ -64,3 +64,23 @@ def test_pass_rates_carry_their_interval_and_tasks():
     assert "| eval_long_context | 0.000 | [0.000, 0.161] | 20 | arithmetic=0.000 |" in text
     assert "| eval_grpo | 0.500 | [0.299, 0.701] | 20 | arithmetic=0.600 string=0.400 |" in text
     assert "`dpo_short` held-out preference accuracy 0.700 (untrained 0.500)" in text
+
+
+def test_every_pretrain_gets_its_probe_curve_and_every_ablation_eval_its_niah_row(tmp_path):
+    """Each pretrain branch (the hybrid's and the ablation's) has its own probe table; the NIAH table lists the
+    hybrid's evals first, then each branch's eval, and no post-training eval."""
+    root = tmp_path / "root"
+    stages = {}
+    for i, name in enumerate(("pretrain", "pretrain_xavier_head")):
+        art = _artifact(root, "pretrain", name, 1e6 + i, 10.0, str(i), {"eval_loss": 5.0 + i})
+        rows = [{"step": 50, "loss": 9.0 + i, "copy_accuracy": 0.25 * (i + 1), "copy_loss_gain": 1.0,
+                 "niah_choice_accuracy": 0.5, "drop_rate": 0.1}, {"step": 60, "loss": 8.0}]
+        (Path(art) / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        stages[name] = {"state": "done", "seconds": 10.0, "summary": {"eval_loss": 5.0 + i}, "artifact": art}
+    for name, acc in (("eval", 0.1), ("eval_xavier_head", 0.2), ("eval_grpo", 0.9), ("eval_long_context", 0.3)):
+        stages[name] = {"state": "done", "summary": {"niah_accuracy": acc}}
+    text = recipe_results.results({"stages": stages})
+    assert "### pretrain\n" in text and "### pretrain_xavier_head\n" in text
+    assert "| 50 | 0 | 9.000 | 0.250 |" in text and "| 50 | 0 | 10.000 | 0.500 |" in text
+    niah = [line.split(" | ")[0] for line in recipe_results.niah(stages)[2:]]
+    assert niah == ["| eval", "| eval_long_context", "| eval_xavier_head"]
