@@ -60,7 +60,8 @@ def main() -> None:
                                                  "prompts": tiny.prompts_artifact()}, stage_name="reward_model")
             run_rm(RewardModelParams(max_steps=8, batch_pairs=8, max_length=192, eval_every=8), rm_ctx)
             a.reward_model = rm_ctx.out_dir
-    base = {"keep_unsolved": True, "max_steps": 8, "learning_rate": 1e-3, "max_prompts": 8, "eval_prompts": 16}
+    base = {"keep_unsolved": True, "min_prompts": 8, "max_steps": 8, "learning_rate": 1e-3, "max_prompts": 8,
+            "eval_prompts": 16}
     base |= {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
     inputs = {"checkpoint": Artifact(a.checkpoint, {"type": "checkpoint", "digest": "c"}),
               "prompts": Artifact(a.prompts, {"type": "prompts", "digest": "p"})}

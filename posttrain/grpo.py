@@ -13,7 +13,8 @@ stage's ``rl`` pool: verifiable prompts SFT never saw; its ``eval`` pool gives `
    prompt; a pass is a total ≥ the correctness weight C, i.e. a correct response; prompts with a pass rate in
    ``[pass_rate_lo, pass_rate_hi]`` are kept, the others counted as too easy / too hard. A weak policy (the tiny
    random model passes nothing) would leave no prompt: below ``min_prompts`` kept the stage fails with the counts,
-   unless ``keep_unsolved`` is set, which trains on the too-hard prompts too (logged as ``prompts_kept_unsolved``).
+   unless ``keep_unsolved`` is set, which fills up to ``min_prompts`` with too-hard prompts (logged as
+   ``prompts_kept_unsolved``).
    On those, every group's correctness is 0 and only the secondary terms (constraint rules, RM) vary: GRPO then
    learns format and length, not correctness — said in the report file.
 3. **Training**: :func:`posttrain.grpo_trainer.train_grpo` with the §5.4.2 switches as params. TRL's logs are relayed per
@@ -98,8 +99,8 @@ class GRPOParams(StageParams):
     pass_rate_hi: float = Field(0.9, ge=0, le=1, description="...and at most this.")
     min_prompts: int = Field(1, ge=1, description="Fewer prompts selected than this: fail, or see keep_unsolved.")
     keep_unsolved: bool = Field(False, description=(
-        "Below min_prompts, train on the too-hard prompts too (logged; only the constraint/RM terms then vary "
-        "within a group). Set for a random tiny policy, which solves nothing."))
+        "Below min_prompts, fill up to min_prompts with too-hard prompts, in pool order (logged; only the "
+        "constraint/RM terms then vary within their groups). Set for a random tiny policy, which solves nothing."))
     # rollout and optimisation
     num_generations: int = Field(4, ge=2, description="Completions per prompt (the GRPO group).")
     prompts_per_step: int = Field(2, ge=1, description="Prompts per rollout batch (x num_generations completions).")
@@ -190,8 +191,9 @@ def chat(prompt: str) -> list[dict[str, str]]:
 def resolve_selection(records: Sequence[dict[str, Any]], pass_rates: Sequence[float], lo: float, hi: float,
                       min_prompts: int, keep_unsolved: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """The records to train on and the count of each outcome (``selected``, ``too_easy``, ``too_hard``,
-    ``kept_unsolved``; they sum to ``len(records)``). Fewer than ``min_prompts`` selected: ``keep_unsolved`` adds the
-    too-hard ones back, else a ValueError says what happened and what to change."""
+    ``kept_unsolved``; they sum to ``len(records)``). Fewer than ``min_prompts`` selected: ``keep_unsolved`` adds
+    too-hard ones, in pool order, up to ``min_prompts`` and no more (the solvable ones stay most of what GRPO trains
+    on: an unsolved group teaches format, not correctness); else a ValueError says what happened and what to change."""
     selected = [r for r, p in zip(records, pass_rates, strict=True) if lo <= p <= hi]
     too_hard = [r for r, p in zip(records, pass_rates, strict=True) if p < lo]
     counts = {"selected": len(selected), "too_easy": sum(p > hi for p in pass_rates), "too_hard": len(too_hard),
@@ -199,8 +201,9 @@ def resolve_selection(records: Sequence[dict[str, Any]], pass_rates: Sequence[fl
     if len(selected) >= min_prompts:
         return selected, counts
     if keep_unsolved and len(selected) + len(too_hard) >= min_prompts:
-        counts["kept_unsolved"], counts["too_hard"] = len(too_hard), 0
-        return selected + too_hard, counts
+        extra = too_hard[:min_prompts - len(selected)]
+        counts["kept_unsolved"], counts["too_hard"] = len(extra), len(too_hard) - len(extra)
+        return selected + extra, counts
     raise ValueError(
         f"grpo: {len(selected)} of {len(records)} prompts have a pass rate in [{lo}, {hi}] (too easy: "
         f"{counts['too_easy']}, too hard: {counts['too_hard']}), fewer than min_prompts={min_prompts}. Give a "

@@ -42,18 +42,19 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     spec = load_spec(gpu_recipe_cpu.SPEC)
     hybrid = spec.stages["pretrain"].params.model_dump()
     varied = spec.stages["compare"].params.varied
-    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr", "head_init"}
+    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr", "capacity_factor"}
     for name, pattern in (("pretrain_all_softmax", "all-softmax"), ("pretrain_all_lightning", "all-lightning")):
         p = spec.stages[name].params.model_dump()
         assert p["model_overrides"] == {"attention_pattern": pattern}
         diff = {k for k in hybrid if hybrid[k] != p[k]}
         assert diff <= {"model_overrides", "peak_lr"}, (name, diff)
     assert hybrid["model_overrides"] == {"attention_pattern": "hybrid"}
-    # the head-init branch: the hybrid's pretraining but for the head's init
-    xavier = spec.stages["pretrain_xavier_head"].params.model_dump()
-    assert {k for k in hybrid if hybrid[k] != xavier[k]} == {"head_init"}
-    assert (hybrid["head_init"], xavier["head_init"]) == ("embedding", "xavier")
-    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_xavier_head"}
+    assert hybrid["head_init"] == "embedding"  # the fifth lease: the Xavier head left the hybrid on the plateau
+    # the capacity branch: the hybrid's pretraining but for the experts' capacity
+    cap = spec.stages["pretrain_capacity_2"].params.model_dump()
+    assert {k for k in hybrid if hybrid[k] != cap[k]} == {"capacity_factor"}
+    assert (hybrid["capacity_factor"], cap["capacity_factor"]) == (1.25, 2.0)
+    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_capacity_2"}
     gpu = [n for n, st in spec.stages.items() if st.resources.gpus]
     assert all(spec.stages[n].resources.gpus == 1 for n in gpu)  # one GPU each: Ray places them side by side
 

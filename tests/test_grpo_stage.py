@@ -76,8 +76,14 @@ def test_selection_below_min_prompts_fails_with_the_counts_unless_keep_unsolved(
     with pytest.raises(ValueError, match=r"1 of 4 prompts .*too easy: 1, too hard: 2.*keep_unsolved"):
         resolve_selection(RECS, [0.0, 0.5, 1.0, 0.0], 0.1, 0.9, min_prompts=2, keep_unsolved=False)
     kept, counts = resolve_selection(RECS, [0.0, 0.5, 1.0, 0.0], 0.1, 0.9, min_prompts=2, keep_unsolved=True)
-    assert [r["id"] for r in kept] == ["p1", "p0", "p3"]  # selected first, then the unsolved ones
+    assert [r["id"] for r in kept] == ["p1", "p0"]  # selected first, then unsolved ones up to min_prompts only
+    assert counts == {"selected": 1, "too_easy": 1, "too_hard": 1, "kept_unsolved": 1}
+    kept, counts = resolve_selection(RECS, [0.0, 0.5, 1.0, 0.0], 0.1, 0.9, min_prompts=3, keep_unsolved=True)
+    assert [r["id"] for r in kept] == ["p1", "p0", "p3"]
     assert counts == {"selected": 1, "too_easy": 1, "too_hard": 0, "kept_unsolved": 2}
+    # enough selected: no unsolved prompt is added, keep_unsolved or not
+    kept, counts = resolve_selection(RECS, [0.0, 0.5, 1.0, 0.25], 0.1, 0.9, min_prompts=2, keep_unsolved=True)
+    assert [r["id"] for r in kept] == ["p1", "p3"] and counts["kept_unsolved"] == 0
     # the too-easy ones are never added back: still too few -> the error
     with pytest.raises(ValueError, match="fewer than min_prompts=4"):
         resolve_selection(RECS, [0.0, 0.5, 1.0, 0.0], 0.1, 0.9, min_prompts=4, keep_unsolved=True)
@@ -108,8 +114,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
                                        "reward_model": Artifact(rm_ctx.out_dir, {"type": "reward_model",
                                                                                  "digest": "rm"})},
                        stage_name="grpo")
-    params = GRPOParams(max_prompts=8, eval_prompts=8, keep_unsolved=True, max_steps=4, num_iterations=2,
-                        learning_rate=1e-3)
+    params = GRPOParams(max_prompts=8, eval_prompts=8, keep_unsolved=True, min_prompts=8, max_steps=4,
+                        num_iterations=2, learning_rate=1e-3)
     run(params, ctx)
     return tiny, ctx, params
 

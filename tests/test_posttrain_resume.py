@@ -89,8 +89,8 @@ def test_dpo_killed_after_its_final_checkpoint_loads_it_and_trains_no_further_st
 def test_grpo_killed_after_its_final_checkpoint_loads_it_and_trains_no_further_step(tiny, tmp_path, capfd) -> None:
     from posttrain.grpo import GRPOParams, run
 
-    params = GRPOParams(max_prompts=8, eval_prompts=8, keep_unsolved=True, max_steps=4, checkpoint_every=2,
-                        num_iterations=2, learning_rate=1e-3)
+    params = GRPOParams(max_prompts=8, eval_prompts=8, keep_unsolved=True, min_prompts=8, max_steps=4,
+                        checkpoint_every=2, num_iterations=2, learning_rate=1e-3)
     _assert_resumed_at_the_end(_run_then_rerun(run, params, tiny, tmp_path, "grpo", capfd), params.max_steps)
 
 
