@@ -268,12 +268,13 @@ class MetricSeries:
 
 
 def eval_pass_rate(model: Any, tokenizer: Any, records: list[dict[str, Any]], max_new_tokens: int,
-                   stats: SamplingStats) -> float:
-    """``eval_pass_rate`` of ``model``, decoded in eval mode (its mode is restored)."""
+                   stats: SamplingStats, batch_size: int = 16) -> float:
+    """``eval_pass_rate`` of ``model``, decoded in eval mode (its mode is restored), ``batch_size`` prompts a call."""
     was = model.training
     model.eval()
     try:
-        rate, _ = pass_rate(model, tokenizer, records, max_new_tokens=max_new_tokens, stats=stats)
+        rate, _ = pass_rate(model, tokenizer, records, max_new_tokens=max_new_tokens, stats=stats,
+                            batch_size=batch_size)
     finally:
         model.train(was)
     return rate
@@ -344,8 +345,11 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     weights = RewardWeights(params.weight_correctness, params.weight_rm, params.weight_constraints)
     reward = HierarchyReward(prompts.records, RewardHierarchy(weights, reward_model_dir=rm_dir, device=device))
     eval_stats = SamplingStats()
+    # the eval decodes as many rows a call as a rollout does (prompts_per_step x num_generations): on a GPU the fast
+    # path's decode step is compiled per batch size, so one size serves both (as SFT and DPO use their sampling one)
     measure = functools.partial(eval_pass_rate, tokenizer=tok, records=prompts.eval_records,
-                                max_new_tokens=params.eval_max_new_tokens, stats=eval_stats)
+                                max_new_tokens=params.eval_max_new_tokens, stats=eval_stats,
+                                batch_size=params.prompts_per_step * params.num_generations)
     series = MetricSeries(ctx)
     before = measure(policy)
     series.log({"eval_pass_rate": before}, 0)
