@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,7 @@ def _final_train_loss(v: Variant) -> float:
     return v.train_curve[-1][1] if v.train_curve else float(v.pretrain["summary"].get("loss", math.nan))
 
 
-def _varied_rows(variants: list[Variant], varied: list[str]) -> list[tuple[str, str, list[Any]]]:
+def _varied_rows(variants: list[Variant], varied: Sequence[str]) -> list[tuple[str, str, list[Any]]]:
     """A row per varied pretrain param besides the attention pattern (its own rows show it): the param's value per
     variant, from the checkpoint's key material ("—" where a manifest lacks it)."""
     out: list[tuple[str, str, list[Any]]] = []
@@ -216,7 +217,7 @@ def _varied_rows(variants: list[Variant], varied: list[str]) -> list[tuple[str, 
     return out
 
 
-def rows(variants: list[Variant], varied: list[str] = ()) -> list[tuple[str, str, list[Any]]]:
+def rows(variants: list[Variant], varied: Sequence[str] = ()) -> list[tuple[str, str, list[Any]]]:
     """The table, one row per quantity: (metric key, label, value per variant). The metric key names the MLflow metric
     ``<variant>.<key>`` ('' for rows that are not numbers). ``varied``: the params the comparison varies, each a row."""
     T = variants[0].report["trained_length"]
@@ -225,7 +226,7 @@ def rows(variants: list[Variant], varied: list[str] = ()) -> list[tuple[str, str
         ("", "attention pattern", [describe_pattern(v.pattern) for v in variants]),
         ("", "layers (lightning / softmax)",
          [f"{sum(k == 'lightning' for k in v.pattern)} / {sum(k == 'softmax' for k in v.pattern)}" for v in variants]),
-        *_varied_rows(variants, list(varied)),
+        *_varied_rows(variants, varied),
         ("params_total", "parameters, total", [v.params_total for v in variants]),
         ("params_activated", "parameters, activated", [v.params_activated for v in variants]),
         ("tokens", "tokens trained on", [v.tokens for v in variants]),
