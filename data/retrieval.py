@@ -86,29 +86,34 @@ COPY_DRAWS = ("uniform", "unigram")  # how a copy curriculum draws its span ids 
 
 
 def copy_sample(pool: np.ndarray, length: int, rng: np.random.Generator, *, bos: int, eos: int,
-                mark: np.ndarray, weights: np.ndarray | None = None) -> RetrievalSample:
-    """``[BOS] (x) R MARK R [EOS]`` of exactly ``length`` tokens: ``R`` token ids drawn (with replacement) from
+                mark: np.ndarray, weights: np.ndarray | None = None, gap: int = 0) -> RetrievalSample:
+    """``[BOS] (x) R G MARK R [EOS]`` of exactly ``length`` tokens: ``R`` token ids drawn (with replacement) from
     ``pool``, uniformly or with probabilities ``weights`` (one per pool id, summing to 1), as long as the length
-    allows (``x``: one more drawn id where the length is odd, not a target). Targets (``no_loss`` False) are the
-    second ``R`` alone, which is also what ``answer`` marks. The first ``R`` and the marker cannot be predicted. The
+    allows (``x``: one more drawn id where the length is odd, not a target). ``G``: ``gap`` more ids drawn the same
+    way between the span and the marker (none by default), so the repeat looks ``gap`` positions farther back.
+    Targets (``no_loss`` False) are the second ``R`` alone, which is also what ``answer`` marks. The first ``R``, the
+    gap and the marker cannot be predicted. The
     EOS is not a target either: where it comes can only be counted, and a model that copies predicts the marker
     there (what followed the span's last id), so its loss works against copying. On the CPU, with it a target, a
     toy learnt nothing from spans of 4-16 ids in 900 steps; without it, it copied 0.8 of them by step 300
     (BENCHMARKS.md, "The whole spec in one lease")."""
     mark = np.asarray(mark, TOKEN_DTYPE)
-    span, odd = divmod(length - 2 - mark.size, 2)
+    if gap < 0:
+        raise ValueError(f"a copy sample's gap is {gap} ids: use 0 or more")
+    span, odd = divmod(length - 2 - mark.size - gap, 2)
     if span < 1:
-        raise ValueError(f"a copy sample of {length} tokens has no room for its span (the marker is {mark.size})")
+        raise ValueError(f"a copy sample of {length} tokens has no room for its span (the marker is {mark.size}, "
+                         f"the gap {gap})")
     pool = np.asarray(pool, TOKEN_DTYPE)
     if pool.size < 2:
         raise ValueError(f"copy samples need a pool of at least 2 token ids, got {pool.size}")
-    r = pool[rng.integers(pool.size, size=span + odd) if weights is None
-             else rng.choice(pool.size, size=span + odd, p=weights)]
-    lead, span_ids = r[:odd], r[odd:]
-    tokens = np.concatenate([[bos], lead, span_ids, mark, span_ids, [eos]]).astype(TOKEN_DTYPE)
+    n = span + odd + gap
+    r = pool[rng.integers(pool.size, size=n) if weights is None else rng.choice(pool.size, size=n, p=weights)]
+    lead, span_ids, gap_ids = r[:odd], r[odd:odd + span], r[odd + span:]
+    tokens = np.concatenate([[bos], lead, span_ids, gap_ids, mark, span_ids, [eos]]).astype(TOKEN_DTYPE)
     answer = np.zeros(length, bool)
     answer[length - 1 - span:length - 1] = True
-    return RetrievalSample(tokens, ~answer, answer, "copy", {"span_tokens": int(span)})
+    return RetrievalSample(tokens, ~answer, answer, "copy", {"span_tokens": int(span), "gap_tokens": int(gap)})
 
 
 def make_key(rng: np.random.Generator) -> str:

@@ -232,7 +232,7 @@ def copy_rows_for(train_tokens: int, seq_len: int, share: float, until_tokens: i
 
 
 def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: float, seed: int,
-                  span_tokens: Sequence[int] = (32, 256), draw: str = "uniform",
+                  span_tokens: Sequence[int] = (32, 256), draw: str = "uniform", gap_tokens: Sequence[int] = (0, 0),
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Append ``rows`` copy-curriculum rows to the training split in ``data_dir`` and record the schedule that
     reads them (``copy_curriculum.json``): the first ``rows / share`` rows a run reads hold them at ``share``,
@@ -246,7 +246,9 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     ``span_tokens`` (min, max) and their ids from the ordinary vocabulary (every id but the special tokens):
     ``draw`` "uniform", each id alike, or "unigram", as often as the training text uses it (its unigram counts;
     ids the text never uses are never drawn). On the CPU a toy model copied Zipf-drawn ids from a 4,096-id
-    vocabulary after ~150-400 steps and uniformly drawn ones not in 200 (BENCHMARKS.md). The loss counts the
+    vocabulary after ~150-400 steps and uniformly drawn ones not in 200 (BENCHMARKS.md). ``gap_tokens`` (min, max):
+    each sample puts that many more drawn ids between its span and the marker (:func:`copy_sample`'s gap; the last
+    sample of a row may get less, down to the min), so the repeat is copied from farther back. The loss counts the
     repeats alone. The unigram counts leave the rows out: the unigram baseline describes the text. ``packing.json``'s train split counts them (rows, tokens, segments)."""
     data_dir = Path(data_dir)
     if (data_dir / COPY_FILE).exists():
@@ -254,6 +256,9 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     lo, hi = (int(x) for x in span_tokens)
     if not 1 <= lo <= hi:
         raise ValueError(f"copy span_tokens={list(span_tokens)}: use [min, max] with 1 <= min <= max")
+    glo, ghi = (int(x) for x in gap_tokens)
+    if not 0 <= glo <= ghi:
+        raise ValueError(f"copy gap_tokens={list(gap_tokens)}: use [min, max] with 0 <= min <= max")
     if rows < 1 or not 0.0 < share <= 1.0:
         raise ValueError(f"copy rows={rows}, share={share}: need rows >= 1 and a share in (0, 1]")
     if draw not in COPY_DRAWS:
@@ -261,9 +266,10 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     info = read_info(data_dir)
     seq_len, special = info.seq_len, info.special_ids
     mark = np.asarray(tokenizer.encode(COPY_MARK, add_special_tokens=False).ids, TOKEN_DTYPE)
-    shortest = 2 * lo + mark.size + 2
+    shortest = 2 * lo + glo + mark.size + 2
     if shortest > seq_len:
-        raise ValueError(f"copy span_tokens min {lo}: a sample of {shortest} tokens does not fit a {seq_len}-token row")
+        raise ValueError(f"copy span_tokens min {lo}, gap_tokens min {glo}: a sample of {shortest} tokens does not "
+                         f"fit a {seq_len}-token row")
     specials = {tokenizer.token_to_id(t) for t in SPECIAL_TOKENS} | set(special.values())
     pool = np.asarray([i for i in range(info.vocab_size) if i not in specials], TOKEN_DTYPE)
     weights = None
@@ -277,7 +283,7 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     rng = np.random.default_rng([seed, _COPY_TAG])
     total = len(plain) + rows
 
-    made = {"samples": 0, "span_tokens": 0, "loss_tokens": 0}
+    made = {"samples": 0, "span_tokens": 0, "gap_tokens": 0, "loss_tokens": 0}
 
     def made_rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         for j in range(total):
@@ -286,14 +292,18 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
                 continue
             pieces, masks, row_starts_l, space = [], [], [0], seq_len
             while space:
-                n = min(2 * int(rng.integers(lo, hi + 1)) + mark.size + 2, space)
+                gap = int(rng.integers(glo, ghi + 1)) if ghi else 0  # no draw without gaps: the rows stay as they were
+                n = min(2 * int(rng.integers(lo, hi + 1)) + gap + mark.size + 2, space)
                 if space - n < shortest:
                     n = space  # the last sample takes the rest of the row
-                s = copy_sample(pool, n, rng, bos=special["bos"], eos=special["eos"], mark=mark, weights=weights)
+                gap = min(gap, n - mark.size - 2 - 2 * lo)  # a cut last sample keeps spans of lo or more
+                s = copy_sample(pool, n, rng, bos=special["bos"], eos=special["eos"], mark=mark, weights=weights,
+                                gap=gap)
                 pieces.append(s.tokens)
                 masks.append(s.no_loss)
                 made["samples"] += 1
                 made["span_tokens"] += s.meta["span_tokens"]
+                made["gap_tokens"] += gap
                 space -= n
                 if space:
                     row_starts_l.append(seq_len - space)
@@ -314,6 +324,7 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     record = {"rows": rows, "plain_rows": total - rows, "share": share, "first_copy_row": total - rows,
               "curriculum_rows": int(math.ceil(rows / share)), "seq_len": seq_len, "samples": samples,
               "span_tokens": [lo, hi], "mean_span_tokens": made["span_tokens"] / max(samples, 1),
+              "gap_tokens": [glo, ghi], "mean_gap_tokens": made["gap_tokens"] / max(samples, 1),
               "loss_tokens": loss_tokens, "pool": int(pool.size), "draw": draw, "marker_tokens": int(mark.size),
               "seed": seed}
     _commit(data_dir, COPY_FILE, record, replace(info, train=train))
@@ -335,7 +346,8 @@ def copy_metrics(record: dict[str, Any] | None) -> dict[str, float]:
     if not record:
         return {}
     return {f"copy_curriculum.{k}": record[k] for k in ("rows", "samples", "loss_tokens", "curriculum_rows",
-                                                        "share", "mean_span_tokens")}
+                                                        "share", "mean_span_tokens", "mean_gap_tokens")
+            if k in record}  # records written before gaps existed lack mean_gap_tokens
 
 
 def read_retrieval(data_dir: str | Path) -> dict[str, Any] | None:

@@ -65,15 +65,18 @@ class PretrainParams(TrainingParams, RunShape):
         "Copy curriculum: share of the rows read in the first copy_until_tokens that are pure copy rows (a span "
         "of token ids drawn from the vocabulary as copy_draw says, a marker, the span again; the loss on the "
         "repeat), each read once; 1: nothing else in that window; 0: none. Our departure from the report (issue "
-        "33). Not yet shown to teach copying at gpu-300m: 700 steps of these rows alone (two runs) and 671 steps "
-        "of 60% copy rows mixed with text left the copy loss at ln V. Their spans vary in length, so only an "
-        "induction head copies them; the copy probe that gpu-300m learns in 150-600 steps has spans of one length, "
-        "which a fixed look-back copies (BENCHMARKS.md)."))
+        "33). On 4 x H200, 1,000 steps of these rows alone (spans of 32-256 ids, 16K tokens a step, head_init "
+        "embedding) taught gpu-300m's hybrid to copy: the loss left ln V at steps 550-800 (BENCHMARKS.md, the "
+        "fifth lease); with a Xavier head it did not, nor did 700 steps with the EOS a target (two runs)."))
     copy_until_tokens: int = Field(0, ge=0, description=(
         "Training tokens (rows read x seq_len, from the start) over which the copy rows are spread; after them "
         "the run reads only the mixture's rows and the retrieval rows."))
     copy_span_tokens: list[int] = Field(default_factory=lambda: [32, 256], min_length=2, max_length=2,
                                         description="Shortest and longest copied span, in tokens.")
+    copy_gap_tokens: list[int] = Field(default_factory=lambda: [0, 0], min_length=2, max_length=2, description=(
+        "Fewest and most ids drawn between each copy row's span and its marker, so the repeat is copied from that "
+        "much farther back (the copy rows' repeats are otherwise at most a span and a marker away). Not yet run on "
+        "a GPU."))
     copy_draw: Literal["uniform", "unigram"] = Field("uniform", description=(
         "How the copy rows draw their span ids from the ordinary vocabulary: uniform (each id alike), or unigram "
         "(as often as the training text uses each; ids it never uses are never drawn). On the CPU a toy model "
@@ -102,8 +105,12 @@ class PretrainParams(TrainingParams, RunShape):
         lo, hi = self.copy_span_tokens
         if not 1 <= lo <= hi:
             raise ValueError(f"copy_span_tokens={self.copy_span_tokens}: use [min, max] with 1 <= min <= max")
-        if 2 * lo + 16 > self.seq_len:
-            raise ValueError(f"copy_span_tokens min {lo}: a sample of two spans does not fit a {self.seq_len}-token row")
+        glo, ghi = self.copy_gap_tokens
+        if not 0 <= glo <= ghi:
+            raise ValueError(f"copy_gap_tokens={self.copy_gap_tokens}: use [min, max] with 0 <= min <= max")
+        if 2 * lo + glo + 16 > self.seq_len:
+            raise ValueError(f"copy_span_tokens min {lo}, copy_gap_tokens min {glo}: a sample of two spans and the "
+                             f"gap does not fit a {self.seq_len}-token row")
         if self.copy_until_tokens < self.seq_len / self.copy_share:
             raise ValueError(f"copy_share={self.copy_share} needs copy_until_tokens of at least one copy row's "
                              f"worth of rows ({int(self.seq_len / self.copy_share):,} tokens), got "
@@ -172,7 +179,7 @@ def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
                           rows=max(1, copy_rows_for(params.train_tokens, params.seq_len, params.copy_share,
                                                     params.copy_until_tokens)),
                           share=params.copy_share, seed=params.seed, span_tokens=params.copy_span_tokens,
-                          draw=params.copy_draw, progress=ctx.progress)
+                          draw=params.copy_draw, gap_tokens=params.copy_gap_tokens, progress=ctx.progress)
         publish_dir(tmp, data_dir)
     ctx.log_metrics(retrieval_metrics(read_retrieval(data_dir)) | copy_metrics(read_copy(data_dir)))
     shutil.copy2(data_dir / "packing.json", ctx.out_dir / "packing.json")

@@ -406,6 +406,67 @@ def test_a_copy_sample_repeats_its_span_after_the_marker_with_the_loss_on_the_re
         copy_sample(pool, 6, np.random.default_rng(0), bos=1, eos=2, mark=mark)
 
 
+def test_a_copy_sample_with_a_gap_repeats_its_span_that_much_farther_back():
+    from data.retrieval import copy_sample
+
+    mark = np.asarray([7, 8, 9], np.int32)
+    pool = np.arange(20, 60, dtype=np.int32)
+    for length, gap in ((300, 100), (57, 0), (58, 41)):
+        s = copy_sample(pool, length, np.random.default_rng(length), bos=1, eos=2, mark=mark, gap=gap)
+        span = s.meta["span_tokens"]
+        assert span == (length - 5 - gap) // 2 and s.meta["gap_tokens"] == gap and s.tokens.size == length
+        end = length - 1  # the EOS
+        second = s.tokens[end - span:end]
+        marker = s.tokens[end - span - 3:end - span]
+        gap_ids = s.tokens[end - span - 3 - gap:end - span - 3]
+        first = s.tokens[end - span - 3 - gap - span:end - span - 3 - gap]
+        assert (first == second).all() and (marker == mark).all() and np.isin(gap_ids, pool).all()
+        assert (~s.no_loss).sum() == span and (~s.no_loss[end - span:end]).all()  # the gap is no target
+    # no gap: the same draws as before gaps existed, so the rows of a run without them are unchanged
+    a = copy_sample(pool, 300, np.random.default_rng(0), bos=1, eos=2, mark=mark)
+    b = copy_sample(pool, 300, np.random.default_rng(0), bos=1, eos=2, mark=mark, gap=0)
+    assert (a.tokens == b.tokens).all()
+    with pytest.raises(ValueError, match="the gap 296"):
+        copy_sample(pool, 300, np.random.default_rng(0), bos=1, eos=2, mark=mark, gap=296)
+    with pytest.raises(ValueError, match="use 0 or more"):
+        copy_sample(pool, 300, np.random.default_rng(0), bos=1, eos=2, mark=mark, gap=-1)
+
+
+def test_copy_rows_with_gaps_put_each_repeat_its_gap_farther_back(mixed, tokenizer, tmp_path):
+    from data.retrieval import COPY_MARK
+    from pretrain.retrieval_rows import add_copy_rows, copy_metrics
+
+    src, _ = mixed
+    out = tmp_path / "data"
+    shutil.copytree(src, out)
+    record = add_copy_rows(out, tokenizer, rows=8, share=1.0, seed=0, span_tokens=(8, 24), gap_tokens=(40, 120))
+    mark = np.asarray(tokenizer.encode(COPY_MARK, add_special_tokens=False).ids)
+    rows, gaps = PackedRows(out, "train"), []
+    for i in range(record["first_copy_row"], len(rows)):
+        tokens, starts, no_loss = rows.row(i)
+        keep = loss_mask(starts, no_loss)
+        for a, b in zip(starts[:-1], starts[1:], strict=True):  # every segment: [BOS] (x) R G MARK R [EOS]
+            seg, lab = tokens[a:b], keep[a:b]
+            span = int(lab.sum())
+            m = len(seg) - 1 - span - mark.size  # where the marker starts
+            assert (seg[m:m + mark.size] == mark).all() and lab[m + mark.size:-1].all() and not lab[:m].any()
+            # the span: the first R is the span ids after [BOS] and the odd lead id, the rest up to the marker is G
+            body = m - 1
+            gap = None
+            for lead in (0, 1):
+                g = body - lead - span
+                if (seg[1 + lead:1 + lead + span] == seg[-1 - span:-1]).all() and g >= 0:
+                    gap = g
+                    break
+            assert gap is not None and 40 <= gap <= 120, (i, gap)
+            gaps.append(gap)
+    assert record["gap_tokens"] == [40, 120] and len(gaps) == record["samples"]
+    assert record["mean_gap_tokens"] == pytest.approx(sum(gaps) / len(gaps))
+    assert copy_metrics(record)["copy_curriculum.mean_gap_tokens"] == record["mean_gap_tokens"]
+    with pytest.raises(ValueError, match="gap_tokens"):
+        add_copy_rows(tmp_path / "other", tokenizer, rows=8, share=1.0, seed=0, gap_tokens=(9, 3))
+
+
 @pytest.fixture(scope="module")
 def with_copy(mixed, tokenizer, tmp_path_factory):
     from pretrain.retrieval_rows import add_copy_rows
@@ -550,7 +611,12 @@ def test_pretrain_params_check_the_copy_curriculum():
         PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[64, 16])
     with pytest.raises(ValueError, match="does not fit"):
         PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[200, 300])
-    assert ok.copy_draw == "uniform"
+    assert ok.copy_draw == "uniform" and ok.copy_gap_tokens == [0, 0]
+    with pytest.raises(ValueError, match="copy_gap_tokens"):
+        PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_gap_tokens=[50, 10])
+    with pytest.raises(ValueError, match="gap does not fit"):
+        PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_span_tokens=[16, 64],
+                       copy_gap_tokens=[230, 240])
     with pytest.raises(ValueError, match="copy_draw"):
         PretrainParams(seq_len=256, copy_share=0.5, copy_until_tokens=100_000, copy_draw="zipf")
 
