@@ -247,8 +247,9 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     ``draw`` "uniform", each id alike, or "unigram", as often as the training text uses it (its unigram counts;
     ids the text never uses are never drawn). On the CPU a toy model copied Zipf-drawn ids from a 4,096-id
     vocabulary after ~150-400 steps and uniformly drawn ones not in 200 (BENCHMARKS.md). ``gap_tokens`` (min, max):
-    each sample puts that many more drawn ids between its span and the marker (:func:`copy_sample`'s gap; the last
-    sample of a row may get less, down to the min), so the repeat is copied from farther back. The loss counts the
+    each sample puts that many more drawn ids between its span and the marker (:func:`copy_sample`'s gap), so the
+    repeat is copied from farther back. A row's last sample keeps its drawn span and takes the rest of the row as
+    its gap, which can exceed the max (without gaps, its span takes the rest). The loss counts the
     repeats alone. The unigram counts leave the rows out: the unigram baseline describes the text. ``packing.json``'s train split counts them (rows, tokens, segments)."""
     data_dir = Path(data_dir)
     if (data_dir / COPY_FILE).exists():
@@ -293,10 +294,12 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
             pieces, masks, row_starts_l, space = [], [], [0], seq_len
             while space:
                 gap = int(rng.integers(glo, ghi + 1)) if ghi else 0  # no draw without gaps: the rows stay as they were
-                n = min(2 * int(rng.integers(lo, hi + 1)) + gap + mark.size + 2, space)
+                want = int(rng.integers(lo, hi + 1))
+                n = min(2 * want + gap + mark.size + 2, space)
                 if space - n < shortest:
                     n = space  # the last sample takes the rest of the row
-                gap = min(gap, n - mark.size - 2 - 2 * lo)  # a cut last sample keeps spans of lo or more
+                if ghi:  # with gaps, the rest goes to the gap (the span keeps its draw); a cut sample keeps spans >= lo
+                    gap = max(min(gap, n - mark.size - 2 - 2 * lo), n - mark.size - 2 - 2 * want)
                 s = copy_sample(pool, n, rng, bos=special["bos"], eos=special["eos"], mark=mark, weights=weights,
                                 gap=gap)
                 pieces.append(s.tokens)
