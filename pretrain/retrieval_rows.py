@@ -231,16 +231,29 @@ def copy_rows_for(train_tokens: int, seq_len: int, share: float, until_tokens: i
     return int(slots * share)
 
 
+def _copy_pool(data_dir: Path, tokenizer: Any, info: Any, draw: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The ids copy rows draw from (every ordinary id) and their probabilities (None: uniform; ``draw`` "unigram":
+    as often as the training text uses each, ids it never uses left out)."""
+    specials = {tokenizer.token_to_id(t) for t in SPECIAL_TOKENS} | set(info.special_ids.values())
+    pool = np.asarray([i for i in range(info.vocab_size) if i not in specials], TOKEN_DTYPE)
+    if draw != "unigram":
+        return pool, None
+    counts = np.load(data_dir / UNIGRAM_FILE).astype(np.float64)[pool]
+    if not counts.sum():
+        raise ValueError(f"copy draw='unigram': the training text of {data_dir} uses no ordinary token")
+    pool, counts = pool[counts > 0], counts[counts > 0]
+    return pool, counts / counts.sum()
+
+
 def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: float, seed: int,
                   span_tokens: Sequence[int] = (32, 256), draw: str = "uniform", gap_tokens: Sequence[int] = (0, 0),
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Append ``rows`` copy-curriculum rows to the training split in ``data_dir`` and record the schedule that
     reads them (``copy_curriculum.json``): the first ``rows / share`` rows a run reads hold them at ``share``,
     evenly spread (all of them at share 1), the rest of those rows and everything after coming from the split's
-    other rows (:class:`pretrain.packed_data.CurriculumLoader`). Our departure from the report (issue 33): the
-    issue reports ``gpu-300m`` copying after ~700 steps of this task alone. Natural text with the other retrieval
-    kinds did not teach it, and neither (so far) did 700 steps of these rows alone, 671 steps of them at 60% with
-    text, or our own run of the issue's task (BENCHMARKS.md).
+    other rows (:class:`pretrain.packed_data.CurriculumLoader`). Our departure from the report (issue 33): natural
+    text with the other retrieval kinds did not teach ``gpu-300m`` to copy; 1,000 steps of these rows alone did
+    (BENCHMARKS.md, the fifth lease).
 
     A row holds :func:`data.retrieval.copy_sample` s, one segment each, their spans drawn uniformly from
     ``span_tokens`` (min, max) and their ids from the ordinary vocabulary (every id but the special tokens):
@@ -271,15 +284,7 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     if shortest > seq_len:
         raise ValueError(f"copy span_tokens min {lo}, gap_tokens min {glo}: a sample of {shortest} tokens does not "
                          f"fit a {seq_len}-token row")
-    specials = {tokenizer.token_to_id(t) for t in SPECIAL_TOKENS} | set(special.values())
-    pool = np.asarray([i for i in range(info.vocab_size) if i not in specials], TOKEN_DTYPE)
-    weights = None
-    if draw == "unigram":
-        counts = np.load(data_dir / UNIGRAM_FILE).astype(np.float64)[pool]
-        if not counts.sum():
-            raise ValueError(f"copy draw='unigram': the training text of {data_dir} uses no ordinary token")
-        pool, counts = pool[counts > 0], counts[counts > 0]
-        weights = counts / counts.sum()
+    pool, weights = _copy_pool(data_dir, tokenizer, info, draw)
     plain = PackedRows(data_dir, "train")
     rng = np.random.default_rng([seed, _COPY_TAG])
     total = len(plain) + rows
