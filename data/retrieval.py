@@ -92,9 +92,9 @@ def copy_sample(pool: np.ndarray, length: int, rng: np.random.Generator, *, bos:
     allows (``x``: one more drawn id where the length is odd, not a target). ``G``: ``gap`` more ids drawn the same
     way between the span and the marker (none by default), so the repeat looks ``gap`` positions farther back.
     Targets (``no_loss`` False) are the second ``R`` alone, which is also what ``answer`` marks. The first ``R``, the
-    gap and the marker cannot be predicted. The
-    EOS is not a target either: where it comes can only be counted, and a model that copies predicts the marker
-    there (what followed the span's last id), so its loss works against copying. On the CPU, with it a target, a
+    gap and the marker cannot be predicted. The EOS is not a target either: where it comes can only be counted, and
+    a model that copies predicts the marker there (what followed the span's last id; with a gap, the gap's first
+    id), so its loss works against copying. On the CPU, with it a target, a
     toy learnt nothing from spans of 4-16 ids in 900 steps; without it, it copied 0.8 of them by step 300
     (BENCHMARKS.md, "The whole spec in one lease")."""
     mark = np.asarray(mark, TOKEN_DTYPE)

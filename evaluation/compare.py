@@ -321,7 +321,7 @@ def _cell(v: Any) -> str:
 
 def render_markdown(variants: list[Variant], table: list[tuple[str, str, list[Any]]], power: list[dict[str, Any]],
                     problems: list[str], alpha: float, power_level: float) -> str:
-    lines = [f"# Attention ablation: {', '.join(v.name for v in variants)}", ""]
+    lines = [f"# Ablation (compare): {', '.join(v.name for v in variants)}", ""]
     if problems:
         lines += ["**WARNING: UNFAIR COMPARISON** (allow_unfair: true): the variants differ in more than the ablated "
                   "factor:", ""] + [f"- {p}" for p in problems] + [""]

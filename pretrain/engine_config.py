@@ -82,8 +82,9 @@ class RunShape(BaseModel):
         "the first step; the head still trains on its own). Our departure from the report where a DAG sets it "
         "(issue 33). On 4 x H200, gpu-300m first passed 0.5 copy accuracy at 32,768 ids after 150-350 steps with "
         "it and 450-600 without, on spans of one length (a fixed look-back copies them). On spans of varying "
-        "length, on the CPU, the pretrain stage's toy copied with it and not without it in 400 steps; at gpu-300m "
-        "that is not measured yet (BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
+        "length, on the CPU, the pretrain stage's toy copied with it and not without it in 400 steps; on 4 x H200 "
+        "gpu-300m's hybrid copied with it and, with a Xavier head, neither copied nor left the unigram plateau "
+        "(one run each, BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description=(
         "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))
