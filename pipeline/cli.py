@@ -214,8 +214,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pipeline.orchestrator import format_table, verify_spec, verify_store  # lazy: start-up
+    from pipeline.orchestrator import format_table  # lazy: start-up
     from pipeline.spec import SpecError, load_spec  # lazy: start-up
+    from pipeline.verify import verify_spec, verify_store
 
     t0 = time.monotonic()
     if args.spec:

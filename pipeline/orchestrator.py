@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import yaml
 
 from pipeline import tracking
-from pipeline.artifacts import ArtifactCheck, ArtifactStore, cache_key, check_artifact, write_json_atomic
+from pipeline.artifacts import ArtifactStore, cache_key, write_json_atomic
 from pipeline.launch import pid_alive, process_start_ticks, start_watchdog
 from pipeline.registry import code_digest
 from pipeline.runner import StageOutcome, StageTask, execute_stage
@@ -230,6 +230,9 @@ class Orchestrator:
         self.console = Console(out, time.monotonic())
         self._ray_started = False
         self._ray_ready = False
+        self._depth = spec.depth_below()  # GPUs go to the waiting stage with the most of the run below it
+        self._keys: dict[str, tuple[str, dict[str, Any]]] = {}  # a stage's cache key, once its inputs are in
+        self._gpu_waiting: set[str] = set()  # stages told they wait for a GPU
 
     # --- selection ---------------------------------------------------------------------------
     def plan(self) -> tuple[list[str], set[str]]:
@@ -510,7 +513,8 @@ class Orchestrator:
         """Start every stage whose inputs are ready. Returns True if any state changed."""
         spec, say = self.spec, self.console.say
         progressed = False
-        for name in order:
+        # deepest first (a topological order too: a stage is deeper than what needs it), ties in spec order
+        for name in sorted(order, key=lambda n: -self._depth[n]):
             res = results[name]
             if res.state != "pending":
                 continue
@@ -520,11 +524,7 @@ class Orchestrator:
             if bad:
                 res.state, res.reason = "skipped", f"{bad[0].name} {bad[0].state}"
                 say(f"· {name} skipped: upstream {bad[0].name} {bad[0].state}")
-                if c:
-                    rid = tracking.start_run(c, exp, name, parent_run_id=parent, tags={
-                        tracking.TAG_STAGE: name, tracking.TAG_KIND: st.kind.name,
-                        tracking.TAG_STATE: "skipped", "hylight.reason": res.reason})
-                    tracking.end_run(c, rid, "KILLED")
+                self._ended_stage_run(c, exp, parent, st, "skipped", {"hylight.reason": res.reason}, "KILLED")
                 progressed = True
                 continue
             if any(u.state == "planned" for u in ups):
@@ -536,16 +536,13 @@ class Orchestrator:
             if res.reason.removeprefix("waits for ") in {n for n, _, _ in running.values()}:
                 continue  # a stage of its cache key still runs (below): no need to hash the inputs again
             try:
-                key, material = stage_cache_key(st, artifacts)
+                key, material = self._keys.get(name) or stage_cache_key(st, artifacts)
+                self._keys[name] = (key, material)
             except Exception as e:  # noqa: BLE001 (a fingerprint failed, e.g. an input file that does not exist)
                 res.state, res.error = "failed", f"{type(e).__name__}: {e}"
                 say(f"✗ {name} cannot start: {res.error}")
-                if c:
-                    rid = tracking.start_run(c, exp, name, parent_run_id=parent, tags={
-                        tracking.TAG_STAGE: name, tracking.TAG_KIND: st.kind.name,
-                        tracking.TAG_STATE: "failed", "hylight.error": res.error[:500]})
-                    res.run_id = rid
-                    tracking.end_run(c, rid, "FAILED")
+                res.run_id = self._ended_stage_run(c, exp, parent, st, "failed", {"hylight.error": res.error[:500]},
+                                                   "FAILED")
                 progressed = True
                 continue
             twin = next((n for n, _, _ in running.values() if results[n].cache_key == key), None)
@@ -580,6 +577,11 @@ class Orchestrator:
             if self.opts.dry_run:
                 res.state, res.reason = "planned", why
                 continue
+            if self._gpus_taken(st, running):  # it waits here, not in Ray's queue, so the deepest goes first
+                if name not in self._gpu_waiting:
+                    self._gpu_waiting.add(name)
+                    say(f"· {name} waits for a GPU: every one is held by this run's stages")
+                continue
             rid = self._stage_run(c, exp, parent, st, key, lineage,
                                   {tracking.TAG_CACHE_HIT: "false", tracking.TAG_STATE: "running",
                                    **({TAG_CACHE_REJECTED: rejected[0][:500]} if rejected else {})})
@@ -601,6 +603,32 @@ class Orchestrator:
             ref = self._submit(task, st)
             running[ref] = (name, rid, time.monotonic())
         return progressed
+
+    def _ended_stage_run(self, c: Any, exp: Any, parent: Any, st: ResolvedStage, state: str, tags: dict[str, str],
+                         status: str) -> str | None:
+        """The MLflow run of a stage that ends before it starts (skipped, or its key failed); None without MLflow."""
+        if not c:
+            return None
+        rid = tracking.start_run(c, exp, st.name, parent_run_id=parent, tags={
+            tracking.TAG_STAGE: st.name, tracking.TAG_KIND: st.kind.name, tracking.TAG_STATE: state, **tags})
+        tracking.end_run(c, rid, status)
+        return rid
+
+    def _gpus_taken(self, st: ResolvedStage, running: dict[Any, tuple[str, str, float]]) -> bool:
+        """True while the stages this run started hold the GPUs ``st`` asks for. Submitted anyway, it would wait
+        in Ray's queue, and Ray starts whichever queued task it likes when a GPU frees: an eval could take it from
+        the next stage of a long chain. A stage asking for more GPUs than the cluster has is left to Ray (and to
+        ``hylight validate``); GPUs used outside this run are not counted."""
+        asked = st.resources.gpus * st.resources.nodes
+        if asked <= 0 or not running:
+            return False
+        self._ensure_ray()
+        import ray  # heavy: ray (~1 s), only where a run starts or attaches to it
+
+        total = float(ray.cluster_resources().get("GPU", 0.0))
+        held = sum(self.spec.stages[n].resources.gpus * self.spec.stages[n].resources.nodes
+                   for n, _, _ in running.values())
+        return asked <= total and held + asked > total + 1e-9
 
     def _collect(self, ref: Any, name: str, run_id: str, start: float, results: dict[str, StageResult],
                  artifacts: dict[str, Artifact], c: Any) -> None:
@@ -634,61 +662,6 @@ class Orchestrator:
         if c:
             self._replay_journal(c, run_id, art.path)
             self._finish_stage_run(c, run_id, art)
-
-
-@dataclass
-class VerifiedArtifact:
-    """One line of ``hylight verify``: an artifact re-hashed against its manifest, or why none was."""
-
-    state: str  # ok | changed | not built | unknown
-    path: Path | None
-    check: ArtifactCheck | None = None
-    stage: str | None = None
-    note: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "state": self.state, "path": str(self.path) if self.path else None,
-                "note": self.note, **({"check": self.check.to_json()} if self.check else {})}
-
-
-def _verified(check: ArtifactCheck, stage: str | None = None) -> VerifiedArtifact:
-    return VerifiedArtifact("ok" if check.ok else "changed", check.path, check, stage,
-                            "" if check.ok else check.describe())
-
-
-def verify_spec(spec: PipelineSpec) -> list[VerifiedArtifact]:
-    """Re-hash the artifact of every stage of ``spec`` that `hylight run` would look up (same keys), in
-    topological order; read only. A stage whose artifact changed still passes its manifest's digest on, so
-    its dependents' keys are those a rerun would look up when the rebuilt output is the same."""
-    store = ArtifactStore(spec.artifact_root)
-    found: dict[str, Artifact] = {}
-    out = []
-    for name, st in spec.stages.items():
-        lacking = [n for n in st.needs if n not in found]
-        if lacking:
-            out.append(VerifiedArtifact("unknown", None, stage=name,
-                                        note=f"key unknown: needs {lacking[0]}, which has no artifact"))
-            continue
-        try:
-            key, _ = stage_cache_key(st, found)
-        except Exception as e:  # noqa: BLE001 (a fingerprint failed, e.g. an input file that does not exist)
-            out.append(VerifiedArtifact("unknown", None, stage=name, note=f"key unknown: {type(e).__name__}: {e}"))
-            continue
-        path = store.path_for(st.kind.name, key)
-        if not path.exists():
-            out.append(VerifiedArtifact("not built", path, stage=name, note="no artifact for its key"))
-            continue
-        check = check_artifact(path, kind=st.kind.name, key=key)
-        if check.manifest is not None and "digest" in check.manifest and check.problem is None:
-            found[name] = Artifact(path=path, manifest=check.manifest)
-        out.append(_verified(check, name))
-    return out
-
-
-def verify_store(root: Path) -> list[VerifiedArtifact]:
-    """Re-hash every artifact under ``root/artifacts`` (whatever spec made it); read only."""
-    checks = [check_artifact(p) for p in ArtifactStore(root).artifact_dirs()]
-    return [_verified(c, (c.manifest or {}).get("stage")) for c in checks]
 
 
 def run_pipeline(spec: PipelineSpec, opts: RunOptions | None = None, out: TextIO = sys.stderr) -> RunReport:

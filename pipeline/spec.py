@@ -119,6 +119,18 @@ class PipelineSpec:
                 out.add(s.name)
         return [s for s in self.stages if s in out]
 
+    def depth_below(self) -> dict[str, int]:
+        """For each stage, the most stages on a path from it down to a stage nothing needs (0 for such a stage):
+        how much of the run waits behind it. The orchestrator gives GPUs to the deepest waiting stage first."""
+        dependents: dict[str, list[str]] = {n: [] for n in self.stages}
+        for s in self.stages.values():
+            for n in s.needs:
+                dependents[n].append(s.name)
+        depth: dict[str, int] = {}
+        for name in reversed(list(self.stages)):  # topological order reversed: a stage's dependents come first
+            depth[name] = 1 + max((depth[d] for d in dependents[name]), default=-1)
+        return depth
+
     def upstream_of(self, name: str) -> list[str]:
         """``name`` and everything it (transitively) needs, in topological order."""
         out, todo = set(), [name]

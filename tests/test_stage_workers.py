@@ -70,3 +70,29 @@ def test_two_gpu_stages_run_at_once_on_different_gpus_and_a_third_waits_for_one(
     assert ga and gb and ga != gb  # on different GPUs
     assert sorted(gc.split(",")) == sorted([ga, gb])  # c took both GPUs ...
     assert c0 >= max(a1, b1) - 0.5  # ... once a and b had given them back
+
+
+def test_a_freed_gpu_goes_to_the_waiting_stage_with_more_of_the_run_behind_it(ray_with_gpus, tmp_path):
+    # `blocker` holds one GPU for 5 s; `a` the other for ~0.5 s. When `a` ends, `leaf` (nothing needs it) and
+    # `chain1` (chain2 needs it) are both ready for the one free GPU. `leaf` comes first in the spec, and Ray would
+    # start whichever it queued first; the orchestrator holds `leaf` back and gives the GPU to `chain1`.
+    meet, marker = tmp_path / "meet", tmp_path / "hold"
+    meet.mkdir()
+    marker.write_text("hold")
+    gpu = "    resources: {cpus: 1, gpus: 1}\n"
+    rdv = "    uses: tests.stage_fixtures:RENDEZVOUS\n    params: {{dir: '{d}', expect: 1, timeout_s: 60, label: {n}}}\n"
+    spec = _spec(tmp_path,
+                 "  blocker:\n    uses: tests.stage_fixtures:WAIT\n"
+                 f"    params: {{marker: '{marker}', pid_file: '{tmp_path / 'pid'}', timeout_s: 5}}\n" + gpu +
+                 "  a:\n" + rdv.format(d=meet, n="a") + gpu +
+                 "".join(f"  {n}:\n    uses: tests.stage_fixtures:CONCAT\n    needs: [{up}]\n    params: {{sep: {n}}}\n"
+                         + gpu for n, up in (("leaf", "a"), ("chain1", "a"), ("chain2", "chain1"))))
+    assert spec.depth_below() == {"blocker": 0, "a": 2, "leaf": 0, "chain1": 1, "chain2": 0}
+    out = io.StringIO()
+    report = run_pipeline(spec, RunOptions(), out=out)
+    assert report.ok, {k: v.error for k, v in report.stages.items()}
+    (b0, b1, _), (a0, a1, _), (l0, _, _), (c0, c1, _) = (_placement(report, n) for n in ("blocker", "a", "leaf", "chain1"))
+    assert a1 < b1 - 1.0  # the scenario held: `a` ended while `blocker` still had its GPU
+    assert c0 < l0  # the chain's stage got the freed GPU ...
+    assert l0 >= min(c1, b1) - 0.5  # ... and `leaf` started only once a GPU was given back
+    assert "· leaf waits for a GPU" in out.getvalue()
