@@ -48,19 +48,23 @@ from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
+    EVAL_BEFORE_HELP,
     MODEL_DIR,
     NO_ACTIVATION_CHECKPOINTING,
+    EvalBefore,
     SamplingStats,
     Temperatures,
     chat_prompt,
     last_checkpoint,
     load_policy,
     pass_rate,
+    pass_rate_before,
     publish_policy,
     sample_responses,
     train_from_checkpoint,
     trainer_checkpointing,
     trainer_log_relay,
+    write_pass_rate,
 )
 from posttrain.prompts import PROMPTS_TYPE, read_pool, split_group
 from posttrain.report import log_finite_summary, loss_figure, write_report
@@ -113,6 +117,7 @@ class DPOParams(StageParams):
     eval_prompts: int | None = Field(None, ge=1, description=(
         "First N records of the eval pool for eval_pass_rate; None = all (the same set every stage scores)."))
     eval_max_new_tokens: int = Field(24, ge=1, description="Greedy response cap of eval_pass_rate.")
+    eval_before: EvalBefore = Field("measure", description=EVAL_BEFORE_HELP)
 
 
 # --- pairs --------------------------------------------------------------------------------------------------------
@@ -401,8 +406,10 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     heldout = HeldoutPreference(params, model, tok.pad_token_id, [encoded[p["id"]][0] for p in split["heldout"]],
                                 [encoded[p["id"]][1] for p in split["heldout"]])
     eval_records = read_pool(ctx.input("prompts").path, "eval", "dpo")[:params.eval_prompts]
-    pass_before, _ = pass_rate(model, tok, eval_records, max_new_tokens=params.eval_max_new_tokens,
-                               batch_size=params.sample_batch_size)
+    eval_id = {"max_new_tokens": params.eval_max_new_tokens, "prompts_digest": ctx.input("prompts").digest}
+    pass_before, before_from = pass_rate_before(
+        params.eval_before, ckpt, eval_records, **eval_id, progress=ctx.progress, measure=lambda: pass_rate(
+            model, tok, eval_records, batch_size=params.sample_batch_size, max_new_tokens=params.eval_max_new_tokens)[0])
     acc0, margin0 = heldout(model)
     ctx.log_metrics({"eval_preference_accuracy": acc0, "eval_reward_margin": margin0,
                      "eval_pass_rate": pass_before}, step=0)
@@ -419,6 +426,8 @@ def run(params: DPOParams, ctx: StageContext) -> None:
     ctx.log_metrics({"eval_preference_accuracy": acc1, "eval_reward_margin": margin1, "eval_pass_rate": pass_after},
                     step=steps)
     publish_policy(policy, ckpt / MODEL_DIR, ckpt, ctx.out_dir)
+    write_pass_rate(ctx.out_dir, pass_after, eval_records, **eval_id, stage=ctx.stage_name,
+                    before=(pass_before, before_from))
     ctx.log_figure(loss_figure(losses, xlabel="step", ylabel="DPO loss", marker="o",
                                title=f"{ctx.stage_name}: DPO loss (β={params.beta})"), "loss.png")
     _report(params, ctx, pairs, skipped, split, skip_counts, truncated=truncated, stats=stats,

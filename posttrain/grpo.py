@@ -58,15 +58,19 @@ from posttrain.grpo_trainer import (
 )
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
+    EVAL_BEFORE_HELP,
     MODEL_DIR,
     NO_ACTIVATION_CHECKPOINTING,
+    EvalBefore,
     SamplingStats,
     last_checkpoint,
     load_policy,
     pass_rate,
+    pass_rate_before,
     publish_policy,
     trainer_checkpointing,
     trainer_log_relay,
+    write_pass_rate,
 )
 from posttrain.prompts import POOLS_DIR, PROMPTS_TYPE, read_pool
 from posttrain.report import log_finite_summary, write_report
@@ -93,6 +97,7 @@ class GRPOParams(StageParams):
         "First N records of the eval pool for eval_pass_rate; None = all (the same set every stage scores)."))
     eval_max_new_tokens: int = Field(24, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
     eval_every: int = Field(0, ge=0, description="Steps between eval_pass_rate measurements (0: first and last only).")
+    eval_before: EvalBefore = Field("measure", description=EVAL_BEFORE_HELP)
     # prompt selection (§5.4.2: moderate success rates)
     selection_k: int = Field(4, ge=1, description="Samples per prompt in the selection pass.")
     pass_rate_lo: float = Field(0.1, ge=0, le=1, description="Keep prompts whose pass rate is at least this...")
@@ -351,7 +356,9 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
                                 max_new_tokens=params.eval_max_new_tokens, stats=eval_stats,
                                 batch_size=params.prompts_per_step * params.num_generations)
     series = MetricSeries(ctx)
-    before = measure(policy)
+    eval_id = {"max_new_tokens": params.eval_max_new_tokens, "prompts_digest": ctx.input("prompts").digest}
+    before, before_from = pass_rate_before(params.eval_before, checkpoint, prompts.eval_records, **eval_id, progress=ctx.progress,
+                              measure=lambda: measure(policy))
     series.log({"eval_pass_rate": before}, 0)
     ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(prompts.eval_records)} held-out prompts")
 
@@ -382,6 +389,8 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     ctx.progress(f"eval_pass_rate after {steps} steps: {after:.3f} (before {before:.3f})")
 
     publish_policy(trained, checkpoint / MODEL_DIR, checkpoint, ctx.out_dir)
+    write_pass_rate(ctx.out_dir, after, prompts.eval_records, **eval_id, stage=ctx.stage_name,
+                    before=(before, before_from))
     _plot(ctx, series.series)
     _report(params, ctx, prompts, counts, sel.pass_rates, train_records, series, weights, rm_dir, eval_stats,
             eval_pass=(before, after), steps=steps, seconds=(selection_seconds, train_seconds), start=start)

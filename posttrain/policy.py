@@ -8,7 +8,9 @@ batches, measure the held-out pass rate, and write it back as a checkpoint artif
   lightning layers' O(1) recurrent decode state; §5.4.2 generation), each stopping at the chat template's end of
   turn. It counts generated tokens and seconds, so stages report generation throughput.
 * :func:`pass_rate` is ``eval_pass_rate``: greedy responses to held-out verifiable prompts, scored by the exact
-  checkers of ``posttrain.verifiable``.
+  checkers of ``posttrain.verifiable``. :func:`write_pass_rate` records the one a stage measured at its end beside
+  its checkpoint, and :func:`pass_rate_before` reads it back in the next stage (``eval_before: upstream``) where
+  that stage would measure the same prompts with the same token budget, instead of decoding them again.
 * :func:`save_policy` writes ``model/`` and ``minimax/`` (via ``pretrain.export.write_checkpoint_dirs``) and carries
   the base checkpoint's ``packing.json``, so the ``eval`` stage finds the pretraining run's held-out documents;
   :func:`publish_policy` writes them beside a stage's output and moves each into place whole.
@@ -16,22 +18,33 @@ batches, measure the held-out pass rate, and write it back as a checkpoint artif
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator
 
 from data.tokenizer import END_OF_TURN_TOKEN
-from pipeline.artifacts import publish_dir
+from pipeline.artifacts import publish_dir, write_json_atomic
 from posttrain.verifiable import CHECKERS, check
 
 MODEL_DIR = "model"
 PACKING_FILE = "packing.json"
+PASS_RATE_FILE = "eval_pass_rate.json"  # the pass rate a post-training stage measured at its end, and on what
+EvalBefore = Literal["measure", "upstream"]
+EVAL_BEFORE_HELP = (
+    "Where eval_pass_rate_before comes from: 'measure' decodes the eval prompts with the input checkpoint; "
+    "'upstream' reads the pass rate the stage that made the checkpoint measured at its end, where it was measured "
+    "on the same prompts (ids and prompts artifact) with the same eval_max_new_tokens, and measures otherwise "
+    "(a pretrain or long_context checkpoint has none). Greedy decoding in another batch size can differ in the "
+    "last bits, so the two can differ slightly; in the sixth GPU lease every 'before' equalled the upstream's "
+    "'after'.")
 
 
 def _checked_temperatures(v: list[float]) -> list[float]:
@@ -202,6 +215,48 @@ def pass_rate(model: Any, tokenizer: Any, records: Sequence[dict[str, Any]], *, 
         rows.append({"id": rec.get("id"), "task_type": rec.get("task_type"), "response": sample.text,
                      "correct": bool(res.correct), "reason": res.reason})
     return sum(r["correct"] for r in rows) / len(rows), rows
+
+
+def _eval_identity(records: Sequence[dict[str, Any]], max_new_tokens: int, prompts_digest: str) -> dict[str, Any]:
+    ids = "\n".join(str(r.get("id")) for r in records)
+    return {"prompts_digest": prompts_digest, "prompt_ids_sha256": hashlib.sha256(ids.encode()).hexdigest(),
+            "prompts": len(records), "max_new_tokens": int(max_new_tokens)}
+
+
+def write_pass_rate(out_dir: str | Path, rate: float, records: Sequence[dict[str, Any]], *, max_new_tokens: int,
+                    prompts_digest: str, stage: str, before: tuple[float, str]) -> None:
+    """``eval_pass_rate.json`` in a stage's output: ``rate`` and what it was measured on; ``before``: the stage's
+    pass rate before training and where it came from (:func:`pass_rate_before`'s answer)."""
+    write_json_atomic(Path(out_dir) / PASS_RATE_FILE, {
+        "eval_pass_rate": rate, "stage": stage, **_eval_identity(records, max_new_tokens, prompts_digest),
+        "before": before[0], "before_from": before[1]})
+
+
+def pass_rate_before(mode: EvalBefore, checkpoint_dir: str | Path, records: Sequence[dict[str, Any]], *,
+                     max_new_tokens: int, prompts_digest: str, measure: Callable[[], float],
+                     progress: Callable[[str], None]) -> tuple[float, str]:
+    """``eval_pass_rate`` of the input checkpoint and where it came from: read from its :data:`PASS_RATE_FILE`
+    (``mode`` 'upstream', when it was measured on these records with this token budget; the stage that measured
+    it), else ``measure()`` ('measured'). Says which it did."""
+    path = Path(checkpoint_dir) / PASS_RATE_FILE
+    if mode == "upstream":
+        if not path.is_file():
+            why = f"the input checkpoint has no {PASS_RATE_FILE} (not a post-training stage's)"
+        else:
+            try:
+                rec = json.loads(path.read_text())
+                want = _eval_identity(records, max_new_tokens, prompts_digest)
+                differs = [k for k, v in want.items() if rec.get(k) != v]
+                rate = float(rec["eval_pass_rate"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                differs, rate = [f"unreadable ({type(e).__name__}: {e})"], math.nan
+            if not differs and math.isfinite(rate):
+                progress(f"eval_pass_rate before: {rate:.3f}, as {rec.get('stage')} measured it at its end on the same "
+                         f"{len(records)} prompts (eval_before: upstream)")
+                return rate, str(rec.get("stage"))
+            why = f"{path.name} differs in {', '.join(differs) or 'its value'}"
+        progress(f"eval_before: upstream, but {why}: measuring")
+    return measure(), "measured"
 
 
 CHECKPOINT_EVERY_HELP = ("Save a mid-training checkpoint (weights, optimizer, scheduler, RNG and data position) every "

@@ -59,17 +59,21 @@ from pipeline.artifacts import write_jsonl_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind, StageParams, metric_key
 from posttrain.policy import (
     CHECKPOINT_EVERY_HELP,
+    EVAL_BEFORE_HELP,
     NO_ACTIVATION_CHECKPOINTING,
+    EvalBefore,
     SamplingStats,
     Temperatures,
     last_checkpoint,
     load_policy,
     pass_rate,
+    pass_rate_before,
     publish_policy,
     sample_responses,
     train_from_checkpoint,
     trainer_checkpointing,
     trainer_log_relay,
+    write_pass_rate,
 )
 from posttrain.preference_pairs import reference_response
 from posttrain.prompts import PROMPTS_TYPE, read_pool
@@ -150,6 +154,7 @@ class SFTParams(StageParams):
     # --- evaluation
     eval_max_new_tokens: int = Field(24, ge=1, description="Token budget of the greedy eval_pass_rate responses.")
     eval_prompts: int | None = Field(None, ge=1, description="First N records of the eval pool; None = all.")
+    eval_before: EvalBefore = Field("measure", description=EVAL_BEFORE_HELP)
 
     @model_validator(mode="after")
     def _schedule(self) -> SFTParams:
@@ -369,8 +374,10 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     stats = SamplingStats()
     eval_stats = SamplingStats()
     eval_start = time.monotonic()
-    before, _ = pass_rate(model, tok, eval_pool, max_new_tokens=params.eval_max_new_tokens,
-                          batch_size=params.sampling_batch_size, stats=eval_stats)
+    eval_id = {"max_new_tokens": params.eval_max_new_tokens, "prompts_digest": ctx.input("prompts").digest}
+    before, before_from = pass_rate_before(params.eval_before, ckpt, eval_pool, **eval_id, progress=ctx.progress, measure=lambda: (
+        pass_rate(model, tok, eval_pool, max_new_tokens=params.eval_max_new_tokens,
+                  batch_size=params.sampling_batch_size, stats=eval_stats)[0]))
     ctx.log_metrics({"eval_pass_rate": before}, step=0)
     eval_seconds = time.monotonic() - eval_start
     ctx.progress(f"eval_pass_rate before SFT: {before:.3f} on {len(eval_pool)} held-out prompts")
@@ -395,6 +402,7 @@ def run(params: SFTParams, ctx: StageContext) -> None:
     ctx.progress(f"eval_pass_rate after SFT: {after:.3f} (before {before:.3f}) after {steps} steps")
 
     publish_policy(model, ckpt / "model", ckpt, ctx.out_dir)
+    write_pass_rate(ctx.out_dir, after, eval_pool, **eval_id, stage=ctx.stage_name, before=(before, before_from))
     if history:
         ctx.log_figure(loss_figure(history, xlabel="optimizer step", ylabel="loss (assistant tokens)",
                                    title=f"SFT loss: {ctx.stage_name}", marker=".", grid=True), "loss.png")

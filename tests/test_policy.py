@@ -104,3 +104,42 @@ def test_saved_policy_reloads_with_the_same_logits_and_keeps_packing(policy, tin
         assert torch.allclose(minimax(ids).logits, ref, atol=1e-4)
     assert tok2.chat_template == tok.chat_template
     assert again.generation_config.eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")]
+
+
+def _records(n: int, prefix: str = "verifiable/string/0/") -> list[dict]:
+    return [{"id": f"{prefix}{i:06d}", "prompt": f"p{i}", "checker": "exact"} for i in range(n)]
+
+
+def test_pass_rate_before_reads_the_upstream_measurement_only_where_it_measured_the_same_thing(tmp_path):
+    from posttrain.policy import PASS_RATE_FILE, pass_rate_before, write_pass_rate
+
+    said: list[str] = []
+    calls: list[int] = []
+
+    def measure() -> float:
+        calls.append(1)
+        return 0.25
+
+    recs = _records(8)
+    write_pass_rate(tmp_path, 0.625, recs, max_new_tokens=24, prompts_digest="d1", stage="sft_short",
+                    before=(0.5, "measured"))
+    written = json.loads((tmp_path / PASS_RATE_FILE).read_text())
+    assert (written["prompts"], written["before"], written["before_from"]) == (8, 0.5, "measured")
+
+    def before(mode="upstream", records=recs, max_new_tokens=24, digest="d1", where=tmp_path):
+        rate, source = pass_rate_before(mode, where, records, max_new_tokens=max_new_tokens, prompts_digest=digest,
+                                        measure=measure, progress=said.append)
+        assert source == ("sft_short" if rate == 0.625 else "measured")
+        return rate
+
+    assert before() == 0.625 and not calls  # the same prompts, budget and prompts artifact: read, not decoded
+    assert "as sft_short measured it at its end on the same 8 prompts" in said[-1]
+    assert before(mode="measure") == 0.25 and len(calls) == 1  # 'measure' always decodes
+    assert before(max_new_tokens=32) == 0.25 and "differs in max_new_tokens" in said[-1]
+    assert before(records=_records(8, "verifiable/code/0/")) == 0.25 and "prompt_ids_sha256" in said[-1]
+    assert before(records=recs[:7]) == 0.25 and "prompts" in said[-1]
+    assert before(digest="d2") == 0.25 and "prompts_digest" in said[-1]
+    assert before(where=tmp_path / "none") == 0.25 and "has no eval_pass_rate.json" in said[-1]
+    (tmp_path / PASS_RATE_FILE).write_text("{not json")
+    assert before() == 0.25 and "unreadable" in said[-1]
+    assert len(calls) == 7

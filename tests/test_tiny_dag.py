@@ -155,6 +155,14 @@ def test_tiny_dag_post_training_chain_logs_its_interface_metrics(tiny):
         ev = st[f"eval_{name}"]["summary"]
         assert 0.0 <= ev["eval_pass_rate"] <= 1.0 and ev["eval_pass_prompts"] > 20, name
         assert 0 < ev["eval_loss_at_1024"] < 20, name  # trained length: long_context's 1024
+    # eval_before: upstream (the tiny spec sets it after sft_short): each stage's "before" is the pass rate its
+    # input's stage measured at its end, read from that checkpoint's eval_pass_rate.json, not decoded again
+    for up, name in zip(POLICY_STAGES, POLICY_STAGES[1:], strict=False):
+        rec = json.loads((Path(st[up]["artifact"]) / "eval_pass_rate.json").read_text())
+        assert rec["eval_pass_rate"] == st[up]["summary"]["eval_pass_rate"] and rec["stage"] == up
+        assert st[name]["summary"]["eval_pass_rate_before"] == rec["eval_pass_rate"], name
+        mine = json.loads((Path(st[name]["artifact"]) / "eval_pass_rate.json").read_text())
+        assert (mine["before"], mine["before_from"]) == (rec["eval_pass_rate"], up), name  # read, not decoded
     for name in ("dpo_short", "dpo_long"):
         assert 0.0 <= st[name]["summary"]["eval_preference_accuracy"] <= 1.0 and st[name]["summary"]["dpo_pairs"] > 0
     grpo_run = st["grpo"]["run_id"]
