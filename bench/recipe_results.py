@@ -143,6 +143,25 @@ def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def niah_by_depth(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """NIAH accuracy by needle depth (0: the needle in the first sentence; 1: next to the question), one row per
+    eval and context length, from each eval artifact's report.json (the heat maps' numbers)."""
+    out = ["| eval | length | accuracy by needle depth (depth: accuracy) |", "|---|---:|---|"]
+    for name, r in stages.items():
+        art = r.get("artifact")
+        path = Path(art) / "report.json" if art else None
+        if not name.startswith("eval") or path is None or not path.is_file():
+            continue
+        try:
+            grid = json.loads(path.read_text())["niah"]
+            rows = [(d, row) for d, row in zip(grid["depths"], grid["accuracy"], strict=True)]
+        except (ValueError, KeyError, TypeError):
+            continue  # not an eval report with a NIAH grid
+        for j, length in enumerate(grid["lengths"]):
+            out.append(f"| {name} | {length:,} | " + " · ".join(f"{d:g}: {row[j]:.2f}" for d, row in rows) + " |")
+    return out
+
+
 def report_from_root(root: Path) -> dict[str, Any]:
     """A report of the finished stages under an artifact root (the newest artifact a stage name committed), for a
     run that was stopped before it wrote its own."""
@@ -164,7 +183,8 @@ def results(report: dict[str, Any]) -> str:
              *gpu_busy(spans), "", "## Pretraining: the copy curriculum's probe", ""]
     for name in sorted(n for n in stages if n.startswith("pretrain")):  # the hybrid's, then each ablation branch's
         parts += [f"### {name}", "", *probe_curve(stages, name), ""]
-    parts += ["## NIAH and copying", "", *niah(stages), "", "## Post-training", "", *pass_rates(stages), ""]
+    parts += ["## NIAH and copying", "", *niah(stages), "", "### NIAH by needle depth", "", *niah_by_depth(stages),
+              "", "## Post-training", "", *pass_rates(stages), ""]
     comp = (stages.get("compare") or {}).get("artifact")
     if comp and (Path(comp) / "comparison.md").is_file():
         parts += ["## Ablation (`compare`)", "", (Path(comp) / "comparison.md").read_text()]

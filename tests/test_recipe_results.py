@@ -84,3 +84,22 @@ def test_every_pretrain_gets_its_probe_curve_and_every_ablation_eval_its_niah_ro
     assert "| 50 | 0 | 9.000 | 0.250 |" in text and "| 50 | 0 | 10.000 | 0.500 |" in text
     niah = [line.split(" | ")[0] for line in recipe_results.niah(stages)[2:]]
     assert niah == ["| eval", "| eval_long_context", "| eval_xavier_head"]
+
+
+def test_niah_by_depth_reads_each_eval_reports_grid(tmp_path):
+    """One row per eval and length, the accuracy at each needle depth, from the eval artifact's report.json; a
+    stage without a NIAH grid (or a non-eval stage) gives no row."""
+    root = tmp_path / "root"
+    grid = {"lengths": [8192, 16384], "depths": [0.0, 0.5, 1.0], "accuracy": [[0.75, 0.25], [1.0, 0.5], [0.5, 1.0]]}
+    ev = _artifact(root, "eval", "eval_long_context", 1e6, 10.0, "0", {})
+    (Path(ev) / "report.json").write_text(json.dumps({"niah": grid}))
+    other = _artifact(root, "eval", "eval_broken", 1e6, 10.0, "0", {})
+    (Path(other) / "report.json").write_text(json.dumps({"metrics": {}}))
+    pre = _artifact(root, "pretrain", "pretrain", 1e6, 10.0, "0", {})
+    (Path(pre) / "report.json").write_text(json.dumps({"niah": grid}))
+    stages = {n: {"state": "done", "artifact": a, "summary": {}}
+              for n, a in (("eval_long_context", ev), ("eval_broken", other), ("pretrain", pre))}
+    rows = recipe_results.niah_by_depth(stages)[2:]
+    assert rows == ["| eval_long_context | 8,192 | 0: 0.75 · 0.5: 1.00 · 1: 0.50 |",
+                    "| eval_long_context | 16,384 | 0: 0.25 · 0.5: 0.50 · 1: 1.00 |"]
+    assert "### NIAH by needle depth" in recipe_results.results({"stages": stages})
