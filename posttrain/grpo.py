@@ -357,8 +357,8 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
                                 batch_size=params.prompts_per_step * params.num_generations)
     series = MetricSeries(ctx)
     eval_id = {"max_new_tokens": params.eval_max_new_tokens, "prompts_digest": ctx.input("prompts").digest}
-    before, before_from = pass_rate_before(params.eval_before, checkpoint, prompts.eval_records, **eval_id, progress=ctx.progress,
-                              measure=lambda: measure(policy))
+    before, before_from = pass_rate_before(params.eval_before, checkpoint, prompts.eval_records, **eval_id,
+                                           progress=ctx.progress, measure=lambda: measure(policy))
     series.log({"eval_pass_rate": before}, 0)
     ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(prompts.eval_records)} held-out prompts")
 
