@@ -125,7 +125,9 @@ def pass_rates(stages: dict[str, dict[str, Any]]) -> list[str]:
     for name in ("reward_model", "dpo_short", "dpo_long"):
         s = (stages.get(name) or {}).get("summary") or {}
         if "eval_preference_accuracy" in s:
-            out.append(f"\n`{name}` held-out preference accuracy {s['eval_preference_accuracy']:.3f} (untrained "
+            held = s.get("dpo_pairs_heldout")
+            on = f" on {held:.0f} held-out pairs" if held is not None else ""
+            out.append(f"\n`{name}` held-out preference accuracy {s['eval_preference_accuracy']:.3f}{on} (untrained "
                        f"{s.get('eval_preference_accuracy_untrained', math.nan):.3f})")
     return out
 

@@ -36,7 +36,7 @@ import hashlib
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -76,7 +76,7 @@ from pretrain.stage import CHECKPOINT_TYPE
 PAIRS_DIR = "pairs"
 REPORT_FILE = "dpo_report.json"
 SKIP_REASONS = {
-    "over_max_prompts": "beyond max_prompts (the pool is sampled in a seeded hash order)",
+    "over_max_prompts": "beyond max_prompts prompts that pass the length filters (a seeded hash order)",
     "prompt_too_long": "the chat-formatted prompt alone has max_length tokens or more: no room for a response",
     "prompt_too_short": "fewer than min_prompt_tokens tokens (stage IV keeps long-context prompts only)",
     "identical_responses": "every sampled response has the same text: nothing to prefer",
@@ -87,7 +87,8 @@ SKIP_REASONS = {
 class DPOParams(StageParams):
     seed: int = Field(0, description="Seed of prompt order, sampling, the held-out split and the data order.")
     max_prompts: int = Field(24, ge=1, description=(
-        "dpo-pool prompts sampled (the rest are counted as skipped over_max_prompts). Sized for the tiny DAG."))
+        "dpo-pool prompts sampled, of those that pass the length filters (min_prompt_tokens, max_length), in a seeded "
+        "order; the rest are counted as skipped over_max_prompts. Sized for the tiny DAG."))
     temperatures: Temperatures = Field(default_factory=lambda: [0.3, 0.7, 1.1], description=(
         "Sampling temperatures (§5.4.1 'varying temperature parameters'); 0 = one greedy response."))
     samples_per_temperature: int = Field(2, ge=1, description="Responses per prompt at each temperature.")
@@ -220,20 +221,41 @@ def preference_accuracy(beta: float, chosen_logps: Sequence[float], rejected_log
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
+FEW_HELDOUT_PAIRS = 10  # fewer held-out pairs than this: the stage warns that its accuracy says little
+
+
+def sample_by_length(records: Sequence[dict[str, Any]], prompt_tokens: Callable[[dict[str, Any]], int],
+                     max_prompts: int, min_tokens: int, max_length: int
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(candidates, skipped): the first ``max_prompts`` records, in their given order, whose prompt has at least
+    ``min_tokens`` and fewer than ``max_length`` tokens; every other record once in ``skipped`` with its reason.
+
+    The length filter comes before the sample, so a stage that keeps long prompts only (stage IV) still gets
+    ``max_prompts`` of them: sampling first, the sixth and seventh leases' dpo_long kept 19 of 96 and had one
+    held-out pair."""
+    candidates: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for rec in records:
+        if len(candidates) >= max_prompts:
+            skipped.append({"id": rec["id"], "reason": "over_max_prompts"})
+            continue
+        n = prompt_tokens(rec)
+        if n >= max_length:
+            skipped.append({"id": rec["id"], "reason": "prompt_too_long", "prompt_tokens": n})
+        elif n < min_tokens:
+            skipped.append({"id": rec["id"], "reason": "prompt_too_short", "prompt_tokens": n})
+        else:
+            candidates.append(rec)
+    return candidates, skipped
+
+
 def build_pairs(params: DPOParams, ctx: StageContext, model: Any, tokenizer: Any, scorer: Any,
                 stats: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(pairs, skipped): one pair row or one skipped row for every dpo-pool prompt."""
     records = prompt_order(read_pool(ctx.input("prompts").path, "dpo", "dpo"), params.seed)
-    skipped = [{"id": r["id"], "reason": "over_max_prompts"} for r in records[params.max_prompts:]]
-    candidates = []
-    for rec in records[:params.max_prompts]:
-        n = len(tokenizer(chat_prompt(tokenizer, rec["prompt"]), add_special_tokens=False).input_ids)
-        if n >= params.max_length:
-            skipped.append({"id": rec["id"], "reason": "prompt_too_long", "prompt_tokens": n})
-        elif n < params.min_prompt_tokens:
-            skipped.append({"id": rec["id"], "reason": "prompt_too_short", "prompt_tokens": n})
-        else:
-            candidates.append(rec)
+    candidates, skipped = sample_by_length(
+        records, lambda rec: len(tokenizer(chat_prompt(tokenizer, rec["prompt"]), add_special_tokens=False).input_ids),
+        params.max_prompts, params.min_prompt_tokens, params.max_length)
     ctx.progress(f"sampling {len(candidates)} prompts x {len(params.temperatures)} temperatures x "
                  f"{params.samples_per_temperature} (max {params.max_new_tokens} new tokens)")
     samples = sample_responses(model, tokenizer, [r["prompt"] for r in candidates], temperatures=params.temperatures,
@@ -287,6 +309,9 @@ def save_pairs(params: DPOParams, ctx: StageContext, pairs: list[dict[str, Any]]
                          f"{len(pairs) + len(skipped)} dpo-pool prompts (skipped: {dict(skip_counts)}); both must be "
                          "non-empty: raise max_prompts or samples_per_temperature, lower min_margin, or change "
                          "heldout_fraction")
+    if len(split["heldout"]) < FEW_HELDOUT_PAIRS:
+        ctx.progress(f"warning: only {len(split['heldout'])} held-out pairs: eval_preference_accuracy moves in steps "
+                     f"of {1 / len(split['heldout']):.2f} and says little; raise max_prompts for a measurement")
     return split, skip_counts
 
 
@@ -446,7 +471,7 @@ def _report(params: DPOParams, ctx: StageContext, pairs: list[dict[str, Any]], s
     final_loss = losses[-1][1] if losses else math.nan
     summary = {"eval_preference_accuracy": acc1, "eval_preference_accuracy_untrained": acc0,
                "eval_pass_rate": pass_after, "eval_pass_rate_before": pass_before, "loss": final_loss,
-               "dpo_pairs": len(pairs), "truncated_pairs": truncated,
+               "dpo_pairs": len(pairs), "dpo_pairs_heldout": len(split["heldout"]), "truncated_pairs": truncated,
                "generation_tokens_per_second": stats.tokens_per_second, "train_seconds": train_seconds,
                "stage_seconds": seconds, "steps": steps}
     log_finite_summary(ctx, summary)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from posttrain.dpo import (
     encode_pair_side,
     is_heldout,
     preference_accuracy,
+    sample_by_length,
     select_pair,
 )
 from posttrain.policy import load_policy
@@ -52,6 +54,28 @@ def test_identical_responses_make_no_pair() -> None:
     with pytest.raises(ValueError, match="2 responses and 1 rewards"):
         select_pair(["a", "b"], [_rc(1.0)], 0.0)
     assert set(SKIP_REASONS) >= {"identical_responses", "margin_below_min", "over_max_prompts"}
+
+
+def test_length_filter_comes_before_the_max_prompts_sample() -> None:
+    """Stage IV keeps long prompts only: max_prompts counts the prompts that pass the filter, so a pool where one
+    prompt in five is long still yields max_prompts candidates (sampling first gave dpo_long one held-out pair)."""
+    lengths = {f"p{i}": (300 if i % 5 == 0 else 40) for i in range(200)}
+    lengths["p5"] = 5000  # too long for max_length
+    records = [{"id": k} for k in lengths]
+    seen: list[str] = []
+
+    def tokens(rec: dict) -> int:
+        seen.append(rec["id"])
+        return lengths[rec["id"]]
+
+    candidates, skipped = sample_by_length(records, tokens, max_prompts=20, min_tokens=256, max_length=4096)
+    assert [r["id"] for r in candidates] == [f"p{i}" for i in range(0, 105, 5) if i != 5]  # the first 20 long ones
+    reasons = Counter(s["reason"] for s in skipped)
+    assert reasons == {"prompt_too_short": 80, "prompt_too_long": 1, "over_max_prompts": 99}
+    assert sorted(r["id"] for r in candidates + skipped) == sorted(lengths)  # every prompt once
+    assert seen[-1] == "p100"  # nothing past the 20th candidate is tokenized
+    few, _ = sample_by_length(records, tokens, max_prompts=500, min_tokens=0, max_length=4096)
+    assert len(few) == 199  # the pool is smaller than max_prompts: every prompt that fits
 
 
 def test_heldout_split_is_deterministic_and_keeps_a_group_on_one_side() -> None:
@@ -207,7 +231,9 @@ def test_stage_accounts_for_every_dpo_prompt_and_splits_pairs_by_prompt(trained,
     skipped = _jsonl(ctx.out_dir / "pairs" / "skipped.jsonl")
     ids = [r["id"] for r in train + held + skipped]
     assert sorted(ids) == sorted(r["id"] for r in pool)  # each prompt once: a pair or a counted skip
-    assert sum(s["reason"] == "over_max_prompts" for s in skipped) == len(pool) - params.max_prompts
+    # max_prompts prompts that pass the length filters were sampled: each made a pair or was skipped after sampling
+    sampled = [s for s in skipped if s["reason"] in ("identical_responses", "margin_below_min")]
+    assert len(train) + len(held) + len(sampled) == params.max_prompts
     assert ctx.sink.last("dpo_pairs") == len(train) + len(held) > 0
     for reason in SKIP_REASONS:
         assert ctx.sink.last(f"skipped.{reason}") == sum(s["reason"] == reason for s in skipped)

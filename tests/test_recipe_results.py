@@ -59,11 +59,14 @@ def test_pass_rates_carry_their_interval_and_tasks():
                                                 "eval_pass_rate.arithmetic": 0.0}},
               "eval_grpo": {"summary": {"eval_pass_rate": 0.5, "eval_pass_prompts": 20.0,
                                         "eval_pass_rate.arithmetic": 0.6, "eval_pass_rate.string": 0.4}},
-              "dpo_short": {"summary": {"eval_preference_accuracy": 0.7, "eval_preference_accuracy_untrained": 0.5}}}
+              "dpo_short": {"summary": {"eval_preference_accuracy": 0.7, "eval_preference_accuracy_untrained": 0.5}},
+              "dpo_long": {"summary": {"eval_preference_accuracy": 0.0, "eval_preference_accuracy_untrained": 0.5,
+                                       "dpo_pairs_heldout": 1}}}
     text = "\n".join(recipe_results.pass_rates(stages))
     assert "| eval_long_context | 0.000 | [0.000, 0.161] | 20 | arithmetic=0.000 |" in text
     assert "| eval_grpo | 0.500 | [0.299, 0.701] | 20 | arithmetic=0.600 string=0.400 |" in text
-    assert "`dpo_short` held-out preference accuracy 0.700 (untrained 0.500)" in text
+    assert "`dpo_short` held-out preference accuracy 0.700 (untrained 0.500)" in text  # an old run: no count
+    assert "`dpo_long` held-out preference accuracy 0.000 on 1 held-out pairs (untrained 0.500)" in text
 
 
 def test_every_pretrain_gets_its_probe_curve_and_every_ablation_eval_its_niah_row(tmp_path):
