@@ -250,8 +250,8 @@ def block_mask_ms(cu: torch.Tensor, n: int, reps: int) -> str:
     """The flex path builds its BlockMask once per forward call (cached across layers): its cost."""
     from kernels.softmax_varlen import _document_block_mask, _flex_functions
 
-    create = _flex_functions(True)[1]
-    return f"{median_ms(lambda: _document_block_mask(cu.clone(), n, cu.device, create, True), reps):.2f}"
+    block_mask_cls = _flex_functions(True)[1]
+    return f"{median_ms(lambda: _document_block_mask(cu.clone(), n, cu.device, block_mask_cls, True), reps):.2f}"
 
 
 def speed(lengths: list[int], heads: int, kv_heads: int, dim: int, reps: int) -> list[tuple]:

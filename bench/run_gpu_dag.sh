@@ -201,6 +201,23 @@ if [ "${WARM_COMPILE:-1}" = 1 ] && [ "${ngpu:-0}" -gt 0 ]; then
         | sed -u 's/^/[warm_compile] /' >>"$LOG"
      cp -rn "$WORK/warm-cache/." "$WORK/compile-cache/" 2>/dev/null) &
     say "compiling the softmax layers' kernels on GPU $((ngpu - 1)) beside the data stages (bench/warm_compile.py)"
+    # COMPILE_AB=1: the same compile with the earlier BlockMask path (torch's create_block_mask, compiled) on the
+    # GPU before, cold, into caches of its own that nothing reads: the two cold compiles side by side, one machine
+    if [ -n "${COMPILE_AB:-}" ] && [ "$ngpu" -gt 1 ]; then
+        (CUDA_VISIBLE_DEVICES=$((ngpu - 2)) HYLIGHT_FLEX_BLOCK_MASK=create \
+            TORCHINDUCTOR_CACHE_DIR="$WORK/warm-cache-create/inductor" TRITON_CACHE_DIR="$WORK/warm-cache-create/triton" \
+            timeout 600 "$PYTHON" bench/warm_compile.py 2>&1 | sed -u 's/^/[warm_compile create] /' >>"$LOG") &
+        say "and with HYLIGHT_FLEX_BLOCK_MASK=create on GPU $((ngpu - 2)) (COMPILE_AB)"
+    fi
+fi
+# CHECK_FLEX=1: bench/check_softmax_varlen_gpu.py's correctness part (outputs and gradients of the CUDA path against
+# the fp64 reference, and the packed model) on GPU 0 beside the data stages; its lines go into run.log
+if [ -n "${CHECK_FLEX:-}" ] && [ "${ngpu:-0}" -gt 0 ]; then
+    (CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR="$WORK/check-cache/inductor" \
+        TRITON_CACHE_DIR="$WORK/check-cache/triton" timeout 300 "$PYTHON" bench/check_softmax_varlen_gpu.py \
+        --no-speed --lengths 2048 2>&1 | sed -u 's/^/[check_flex] /' >>"$LOG"; \
+        echo "[check_flex] exit code ${PIPESTATUS[0]}" >>"$LOG") &
+    say "checking the softmax layers' CUDA path against the reference on GPU 0 (CHECK_FLEX)"
 fi
 
 # --- the run ----------------------------------------------------------------------------------------------

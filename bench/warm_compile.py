@@ -8,7 +8,8 @@ on first use; a new process that finds the compiled kernels in TORCHINDUCTOR_CAC
 seconds (long_context's phases paid ~10 s each after pretraining had compiled the same shapes).
 bench/run_gpu_dag.sh runs this on the host's last GPU while the CPU data stages run, so the pretrains can find
 the kernels compiled; and it measures what the cold compile costs alone, which the lease's numbers could not
-separate from three concurrent pretrains.
+separate from three concurrent pretrains. HYLIGHT_FLEX_BLOCK_MASK=create compiles torch's create_block_mask as the
+softmax layers did before the tile-bound BlockMask (bench/run_gpu_dag.sh's COMPILE_AB=1 runs both at once).
 
 It builds a two-layer model of the size (one lightning, one softmax layer: the kernels do not depend on the
 depth) in bf16, as DeepSpeed trains it, and runs the pretrain step's calls on a packed batch of ``rows`` x
@@ -28,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.softmax_varlen import block_mask_source  # noqa: E402
 from model import HybridForCausalLM  # noqa: E402
 from model.sizes import config_for  # noqa: E402
 from pretrain.callbacks import compile_stats  # noqa: E402
@@ -93,8 +95,8 @@ def main() -> int:
         timed(f"forward+backward #{i}", train_step)
     for i in (1, 2):
         timed(f"no-grad forward #{i}", no_grad_forward)
-    print(f"warm_compile: {args.size} softmax + lightning layers, {args.rows} x {args.seq_len} tokens: "
-          f"{time.perf_counter() - t0:.1f} s in all", flush=True)
+    print(f"warm_compile: {args.size} softmax + lightning layers, {args.rows} x {args.seq_len} tokens, BlockMask from "
+          f"{block_mask_source()}: {time.perf_counter() - t0:.1f} s in all", flush=True)
     return 0
 
 

@@ -7,7 +7,8 @@ build one.
 
     document_causal_attention            the one public entry point, dispatching by device:
         CUDA    FlexAttention (compiled) over a document-causal BlockMask; blocks that no query of a block may
-                see are skipped, so work and memory follow the documents' own lengths
+                see are skipped, so work and memory follow the documents' own lengths. The BlockMask's tiles
+                come from the documents' bounds (``document_block_structure``), with nothing to compile
         CPU     a loop of per-document ``F.scaled_dot_product_attention(is_causal=True)`` on slices (torch's
                 CPU flash kernel keeps each document's memory linear); also the fallback anywhere
     document_causal_attention_reference  the dense masked form, plain PyTorch in the input dtype (fp64 works);
@@ -25,6 +26,7 @@ nothing, as in ``kernels.lightning``). Scale 1/sqrt(D), as SDPA's default.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 
@@ -33,10 +35,12 @@ import torch.nn.functional as F
 
 from kernels.host_values import host_ints
 
-__all__ = ["IMPLS", "document_causal_attention", "document_causal_attention_reference"]
+__all__ = ["IMPLS", "document_block_structure", "document_causal_attention", "document_causal_attention_reference"]
 
 IMPLS = ("auto", "flex", "sdpa_loop")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the compiled Flex kernels take
+FLEX_BLOCK = 128  # the BlockMask's tile, Flex's default BLOCK_SIZE
+BLOCK_MASK_SOURCES = ("tiles", "create")  # HYLIGHT_FLEX_BLOCK_MASK: see block_mask_source
 
 
 def _check_inputs(
@@ -144,33 +148,89 @@ def _sdpa_document_loop(
 
 # ---- CUDA: FlexAttention over a document-causal BlockMask --------------------------------------------------
 
-_FLEX: dict[str, Callable] = {}  # "attention" / "block_mask": torch.compile'd once, on first use
+_FLEX: dict[str, Callable] = {}  # "attention" (/ "block_mask"): torch.compile'd once, on first use
 _flex_unavailable: str | None = None
 # The BlockMask of the last cu_seqlens seen: every softmax layer of one forward call passes the same tensor
 # object (SequenceLayout builds it once), so the mask (and the bounds check's host read) happens once per call.
-_last_block_mask: tuple[weakref.ref, int, int, torch.device, bool, object] | None = None
+_last_block_mask: tuple[weakref.ref, int, int, torch.device, bool, str, object] | None = None
 
 
-def _flex_functions(compiled: bool) -> tuple[Callable, Callable] | None:
-    """(flex_attention, create_block_mask), compiled (CUDA) or eager (tests on CPU), or None if absent."""
+def _flex_functions(compiled: bool) -> tuple[Callable, type] | None:
+    """(flex_attention, BlockMask): flex_attention compiled (CUDA) or eager (tests on CPU), or None if absent."""
     global _flex_unavailable
     if _flex_unavailable is not None:
         return None
     try:
         from torch.nn.attention.flex_attention import (  # optional: absent in older torch
-            create_block_mask,
+            BlockMask,
             flex_attention,
         )
     except ImportError as err:  # older torch: the SDPA loop serves
         _flex_unavailable = f"torch.nn.attention.flex_attention is not in torch {torch.__version__} ({err})"
         return None
     if not compiled:
-        return flex_attention, create_block_mask
-    if not _FLEX:
+        return flex_attention, BlockMask
+    if "attention" not in _FLEX:
         # Uncompiled, flex_attention materialises the full [N, N] scores; compiled it is a fused kernel.
         _FLEX["attention"] = torch.compile(flex_attention)
+    return _FLEX["attention"], BlockMask
+
+
+def document_block_structure(
+    cu_seqlens: torch.Tensor, n: int, block: int = FLEX_BLOCK, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full), each [ceil(N / block)]² bool: which (query block, key block) tiles of the document-causal
+    mask hold some allowed pair but not only those (``partial``: the kernel applies the mask_mod there) and which
+    hold only allowed pairs (``full``: no mask_mod). Tiles in neither are skipped.
+
+    Computed from the documents' first and last ids of each tile, in O(blocks²) memory: documents are contiguous,
+    so key tile j < query tile i shares a document with it iff the last document of j is at least the first of i,
+    and every pair is allowed iff one document covers both tiles whole. A diagonal tile is never full (its keys
+    after a query are masked); a tile that runs past N is never full. This replaces ``create_block_mask``, which
+    evaluates the mask_mod on every pair and, compiled, cost a cold compile of its own (a sort kernel of ~5 MB of
+    machine code on an H200)."""
+    device = cu_seqlens.device if device is None else device
+    nb = -(-n // block)
+    doc = _document_ids(cu_seqlens, n, device)
+    starts = torch.arange(nb, device=device) * block
+    first = doc[starts]                                    # [nb] document of each tile's first token
+    last = doc[torch.clamp(starts + block, max=n) - 1]     # [nb] document of each tile's last token
+    i = torch.arange(nb, device=device)
+    below = i[None, :] < i[:, None]                         # key tile j strictly before query tile i
+    diagonal = torch.eye(nb, dtype=torch.bool, device=device)
+    shares = below & (last[None, :] >= first[:, None])
+    whole = (starts + block <= n)
+    full = below & (first[None, :] == last[:, None]) & whole[None, :] & whole[:, None]
+    partial = (shares | diagonal) & ~full
+    return partial, full
+
+
+def _kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's kv form of a [nb, nb] bool tile map: counts [1, 1, nb] and indices [1, 1, nb, nb] (each row's
+    tiles first, in key order), int32."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[None, None], order[None, None]
+
+
+def block_mask_source() -> str:
+    """How the BlockMask is built: "tiles" (default; ``document_block_structure``, no compile) or "create" (torch's
+    ``create_block_mask``, compiled on CUDA: the path before, kept to measure the cold compile it costs beside the
+    new one and as a way back), from the environment variable HYLIGHT_FLEX_BLOCK_MASK."""
+    source = os.environ.get("HYLIGHT_FLEX_BLOCK_MASK", "tiles")
+    if source not in BLOCK_MASK_SOURCES:
+        raise ValueError(f"HYLIGHT_FLEX_BLOCK_MASK must be one of {BLOCK_MASK_SOURCES}, got {source!r}")
+    return source
+
+
+def _create_block_mask(compiled: bool) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if not compiled:
+        return create_block_mask
+    if "block_mask" not in _FLEX:
         _FLEX["block_mask"] = torch.compile(create_block_mask)
-    return _FLEX["attention"], _FLEX["block_mask"]
+    return _FLEX["block_mask"]
 
 
 def _tensor_version(t: torch.Tensor) -> int | None:
@@ -180,28 +240,35 @@ def _tensor_version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _document_block_mask(
-    cu_seqlens: torch.Tensor, n: int, device: torch.device, create_block_mask: Callable, compiled: bool
-):
+def _document_block_mask(cu_seqlens: torch.Tensor, n: int, device: torch.device, block_mask_cls: type, compiled: bool):
     global _last_block_mask
     version = _tensor_version(cu_seqlens)
+    source = block_mask_source()
     hit = _last_block_mask
     if (
         version is not None
         and hit is not None
         and hit[0]() is cu_seqlens
-        and hit[1:5] == (version, n, device, compiled)
+        and hit[1:6] == (version, n, device, compiled, source)
     ):
-        return hit[5]
+        return hit[6]
     _document_bounds(cu_seqlens, n, "document_causal_attention")
     doc = _document_ids(cu_seqlens, n, device)
 
     def document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
 
-    block_mask = create_block_mask(document_causal, 1, None, n, n, device=device)
+    if source == "create":  # torch's create_block_mask, compiled on CUDA: the earlier path
+        create = _create_block_mask(compiled)
+        block_mask = create(document_causal, 1, None, n, n, device=device)
+    else:
+        partial, full = document_block_structure(cu_seqlens, n, FLEX_BLOCK, device)
+        block_mask = block_mask_cls.from_kv_blocks(
+            *_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=document_causal,
+            seq_lengths=(n, n),
+        )
     if version is not None:
-        _last_block_mask = (weakref.ref(cu_seqlens), version, n, device, compiled, block_mask)
+        _last_block_mask = (weakref.ref(cu_seqlens), version, n, device, compiled, source, block_mask)
     return block_mask
 
 
@@ -215,8 +282,8 @@ def _flex_document_attention(
 ) -> torch.Tensor:
     """FlexAttention path; ``compiled=False`` runs the same masks through flex's eager (dense, forward-only
     on CPU) implementation, which is how CPU tests check the mask construction."""
-    flex_attention, create_block_mask = _flex_functions(compiled)
-    block_mask = _document_block_mask(cu_seqlens, q.shape[2], q.device, create_block_mask, compiled)
+    flex_attention, block_mask_cls = _flex_functions(compiled)
+    block_mask = _document_block_mask(cu_seqlens, q.shape[2], q.device, block_mask_cls, compiled)
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 

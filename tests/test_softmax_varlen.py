@@ -15,8 +15,11 @@ import torch
 
 import model.modeling as modeling
 from kernels.softmax_varlen import (
+    FLEX_BLOCK,
+    _document_block_mask,
     _flex_document_attention,
     _flex_functions,
+    document_block_structure,
     document_causal_attention,
     document_causal_attention_reference,
 )
@@ -124,6 +127,95 @@ def test_flex_block_mask_path_equals_dense_reference(layout, heads):
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
         o = _flex_document_attention(q, k, v, cu, h != h_kv, compiled=False)
     assert _rel_err(o, _reference64(q, k, v, cu, h != h_kv)) < 1e-5
+
+
+BLOCK_LAYOUTS = {  # name -> document lengths, over several 128-token tiles
+    "one-document": [1024],
+    "tile-aligned": [256, 128, 384, 256],
+    "crossing-tiles": [300, 5, 200, 7, 1, 511],
+    "many-short": [37] * 27 + [25],
+    "empty-documents": [0, 200, 0, 0, 312, 0],
+    "past-the-last-tile": [500, 201],  # N = 701: the last tile runs past N
+}
+
+
+def _tiles(counts: torch.Tensor, indices: torch.Tensor, nb: int) -> torch.Tensor:
+    """[nb, nb] bool from a BlockMask's (counts [1, 1, nb], indices [1, 1, nb, nb])."""
+    out = torch.zeros(nb, nb, dtype=torch.bool)
+    for i in range(nb):
+        out[i, indices[0, 0, i, : counts[0, 0, i]].long()] = True
+    return out
+
+
+@pytest.mark.skipif(_flex_functions(False) is None, reason="this torch has no FlexAttention")
+@pytest.mark.parametrize("layout", list(BLOCK_LAYOUTS))
+def test_document_block_structure_matches_the_dense_mask_tile_by_tile(layout):
+    """Each tile is full exactly when every pair in it may attend, skipped exactly when none may, partial
+    otherwise: the dense document-causal mask decides, and torch's own create_block_mask agrees."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lengths = BLOCK_LAYOUTS[layout]
+    cu, n = _cu(lengths), sum(lengths)
+    nb = -(-n // FLEX_BLOCK)
+    partial, full = document_block_structure(cu, n)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(n)
+    allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    padded = torch.zeros(nb * FLEX_BLOCK, nb * FLEX_BLOCK, dtype=torch.bool)
+    padded[:n, :n] = allowed
+    tiles = padded.view(nb, FLEX_BLOCK, nb, FLEX_BLOCK).permute(0, 2, 1, 3).flatten(2)
+    some, every = tiles.any(-1), tiles.all(-1)
+    assert torch.equal(full, every)
+    assert torch.equal(partial, some & ~every)
+    assert not (partial & full).any()
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    theirs = create_block_mask(document_causal, 1, None, n, n, device="cpu")
+    assert torch.equal(_tiles(theirs.full_kv_num_blocks, theirs.full_kv_indices, nb), full)
+    assert torch.equal(_tiles(theirs.kv_num_blocks, theirs.kv_indices, nb), partial)
+
+
+@pytest.mark.skipif(_flex_functions(False) is None, reason="this torch has no FlexAttention")
+def test_block_mask_from_the_structure_has_consistent_query_side_tiles():
+    """The backward pass reads the transposed (query-side) tiles: they must be the kv tiles' transpose."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lengths = BLOCK_LAYOUTS["crossing-tiles"]
+    cu, n = _cu(lengths), sum(lengths)
+    nb = -(-n // FLEX_BLOCK)
+    mask = _document_block_mask(cu, n, cu.device, BlockMask, compiled=False)
+    partial, full = document_block_structure(cu, n)
+    assert mask.seq_lengths == (n, n) and mask.BLOCK_SIZE == (FLEX_BLOCK, FLEX_BLOCK)
+    assert torch.equal(_tiles(mask.kv_num_blocks, mask.kv_indices, nb), partial)
+    assert torch.equal(_tiles(mask.full_kv_num_blocks, mask.full_kv_indices, nb), full)
+    assert torch.equal(_tiles(mask.q_num_blocks, mask.q_indices, nb), partial.T)
+    assert torch.equal(_tiles(mask.full_q_num_blocks, mask.full_q_indices, nb), full.T)
+    # O(tiles) memory: nothing in the mask is [N, N]
+    assert all(t.numel() <= nb * nb for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.skipif(_flex_functions(False) is None, reason="this torch has no FlexAttention")
+def test_block_mask_source_switch_builds_the_same_tiles_and_rejects_unknown_names(monkeypatch):
+    """HYLIGHT_FLEX_BLOCK_MASK=create takes torch's create_block_mask (the path before): same tiles. Flex's eager
+    form on CPU ignores the tiles (it applies the mask_mod densely), so the tile tests above are what check them."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lengths = BLOCK_LAYOUTS["crossing-tiles"]
+    cu, n = _cu(lengths), sum(lengths)
+    nb = -(-n // FLEX_BLOCK)
+    masks = {}
+    for source in ("tiles", "create"):
+        monkeypatch.setenv("HYLIGHT_FLEX_BLOCK_MASK", source)
+        masks[source] = _document_block_mask(cu, n, cu.device, BlockMask, compiled=False)
+    assert masks["tiles"] is not masks["create"]  # the cache is keyed by the source too
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        a, b = (_tiles(getattr(m, counts), getattr(m, indices), nb) for m in masks.values())
+        assert torch.equal(a, b)
+    monkeypatch.setenv("HYLIGHT_FLEX_BLOCK_MASK", "dense")
+    with pytest.raises(ValueError, match="HYLIGHT_FLEX_BLOCK_MASK must be one of"):
+        _document_block_mask(_cu([5, 5]), 10, cu.device, BlockMask, compiled=False)
 
 
 @pytest.mark.skipif(_flex_functions(False) is None, reason="this torch has no FlexAttention")
