@@ -373,12 +373,14 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
                                               params.pass_rate_hi, params.min_prompts, params.keep_unsolved)
     counts_log = {f"prompts_{k}": v for k, v in counts.items()} | {f"prompts_dropped_{k}": v
                                                                    for k, v in prompts.dropped.items()}
-    ctx.log_metrics(counts_log)
+    ctx.log_metrics(counts_log | {"selection_generate_seconds": sel.generate_seconds,
+                                  "selection_reward_seconds": sel.reward_seconds})
     for k, v in counts_log.items():
         ctx.set_rows(k, v)
     assert sum(counts.values()) + sum(prompts.dropped.values()) == len(prompts.pool), (counts, prompts.dropped,
                                                                                        len(prompts.pool))
-    ctx.progress(f"selection ({params.selection_k} samples/prompt, {selection_seconds:.1f} s): {counts}; "
+    ctx.progress(f"selection ({params.selection_k} samples/prompt, {selection_seconds:.1f} s: sampling "
+                 f"{sel.generate_seconds:.1f} s, rewards {sel.reward_seconds:.1f} s): {counts}; "
                  f"dropped before selection: {dict(prompts.dropped)}")
 
     result, train_seconds = train(params, ctx, policy, tok, train_records, reward, series, measure)

@@ -197,6 +197,8 @@ class PromptSelection:
     pass_rates: list[float]  # one per input prompt, in input order
     dropped_too_easy: int  # pass rate > hi
     dropped_too_hard: int  # pass rate < lo
+    generate_seconds: float = 0.0  # wall seconds in model.generate (sampling), synchronised
+    reward_seconds: float = 0.0  # wall seconds in the reward functions (reward model, checkers, sandbox)
 
 
 def _prompt_text(tokenizer: Any, prompt: Any) -> str:
@@ -227,6 +229,7 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
     model.eval()
     tokenizer.padding_side = "left"
     rates: list[float] = []
+    generate_seconds = reward_seconds = 0.0
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -234,13 +237,16 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
                 chunk = list(prompts[start : start + batch_size])
                 texts = [_prompt_text(tokenizer, p) for p in chunk]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+                t0 = time.perf_counter()
                 out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                                      max_new_tokens=max_new_tokens, num_return_sequences=k,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
-                completions = out[:, enc["input_ids"].shape[1] :]
+                completions = out[:, enc["input_ids"].shape[1] :].tolist()  # a host copy: the GPU work is done
+                t1 = time.perf_counter()
+                generate_seconds += t1 - t0
                 for i, prompt in enumerate(chunk):
                     ids = []
-                    for row in completions[i * k : (i + 1) * k].tolist():  # up to and including the first EOS
+                    for row in completions[i * k : (i + 1) * k]:  # up to and including the first EOS
                         end = next((j for j, t in enumerate(row) if t in stops), None)
                         ids.append(row[: end + 1] if end is not None else row)
                     texts_i = tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -251,11 +257,13 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
                         values = f(prompts=[prompt] * k, completions=texts_i, completion_ids=ids)
                         total = [t + (0.0 if v is None else float(v)) for t, v in zip(total, values, strict=True)]
                     rates.append(sum(t >= pass_threshold for t in total) / k)
+                reward_seconds += time.perf_counter() - t1
     finally:
         model.train(was_training)
         tokenizer.padding_side = side
     kept = [p for p, r in zip(prompts, rates, strict=True) if lo <= r <= hi]
     return PromptSelection(kept=kept, pass_rates=rates, dropped_too_easy=sum(r > hi for r in rates),
+                           generate_seconds=generate_seconds, reward_seconds=reward_seconds,
                            dropped_too_hard=sum(r < lo for r in rates))
 
 

@@ -42,8 +42,9 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     spec = load_spec(gpu_recipe_cpu.SPEC)
     hybrid = spec.stages["pretrain"].params.model_dump()
     varied = spec.stages["compare"].params.varied
-    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr", "aux_loss_coef"}
-    for name, pattern in (("pretrain_all_softmax", "all-softmax"), ("pretrain_all_lightning", "all-lightning")):
+    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr"}
+    for name, pattern in (("pretrain_all_softmax", "all-softmax"), ("pretrain_all_lightning", "all-lightning"),
+                          ("pretrain_all_softmax_lr1e4", "all-softmax")):
         p = spec.stages[name].params.model_dump()
         assert p["model_overrides"] == {"attention_pattern": pattern}
         diff = {k for k in hybrid if hybrid[k] != p[k]}
@@ -51,11 +52,10 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     assert hybrid["model_overrides"] == {"attention_pattern": "hybrid"}
     assert hybrid["head_init"] == "embedding"  # the fifth lease: the Xavier head left the hybrid on the plateau
     assert hybrid["capacity_factor"] == 2.0  # the sixth lease: 1.25 dropped 35% and trained to a worse loss
-    # the balance branch: the hybrid's pretraining but for the balance loss's coefficient
-    bal = spec.stages["pretrain_balance"].params.model_dump()
-    assert {k for k in hybrid if hybrid[k] != bal[k]} == {"aux_loss_coef"}
-    assert (hybrid["aux_loss_coef"], bal["aux_loss_coef"]) == (0.01, 0.1)
-    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_balance"}
+    # all-softmax at two LRs: the same pretraining but for the peak LR
+    lrs = [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_softmax_lr1e4")]
+    assert lrs == [5e-4, 3e-4, 1e-4]
+    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_all_softmax_lr1e4"}
     # long_context_2x: the spec's long_context but for its phases' token budgets, twice each
     lc = spec.stages["long_context"].params.model_dump()
     lc2 = spec.stages["long_context_2x"].params.model_dump()

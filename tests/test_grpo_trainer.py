@@ -366,6 +366,7 @@ def test_select_prompts_by_pass_rate_keeps_moderate_prompts_and_counts_the_dropp
     assert sel.pass_rates[:2] == [1.0, 0.0] and sel.dropped_too_easy >= 1 and sel.dropped_too_hard >= 1
     assert sel.kept == [p for p, r in zip(prompts, sel.pass_rates, strict=True) if 0.1 <= r <= 0.9]
     assert sel.dropped_too_easy + sel.dropped_too_hard + len(sel.kept) == 4
+    assert sel.generate_seconds > 0 and sel.reward_seconds > 0  # where the selection's time went
     assert 0.1 <= sel.pass_rates[2] <= 0.9, sel.pass_rates  # the tiny model passes "the bird" now and then
     with pytest.raises(ValueError, match="lo <= hi"):
         select_prompts_by_pass_rate(model, tokenizer, prompts, [reward], lo=0.8, hi=0.2)
