@@ -244,19 +244,22 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
                 completions = out[:, enc["input_ids"].shape[1] :].tolist()  # a host copy: the GPU work is done
                 t1 = time.perf_counter()
                 generate_seconds += t1 - t0
-                for i, prompt in enumerate(chunk):
-                    ids = []
-                    for row in completions[i * k : (i + 1) * k]:  # up to and including the first EOS
-                        end = next((j for j, t in enumerate(row) if t in stops), None)
-                        ids.append(row[: end + 1] if end is not None else row)
-                    texts_i = tokenizer.batch_decode(ids, skip_special_tokens=True)
-                    total = [0.0] * k
-                    if not isinstance(prompt, str):  # conversational, as TRL hands completions of chat prompts
-                        texts_i = [[{"role": "assistant", "content": t}] for t in texts_i]
-                    for f in reward_funcs:
-                        values = f(prompts=[prompt] * k, completions=texts_i, completion_ids=ids)
-                        total = [t + (0.0 if v is None else float(v)) for t, v in zip(total, values, strict=True)]
-                    rates.append(sum(t >= pass_threshold for t in total) / k)
+                # one reward call per chunk (as TRL scores a whole batch): the reward model scores the chunk's
+                # completions in one batch rather than k at a time
+                ids = []
+                for row in completions:  # up to and including the first EOS
+                    end = next((j for j, t in enumerate(row) if t in stops), None)
+                    ids.append(row[: end + 1] if end is not None else row)
+                texts_all = tokenizer.batch_decode(ids, skip_special_tokens=True)
+                flat_prompts = [p for p in chunk for _ in range(k)]
+                if not isinstance(chunk[0], str):  # conversational, as TRL hands completions of chat prompts
+                    texts_all = [[{"role": "assistant", "content": t}] for t in texts_all]
+                total = [0.0] * len(ids)
+                for f in reward_funcs:
+                    values = f(prompts=flat_prompts, completions=texts_all, completion_ids=ids)
+                    total = [t + (0.0 if v is None else float(v)) for t, v in zip(total, values, strict=True)]
+                for i in range(len(chunk)):
+                    rates.append(sum(t >= pass_threshold for t in total[i * k : (i + 1) * k]) / k)
                 reward_seconds += time.perf_counter() - t1
     finally:
         model.train(was_training)

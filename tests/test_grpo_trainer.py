@@ -349,19 +349,22 @@ def test_select_prompts_by_pass_rate_keeps_moderate_prompts_and_counts_the_dropp
 
     def reward(prompts, completions, completion_ids, **kwargs):
         # "the cat" always passes, "a dog" never does, "the bird" passes on a mid-vocab token (the tiny model's luck)
-        assert len(set(prompts)) == 1 and len(completion_ids) == 8
+        assert len(prompts) == len(completions) == len(completion_ids)
         for ids in completion_ids:  # cut after the first EOS, no padding
             assert pad not in ids and (eos not in ids or ids.index(eos) == len(ids) - 1)
-        values = {"the cat": [1.0] * 8, "a dog": [0.0] * 8}.get(prompts[0])
-        values = values or _reward_mid_vocab(prompts, completions, completion_ids)
-        calls.append((prompts[0], values))
+        mid = _reward_mid_vocab(prompts, completions, completion_ids)
+        values = [{"the cat": 1.0, "a dog": 0.0}.get(p, m) for p, m in zip(prompts, mid, strict=True)]
+        calls.append(list(zip(prompts, values, strict=True)))
         return values
 
     prompts = ["the cat", "a dog", "the bird", "a song"]
     sel = select_prompts_by_pass_rate(model, tokenizer, prompts, [reward], k=8, lo=0.1, hi=0.9, max_new_tokens=8,
                                       batch_size=3)  # two batches: 3 + 1 prompts
-    by_prompt = dict(calls)
-    assert [p for p, _ in calls] == prompts
+    # one reward call a batch, each prompt's k samples together and in prompt order
+    assert [[p for p, _ in call] for call in calls] == [[p for p in prompts[:3] for _ in range(8)], [prompts[3]] * 8]
+    by_prompt: dict[str, list[float]] = {}
+    for p, v in (pv for call in calls for pv in call):
+        by_prompt.setdefault(p, []).append(v)
     assert sel.pass_rates == [sum(by_prompt[p]) / 8 for p in prompts]
     assert sel.pass_rates[:2] == [1.0, 0.0] and sel.dropped_too_easy >= 1 and sel.dropped_too_hard >= 1
     assert sel.kept == [p for p, r in zip(prompts, sel.pass_rates, strict=True) if 0.1 <= r <= 0.9]
