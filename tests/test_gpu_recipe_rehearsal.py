@@ -63,6 +63,9 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     assert [q["tokens"] for q in lc2["phases"]] == [2 * q["tokens"] for q in lc["phases"]]
     assert [{**q, "tokens": 0} for q in lc2["phases"]] == [{**q, "tokens": 0} for q in lc["phases"]]
     assert lc["capacity_factor"] == hybrid["capacity_factor"] and lc["retrieval_share"] == 0.75
+    # long_context_seed1: the spec's long_context but for its seed (a second sample of the same config)
+    lc_s1 = spec.stages["long_context_seed1"].params.model_dump()
+    assert {k for k in lc if lc[k] != lc_s1[k]} == {"seed"} and (lc["seed"], lc_s1["seed"]) == (0, 1)
     gpu = [n for n, st in spec.stages.items() if st.resources.gpus]
     assert all(spec.stages[n].resources.gpus == 1 for n in gpu)  # one GPU each: Ray places them side by side
 
