@@ -35,7 +35,12 @@ import torch.nn.functional as F
 
 from kernels.host_values import host_ints
 
-__all__ = ["IMPLS", "document_block_structure", "document_causal_attention", "document_causal_attention_reference"]
+__all__ = [
+    "IMPLS",
+    "document_block_structure",
+    "document_causal_attention",
+    "document_causal_attention_reference",
+]
 
 IMPLS = ("auto", "flex", "sdpa_loop")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the compiled Flex kernels take
@@ -240,7 +245,9 @@ def _tensor_version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _document_block_mask(cu_seqlens: torch.Tensor, n: int, device: torch.device, block_mask_cls: type, compiled: bool):
+def _document_block_mask(
+    cu_seqlens: torch.Tensor, n: int, device: torch.device, block_mask_cls: type, compiled: bool
+):
     global _last_block_mask
     version = _tensor_version(cu_seqlens)
     source = block_mask_source()
@@ -281,7 +288,8 @@ def _flex_document_attention(
     compiled: bool,
 ) -> torch.Tensor:
     """FlexAttention path; ``compiled=False`` runs the same masks through flex's eager (dense, forward-only
-    on CPU) implementation, which is how CPU tests check the mask construction."""
+    on CPU) implementation, which checks the mask_mod on a CPU. The eager form applies the mask_mod to every pair
+    and ignores the BlockMask's tiles, so tests check those against the dense mask directly."""
     flex_attention, block_mask_cls = _flex_functions(compiled)
     block_mask = _document_block_mask(cu_seqlens, q.shape[2], q.device, block_mask_cls, compiled)
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
