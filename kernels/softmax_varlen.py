@@ -229,7 +229,7 @@ def block_mask_source() -> str:
 
 
 def _create_block_mask(compiled: bool) -> Callable:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # optional: absent in older torch
 
     if not compiled:
         return create_block_mask
