@@ -66,6 +66,12 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     # long_context_seed1: the spec's long_context but for its seed (a second sample of the same config)
     lc_s1 = spec.stages["long_context_seed1"].params.model_dump()
     assert {k for k in lc if lc[k] != lc_s1[k]} == {"seed"} and (lc["seed"], lc_s1["seed"]) == (0, 1)
+    # the post-training variants: each its twin but for the params it names, and from a chain checkpoint
+    sft, sft_more = (spec.stages[n].params.model_dump() for n in ("sft_short", "sft_more"))
+    assert {k for k in sft if sft[k] != sft_more[k]} == {"epochs"} and (sft["epochs"], sft_more["epochs"]) == (3, 6)
+    grpo, g2 = (spec.stages[n].params.model_dump() for n in ("grpo", "grpo_from_sft"))
+    assert {k for k in grpo if grpo[k] != g2[k]} == {"max_prompts", "max_steps"}
+    assert spec.stages["grpo_from_sft"].inputs["checkpoint"] == ["sft_short"]
     gpu = [n for n, st in spec.stages.items() if st.resources.gpus]
     assert all(spec.stages[n].resources.gpus == 1 for n in gpu)  # one GPU each: Ray places them side by side
 
@@ -77,9 +83,9 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
     rc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_recipe_cpu.py"), "--root", str(tmp_path / "root"),
                          "--json", str(report)], cwd=ROOT, timeout=1500).returncode
     stages = json.loads(report.read_text())["stages"]
-    # long_context_2x differs from long_context only in its phases, which the CPU sizes replace: one cache key, so
-    # it reads long_context's artifact ("cached")
-    twins = {"long_context_2x", "eval_long_context_2x"}
+    # long_context_2x differs from long_context only in its phases, and sft_more from sft_short only in its epochs,
+    # which the CPU sizes replace: one cache key each, so they read their twin's artifact ("cached")
+    twins = {"long_context_2x", "eval_long_context_2x", "sft_more", "eval_sft_more"}
     assert rc == 0 and all(r["state"] == "done" or (n in twins and r["state"] == "cached")
                            for n, r in stages.items()), {n: r["error"] for n, r in stages.items() if r["state"] != "done"}
     assert len(stages) >= 27
