@@ -202,7 +202,8 @@ if [ "${WARM_COMPILE:-1}" = 1 ] && [ "${ngpu:-0}" -gt 0 ]; then
      cp -rn "$WORK/warm-cache/." "$WORK/compile-cache/" 2>/dev/null) &
     say "compiling the softmax layers' kernels on GPU $((ngpu - 1)) beside the data stages (bench/warm_compile.py)"
     # COMPILE_AB=1: the same compile with the earlier BlockMask path (torch's create_block_mask, compiled) on the
-    # GPU before, cold, into caches of its own that nothing reads: the two cold compiles side by side, one machine
+    # GPU before, cold, into caches of its own that nothing reads: the two cold compiles side by side, one machine.
+    # Both cold only when no .compile-cache is carried (a carried one seeds the run above, not this one)
     if [ -n "${COMPILE_AB:-}" ] && [ "$ngpu" -gt 1 ]; then
         (CUDA_VISIBLE_DEVICES=$((ngpu - 2)) HYLIGHT_FLEX_BLOCK_MASK=create \
             TORCHINDUCTOR_CACHE_DIR="$WORK/warm-cache-create/inductor" TRITON_CACHE_DIR="$WORK/warm-cache-create/triton" \
@@ -211,13 +212,14 @@ if [ "${WARM_COMPILE:-1}" = 1 ] && [ "${ngpu:-0}" -gt 0 ]; then
     fi
 fi
 # CHECK_FLEX=1: bench/check_softmax_varlen_gpu.py's correctness part (outputs and gradients of the CUDA path against
-# the fp64 reference, and the packed model) on GPU 0 beside the data stages; its lines go into run.log
+# the fp64 reference, and the packed model) on GPU 1 (0 on one GPU) beside the data stages; its lines go into
+# run.log. It cold-compiles Flex for 2 dtypes x 5 layouts x 2 head layouts while the pretrains compile: 600 s
 if [ -n "${CHECK_FLEX:-}" ] && [ "${ngpu:-0}" -gt 0 ]; then
-    (CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR="$WORK/check-cache/inductor" \
-        TRITON_CACHE_DIR="$WORK/check-cache/triton" timeout 300 "$PYTHON" bench/check_softmax_varlen_gpu.py \
+    (CUDA_VISIBLE_DEVICES=$(( ngpu > 1 ? 1 : 0 )) TORCHINDUCTOR_CACHE_DIR="$WORK/check-cache/inductor" \
+        TRITON_CACHE_DIR="$WORK/check-cache/triton" timeout 600 "$PYTHON" bench/check_softmax_varlen_gpu.py \
         --no-speed --lengths 2048 2>&1 | sed -u 's/^/[check_flex] /' >>"$LOG"; \
         echo "[check_flex] exit code ${PIPESTATUS[0]}" >>"$LOG") &
-    say "checking the softmax layers' CUDA path against the reference on GPU 0 (CHECK_FLEX)"
+    say "checking the softmax layers' CUDA path against the reference on GPU $(( ngpu > 1 ? 1 : 0 )) (CHECK_FLEX)"
 fi
 
 # --- the run ----------------------------------------------------------------------------------------------

@@ -194,7 +194,14 @@ def document_block_structure(
     after a query are masked); a tile that runs past N is never full. This replaces ``create_block_mask``, which
     evaluates the mask_mod on every pair and, compiled, cost a cold compile of its own (a sort kernel of ~5 MB of
     machine code on an H200)."""
-    device = cu_seqlens.device if device is None else device
+    _document_bounds(cu_seqlens, n, "document_block_structure")
+    return _block_structure(cu_seqlens, n, block, cu_seqlens.device if device is None else device)
+
+
+def _block_structure(
+    cu_seqlens: torch.Tensor, n: int, block: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``document_block_structure`` for bounds already checked."""
     nb = -(-n // block)
     doc = _document_ids(cu_seqlens, n, device)
     starts = torch.arange(nb, device=device) * block
@@ -269,7 +276,7 @@ def _document_block_mask(
         create = _create_block_mask(compiled)
         block_mask = create(document_causal, 1, None, n, n, device=device)
     else:
-        partial, full = document_block_structure(cu_seqlens, n, FLEX_BLOCK, device)
+        partial, full = _block_structure(cu_seqlens, n, FLEX_BLOCK, device)
         block_mask = block_mask_cls.from_kv_blocks(
             *_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=document_causal,
             seq_lengths=(n, n),

@@ -252,8 +252,9 @@ def select_prompts_by_pass_rate(model: Any, tokenizer: Any, prompts: Sequence[An
                     ids.append(row[: end + 1] if end is not None else row)
                 texts_all = tokenizer.batch_decode(ids, skip_special_tokens=True)
                 flat_prompts = [p for p in chunk for _ in range(k)]
-                if not isinstance(chunk[0], str):  # conversational, as TRL hands completions of chat prompts
-                    texts_all = [[{"role": "assistant", "content": t}] for t in texts_all]
+                # a chat prompt's completion is conversational, as TRL hands completions of chat prompts
+                texts_all = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                             for p, t in zip(flat_prompts, texts_all, strict=True)]
                 total = [0.0] * len(ids)
                 for f in reward_funcs:
                     values = f(prompts=flat_prompts, completions=texts_all, completion_ids=ids)

@@ -63,9 +63,11 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     assert [q["tokens"] for q in lc2["phases"]] == [2 * q["tokens"] for q in lc["phases"]]
     assert [{**q, "tokens": 0} for q in lc2["phases"]] == [{**q, "tokens": 0} for q in lc["phases"]]
     assert lc["capacity_factor"] == hybrid["capacity_factor"] and lc["retrieval_share"] == 0.75
-    # long_context_seed1: the spec's long_context but for its seed (a second sample of the same config)
-    lc_s1 = spec.stages["long_context_seed1"].params.model_dump()
-    assert {k for k in lc if lc[k] != lc_s1[k]} == {"seed"} and (lc["seed"], lc_s1["seed"]) == (0, 1)
+    # long_context_reseeded: the spec's long_context but for its seed (a second sample of the same config); phase i
+    # draws with seed + i, so the two runs' seeds stay apart over every phase
+    lc_s = spec.stages["long_context_reseeded"].params.model_dump()
+    assert {k for k in lc if lc[k] != lc_s[k]} == {"seed"}
+    assert not {lc["seed"] + i for i in range(len(lc["phases"]))} & {lc_s["seed"] + i for i in range(len(lc["phases"]))}
     # the post-training variants: each its twin but for the params it names, and from a chain checkpoint
     sft, sft_more = (spec.stages[n].params.model_dump() for n in ("sft_short", "sft_more"))
     assert {k for k in sft if sft[k] != sft_more[k]} == {"epochs"} and (sft["epochs"], sft_more["epochs"]) == (3, 6)

@@ -5,6 +5,7 @@ alone, and no O(N^2) mask or score tensor is allocated for a packed row."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -168,6 +169,8 @@ def test_document_block_structure_matches_the_dense_mask_tile_by_tile(layout):
     assert torch.equal(full, every)
     assert torch.equal(partial, some & ~every)
     assert not (partial & full).any()
+    with pytest.raises(ValueError, match="start at 0 and end at the number of tokens"):
+        document_block_structure(cu, n + 1)
 
     def document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
@@ -194,6 +197,40 @@ def test_block_mask_from_the_structure_has_consistent_query_side_tiles():
     assert torch.equal(_tiles(mask.full_q_num_blocks, mask.full_q_indices, nb), full.T)
     # O(tiles) memory: nothing in the mask is [N, N]
     assert all(t.numel() <= nb * nb for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_flex_functions(False) is None, reason="this torch has no FlexAttention")
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                    reason="compiled Flex on the CPU needs a C++ compiler (inductor's CPU backend)")
+def test_compiled_flex_reads_the_tiles_and_matches_the_reference():
+    """Compiled (as on CUDA, here inductor's CPU backend), Flex skips the tiles the BlockMask leaves out: with the
+    tiles from document_block_structure it equals the dense reference, and with the full tiles dropped it does not,
+    so this checks the tiles end to end where the eager test above cannot."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    from kernels.softmax_varlen import _kv_blocks
+
+    lengths = BLOCK_LAYOUTS["crossing-tiles"]
+    cu, n = _cu(lengths), sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    q, k, v = _qkv(n, 2, 2)
+    partial, full = document_block_structure(cu, n)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    ref = _reference64(q, k, v, cu, False)
+
+    def run(full_tiles: torch.Tensor) -> float:
+        mask = BlockMask.from_kv_blocks(*_kv_blocks(partial), *_kv_blocks(full_tiles), BLOCK_SIZE=FLEX_BLOCK,
+                                        mask_mod=document_causal, seq_lengths=(n, n))
+        with torch.no_grad():
+            return _rel_err(compiled(q, k, v, block_mask=mask), ref)
+
+    assert full.any() and run(full) < 1e-5
+    assert run(torch.zeros_like(full)) > 0.1  # the kernel skips what the tiles leave out
 
 
 @pytest.mark.skipif(_flex_functions(False) is None, reason="this torch has no FlexAttention")
