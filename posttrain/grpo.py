@@ -360,7 +360,8 @@ def run(params: GRPOParams, ctx: StageContext) -> None:
     before, before_from = pass_rate_before(params.eval_before, checkpoint, prompts.eval_records, **eval_id,
                                            progress=ctx.progress, measure=lambda: measure(policy))
     series.log({"eval_pass_rate": before}, 0)
-    ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(prompts.eval_records)} held-out prompts")
+    if before_from == "measured":  # pass_rate_before said where a read one came from
+        ctx.progress(f"eval_pass_rate before: {before:.3f} on {len(prompts.eval_records)} held-out prompts")
 
     # §5.4.2 prompt selection by a sampling pass
     t0 = time.monotonic()

@@ -380,7 +380,8 @@ def run(params: SFTParams, ctx: StageContext) -> None:
                   batch_size=params.sampling_batch_size, stats=eval_stats)[0]))
     ctx.log_metrics({"eval_pass_rate": before}, step=0)
     eval_seconds = time.monotonic() - eval_start
-    ctx.progress(f"eval_pass_rate before SFT: {before:.3f} on {len(eval_pool)} held-out prompts")
+    if before_from == "measured":  # pass_rate_before said where a read one came from
+        ctx.progress(f"eval_pass_rate before SFT: {before:.3f} on {len(eval_pool)} held-out prompts")
 
     # 1-2. rejection sampling, selection and diversity filters (§5.3)
     t0 = time.monotonic()
