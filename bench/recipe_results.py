@@ -112,9 +112,17 @@ def probe_curve(stages: dict[str, dict[str, Any]], name: str) -> list[str]:
     return out
 
 
+def post_training_evals(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """The recipe's pass-rate evals in its order, then the eval of every other post-training stage (a branch such as
+    `sft_more`: a stage whose summary has `eval_pass_rate_before`), by name."""
+    extra = sorted(n for n in stages if n.startswith("eval_") and n not in PASS_RATE_EVALS
+                   and "eval_pass_rate_before" in ((stages.get(n[len("eval_"):]) or {}).get("summary") or {}))
+    return [*PASS_RATE_EVALS, *extra]
+
+
 def pass_rates(stages: dict[str, dict[str, Any]]) -> list[str]:
     out = ["| eval of | eval_pass_rate | 95% CI | prompts | per task |", "|---|---:|---|---:|---|"]
-    for name in PASS_RATE_EVALS:
+    for name in post_training_evals(stages):
         s = (stages.get(name) or {}).get("summary") or {}
         if "eval_pass_rate" not in s:
             continue
@@ -136,8 +144,9 @@ def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
     keys = ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
             "niah_choice_accuracy", "copy_accuracy", "copy_loss_gain")
     out = ["| eval | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    post = post_training_evals(stages)
     evals = [n for n in ("eval", "eval_long_context") if n in stages] + sorted(
-        n for n in stages if n.startswith("eval_") and n != "eval_long_context" and n not in PASS_RATE_EVALS)
+        n for n in stages if n.startswith("eval_") and n != "eval_long_context" and n not in post)
     for name in evals:  # after pretraining and long_context, and each ablation branch's eval
         s = (stages.get(name) or {}).get("summary") or {}
         if s:

@@ -25,7 +25,7 @@ class HeldOut:
 
 def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldOut:
     """The documents the checkpoint's pretrain stage held out, with their texts (module docstring)."""
-    from pretrain.packed_data import INFO_FILE, _choose_eval, _read_mixture  # heavy: torch
+    from pretrain.packed_data import INFO_FILE, _choose_eval, _read_mixture, heldout_seed  # heavy: torch
 
     packing_file = checkpoint / INFO_FILE
     if not packing_file.is_file():
@@ -43,7 +43,7 @@ def heldout_documents(checkpoint: Path, mixture: Path, documents: Path) -> HeldO
     # carried unchanged by the stages that continue a checkpoint (long_context, post-training), whose own `eval`
     # block describes their own rows; pretrain's `eval` block counts exactly these documents.
     count = int(packing["held_out_from_training"]) + int(packing["eval_from_unsampled"])
-    chosen = _choose_eval(table, packing["seed"], count)
+    chosen = _choose_eval(table, heldout_seed(packing), count)
     taken = int((table.tokens[chosen] * table.counts[chosen]).sum())
     own = packing["eval"]["documents"] == count and int(table.tokens[chosen].sum()) == packing["eval"]["tokens"]
     if taken != packing["held_out_training_tokens"] or (packing["eval"]["documents"] == count and not own):

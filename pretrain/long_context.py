@@ -286,6 +286,7 @@ def run(params: LongContextParams, ctx: StageContext) -> None:
 def _long_data(params: LongContextParams, ctx: StageContext, base: dict[str, Any]) -> Any:
     """The long documents made from the corpus (once: kept in the resume directory); their counts logged."""
     from pretrain.long_data import LongData, build_long_data  # heavy: torch
+    from pretrain.packed_data import heldout_seed  # heavy: torch
 
     long_dir = ctx.resume_dir / LONG_DATA_DIR
     if not (long_dir / "long_data.json").exists():
@@ -293,7 +294,8 @@ def _long_data(params: LongContextParams, ctx: StageContext, base: dict[str, Any
         tmp = ctx.resume_dir / f"{LONG_DATA_DIR}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         build_long_data(ctx.input("mixture").path, ctx.input("documents").path, ctx.input("tokenizer").path, tmp,
-                        held_out_seed=base["seed"], held_out_documents=base["eval"]["documents"],
+                        held_out_seed=heldout_seed(base),
+                        held_out_documents=int(base["held_out_from_training"]) + int(base["eval_from_unsampled"]),
                         lengths=params.document_lengths, eval_lengths=[p.seq_len for p in params.phases],
                         progress=ctx.progress)
         publish_dir(tmp, long_dir)
@@ -343,6 +345,7 @@ def _pack_phase(params: LongContextParams, i: int, ctx: StageContext, data: Any,
     """Phase ``i``'s rows: the mixture's sources on the phase's schedule, its long QA, its retrieval rows."""
     from pretrain.long_data import TokenSampleWriter  # heavy: torch
     from pretrain.long_mix import corpus_shares, phase_sources, write_phase_rows  # heavy: torch
+    from pretrain.packed_data import heldout_seed  # heavy: torch
     from pretrain.retrieval_rows import add_retrieval_rows  # heavy: torch
 
     phase, pdir = params.phases[i], ctx.resume_dir / f"phase{i}"
@@ -352,6 +355,7 @@ def _pack_phase(params: LongContextParams, i: int, ctx: StageContext, data: Any,
     corpus = corpus_shares(data, params.short_bound, params.medium_bound)
     inherited = {k: base[k] for k in ("mixture_documents", "mixture_tokens", "unused_documents", "eval_from_unsampled",
                                       "held_out_from_training", "held_out_training_tokens")}
+    inherited["heldout_seed"] = heldout_seed(base)  # pretrain's, not this stage's `seed` (its rows' own)
     ctx.progress(f"phase {i}: packing {params.phase_rows(i):,} rows of {phase.seq_len} tokens")
     tmp = pdir / "data.partial"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -104,6 +104,10 @@ class PackedDatasetInfo:
     eval_from_unsampled: int  # eval documents the mixture never trained on
     held_out_from_training: int  # eval documents taken from the training set (not enough unsampled ones)
     held_out_training_tokens: int  # their tokens x sample_count, removed from training
+    # the seed that chose the held-out documents: the pretraining run's, carried unchanged (like the four fields
+    # above) by the stages that continue its checkpoint with a seed of their own (long_context); None in a
+    # packing.json written before it was recorded, whose `seed` is then the one (see :func:`heldout_seed`)
+    heldout_seed: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -175,6 +179,12 @@ def _read_mixture(mixture_dir: Path) -> _MixtureTable:
                          f"tokens={tokens[bad]}; expected sample_count >= 0 and tokens >= "
                          f"{PACKING_TOKENS_PER_DOC} (BOS + EOS)")
     return table
+
+
+def heldout_seed(packing: dict[str, Any]) -> int:
+    """The seed that chose a checkpoint's held-out documents, from its ``packing.json`` (:class:`PackedDatasetInfo`)."""
+    seed = packing.get("heldout_seed")
+    return int(packing["seed"] if seed is None else seed)
 
 
 def _choose_eval(table: _MixtureTable, seed: int, eval_documents: int) -> np.ndarray:
@@ -400,7 +410,7 @@ def build_packed_dataset(mixture_dir: str | Path, documents_dir: str | Path, tok
         unused_documents=int(((table.counts == 0) & ~is_eval).sum()),
         eval_from_unsampled=int((is_eval & (table.counts == 0)).sum()),
         held_out_from_training=int(held_out.sum()),
-        held_out_training_tokens=int((table.tokens * table.counts)[held_out].sum()))
+        held_out_training_tokens=int((table.tokens * table.counts)[held_out].sum()), heldout_seed=seed)
     if info.train.tokens + info.held_out_training_tokens != info.mixture_tokens:
         raise RuntimeError(f"packing lost tokens: {info.train.tokens} trained + {info.held_out_training_tokens} "
                            f"held out != {info.mixture_tokens} in the mixture (a bug in pretrain/packed_data.py)")

@@ -474,7 +474,7 @@ def test_heldout_documents_of_a_continued_checkpoint_are_pretrains(inputs: Pretr
 
     packed = tmp_path / "packed"
     build_packed_dataset(inputs.mixture.path, inputs.documents.path, inputs.tokenizer.path, packed, seq_len=128,
-                         seed=0, eval_documents=12)
+                         seed=0, eval_documents=20)  # 8 taken from training: another seed's choice shows in their tokens
     base = heldout_documents(packed, inputs.mixture.path, inputs.documents.path)
     packing = json.loads((packed / "packing.json").read_text())
     continued = tmp_path / "continued"
@@ -484,6 +484,16 @@ def test_heldout_documents_of_a_continued_checkpoint_are_pretrains(inputs: Pretr
                                                          "eval": {**packing["eval"], "documents": 3, "tokens": 999}}))
     again = heldout_documents(continued, inputs.mixture.path, inputs.documents.path)
     assert again.docs == base.docs and again.seq_len == 512
+    # a continuing stage with a seed of its own (long_context_reseeded: 1000) records pretrain's as heldout_seed
+    assert packing["heldout_seed"] == packing["seed"] == 0
+    (continued / "packing.json").write_text(json.dumps({**packing, "seed": 1000, "seq_len": 512,
+                                                         "eval": {**packing["eval"], "documents": 3, "tokens": 999}}))
+    assert heldout_documents(continued, inputs.mixture.path, inputs.documents.path).docs == base.docs
+    # a record written before heldout_seed existed names only its own seed: refused, not another held-out set
+    (continued / "packing.json").write_text(json.dumps({**packing, "seed": 1000, "heldout_seed": None, "seq_len": 512,
+                                                         "eval": {**packing["eval"], "documents": 3, "tokens": 999}}))
+    with pytest.raises(ValueError, match="not the pretrain stage's held-out set"):
+        heldout_documents(continued, inputs.mixture.path, inputs.documents.path)
     (continued / "packing.json").write_text(json.dumps({**packing, "seq_len": 512, "eval": {"documents": 3, "tokens": 9},
                                                          "held_out_training_tokens": 1 + packing["held_out_training_tokens"]}))
     with pytest.raises(ValueError, match="not the pretrain stage's held-out set"):

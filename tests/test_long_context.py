@@ -278,7 +278,8 @@ def test_long_qa_labels_through_the_packed_rows_are_the_answer_tokens(tokenizer,
 PHASES = [dict(seq_len=256, rope_theta=20_000.0, tokens=4096, short=30, medium=70, long=0),
           dict(seq_len=512, rope_theta=40_000.0, tokens=4096, short=35, medium=35, long=30)]
 STAGE_PARAMS = dict(phases=PHASES, batch_tokens=1024, micro_batch_tokens=512, log_every=1, checkpoint_every=2,
-                    eval_rows=4, qa_share=0.3, qa_last_frac=0.5)  # a QA sample even in 8 rows of 512
+                    eval_rows=4, qa_share=0.3, qa_last_frac=0.5,  # a QA sample even in 8 rows of 512
+                    seed=5)  # not pretrain's 0: the held-out documents stay pretrain's (its seed chose them)
 STEPS = 4  # per phase: 4096 tokens in batches of 1024
 
 
@@ -360,6 +361,22 @@ def test_stage_keeps_each_phase_checkpoint_with_its_rope_base_and_length(extende
     assert all(np.array_equal(final[k].numpy(), weights[-1][k].numpy()) for k in final)
     summary = json.loads((extended.out / "summary.json").read_text())
     assert (summary["seq_len"], summary["rope_theta"], summary["steps"]) == (512, 40_000.0, 2 * STEPS)
+
+
+@pytest.mark.slow
+def test_stage_with_its_own_seed_keeps_pretrains_held_out_documents_for_eval(extended: Extended,
+                                                                              pretrained: Inputs) -> None:
+    """long_context's `seed` orders its own rows; the eval stage finds the documents pretrain held out (chosen by
+    pretrain's seed) through the artifact's packing.json: the seventh lease's reseeded twin failed here."""
+    from evaluation.heldout import heldout_documents
+
+    packing = json.loads((extended.out / "packing.json").read_text())
+    assert (packing["seed"], packing["heldout_seed"]) == (5, 0)
+    held = heldout_documents(extended.out, pretrained.artifacts["mixture"].path,
+                             pretrained.artifacts["documents"].path)
+    recorded = [e["id"] for e in json.loads((pretrained.pretrain_out.parent / "resume" / "data" /
+                                             "eval_documents.json").read_text())]
+    assert [i for i, _ in held.docs] == recorded and len(recorded) == 16
 
 
 @pytest.mark.slow

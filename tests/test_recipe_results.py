@@ -62,7 +62,13 @@ def test_pass_rates_carry_their_interval_and_tasks():
               "dpo_short": {"summary": {"eval_preference_accuracy": 0.7, "eval_preference_accuracy_untrained": 0.5}},
               "dpo_long": {"summary": {"eval_preference_accuracy": 0.0, "eval_preference_accuracy_untrained": 0.5,
                                        "dpo_pairs_heldout": 1}}}
+    # a post-training branch beside the chain (sft_more) has its eval listed after the chain's, by name
+    stages["sft_more"] = {"summary": {"eval_pass_rate": 0.25, "eval_pass_rate_before": 0.0}}
+    stages["eval_sft_more"] = {"summary": {"eval_pass_rate": 0.25, "eval_pass_prompts": 20.0}}
+    stages["eval_all_softmax"] = {"summary": {"eval_pass_rate": 0.0, "eval_pass_prompts": 20.0}}  # a pretrain's
+    assert recipe_results.post_training_evals(stages)[-2:] == ["eval_grpo", "eval_sft_more"]
     text = "\n".join(recipe_results.pass_rates(stages))
+    assert text.index("| eval_grpo |") < text.index("| eval_sft_more | 0.250 |") and "eval_all_softmax" not in text
     assert "| eval_long_context | 0.000 | [0.000, 0.161] | 20 | arithmetic=0.000 |" in text
     assert "| eval_grpo | 0.500 | [0.299, 0.701] | 20 | arithmetic=0.600 string=0.400 |" in text
     assert "`dpo_short` held-out preference accuracy 0.700 (untrained 0.500)" in text  # an old run: no count
@@ -80,7 +86,9 @@ def test_every_pretrain_gets_its_probe_curve_and_every_ablation_eval_its_niah_ro
                  "niah_choice_accuracy": 0.5, "drop_rate": 0.1}, {"step": 60, "loss": 8.0}]
         (Path(art) / "train_log.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         stages[name] = {"state": "done", "seconds": 10.0, "summary": {"eval_loss": 5.0 + i}, "artifact": art}
-    for name, acc in (("eval", 0.1), ("eval_xavier_head", 0.2), ("eval_grpo", 0.9), ("eval_long_context", 0.3)):
+    stages["sft_more"] = {"state": "done", "summary": {"eval_pass_rate_before": 0.0}}
+    for name, acc in (("eval", 0.1), ("eval_xavier_head", 0.2), ("eval_grpo", 0.9), ("eval_long_context", 0.3),
+                      ("eval_sft_more", 0.0)):
         stages[name] = {"state": "done", "summary": {"niah_accuracy": acc}}
     text = recipe_results.results({"stages": stages})
     assert "### pretrain\n" in text and "### pretrain_xavier_head\n" in text
