@@ -7,6 +7,8 @@ intervals, per task, and DPO's held-out preference accuracy.
     python bench/recipe_results.py REPORT_JSON [--out results.md]
     python bench/recipe_results.py --root ARTIFACT_ROOT [--out results.md]   # a run stopped before its report:
                                                           # the finished stages, from their artifacts' manifests
+    python bench/recipe_results.py REPORT_JSON --plot pass_rates.png          # also the pass rates as bars: each
+                                                          # eval's rate per task and overall, overall's 95% interval
 
 Run by bench/run_gpu_dag.sh at the end of every call (a stage that has not finished is listed as such); works on
 the CPU rehearsal's report too (bench/gpu_recipe_cpu.py --json).
@@ -140,6 +142,45 @@ def pass_rates(stages: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def pass_rate_plot(stages: dict[str, dict[str, Any]], path: Path) -> dict[str, dict[str, float]]:
+    """Grouped bars: each post-training eval's pass rate per task and overall (with its 95% Wilson interval), in the
+    recipe's order. Returns what it drew: {eval: {task or "all": rate}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn: dict[str, dict[str, float]] = {}
+    for name in post_training_evals(stages):
+        s = (stages.get(name) or {}).get("summary") or {}
+        if "eval_pass_rate" in s:
+            drawn[name] = {"all": s["eval_pass_rate"], **{k.split(".", 1)[1]: v for k, v in s.items()
+                                                          if k.startswith("eval_pass_rate.")}}
+    if not drawn:
+        raise ValueError("no post-training eval with an eval_pass_rate in this report")
+    groups = ["all", *sorted({t for d in drawn.values() for t in d} - {"all"})]
+    width = 0.8 / len(drawn)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) + 0.25 * len(drawn)), 4.2))
+    for i, (name, rates) in enumerate(drawn.items()):
+        xs = [g + (i - (len(drawn) - 1) / 2) * width for g in range(len(groups))]
+        label = "pretrain" if name == "eval" else name.removeprefix("eval_")
+        ax.bar(xs, [rates.get(t, math.nan) for t in groups], width, label=label)
+        n = (stages[name].get("summary") or {}).get("eval_pass_prompts", 0)
+        if n:
+            lo, hi = wilson(rates["all"] * n, n)
+            ax.errorbar(xs[0], rates["all"], yerr=[[rates["all"] - lo], [hi - rates["all"]]], color="black",
+                        capsize=2, linewidth=0.8)
+    ax.set_xticks(range(len(groups)), [f"{g} (95% CI)" if g == "all" else g for g in groups])
+    ax.set_ylabel("eval_pass_rate (greedy, held-out prompts)")
+    ax.set_ylim(0, max(0.1, 1.15 * max(v for d in drawn.values() for v in d.values())))
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("pass rate after each stage, per task")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
 def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
     keys = ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
             "niah_choice_accuracy", "copy_accuracy", "copy_loss_gain")
@@ -207,10 +248,14 @@ def main() -> None:
     ap.add_argument("report", type=Path, nargs="?")
     ap.add_argument("--root", type=Path, help="an artifact root instead of a report")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path, help="also draw the post-training pass rates (a PNG) here")
     args = ap.parse_args()
     if (args.report is None) == (args.root is None):
         ap.error("give a report or --root")
-    text = results(json.loads(args.report.read_text()) if args.report else report_from_root(args.root))
+    report = json.loads(args.report.read_text()) if args.report else report_from_root(args.root)
+    if args.plot:
+        pass_rate_plot(report.get("stages", {}), args.plot)
+    text = results(report)
     if args.out:
         args.out.write_text(text)
     else:

@@ -44,7 +44,7 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     varied = spec.stages["compare"].params.varied
     assert set(varied) == {"model_overrides.attention_pattern", "peak_lr"}
     for name, pattern in (("pretrain_all_softmax", "all-softmax"), ("pretrain_all_lightning", "all-lightning"),
-                          ("pretrain_all_softmax_lr1e4", "all-softmax")):
+                          ("pretrain_all_softmax_lr5e5", "all-softmax")):
         p = spec.stages[name].params.model_dump()
         assert p["model_overrides"] == {"attention_pattern": pattern}
         diff = {k for k in hybrid if hybrid[k] != p[k]}
@@ -52,10 +52,10 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     assert hybrid["model_overrides"] == {"attention_pattern": "hybrid"}
     assert hybrid["head_init"] == "embedding"  # the fifth lease: the Xavier head left the hybrid on the plateau
     assert hybrid["capacity_factor"] == 2.0  # the sixth lease: 1.25 dropped 35% and trained to a worse loss
-    # all-softmax at two LRs: the same pretraining but for the peak LR
-    lrs = [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_softmax_lr1e4")]
-    assert lrs == [5e-4, 3e-4, 1e-4]
-    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_all_softmax_lr1e4"}
+    # all-softmax at two LRs: the same pretraining but for the peak LR (1e-4 left the plateau 3e-4 stayed on)
+    lrs = [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_softmax_lr5e5")]
+    assert lrs == [5e-4, 1e-4, 5e-5]
+    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_all_softmax_lr5e5"}
     # long_context_2x: the spec's long_context but for its phases' token budgets, twice each
     lc = spec.stages["long_context"].params.model_dump()
     lc2 = spec.stages["long_context_2x"].params.model_dump()
@@ -70,10 +70,10 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     assert not {lc["seed"] + i for i in range(len(lc["phases"]))} & {lc_s["seed"] + i for i in range(len(lc["phases"]))}
     # the post-training variants: each its twin but for the params it names, and from a chain checkpoint
     sft, sft_more = (spec.stages[n].params.model_dump() for n in ("sft_short", "sft_more"))
-    assert {k for k in sft if sft[k] != sft_more[k]} == {"epochs"} and (sft["epochs"], sft_more["epochs"]) == (3, 6)
-    grpo, g2 = (spec.stages[n].params.model_dump() for n in ("grpo", "grpo_from_sft"))
-    assert {k for k in grpo if grpo[k] != g2[k]} == {"max_prompts", "max_steps"}
-    assert spec.stages["grpo_from_sft"].inputs["checkpoint"] == ["sft_short"]
+    assert {k for k in sft if sft[k] != sft_more[k]} == {"epochs"} and (sft["epochs"], sft_more["epochs"]) == (6, 10)
+    grpo, g2 = (spec.stages[n].params.model_dump() for n in ("grpo", "grpo_lr2e5"))
+    assert {k for k in grpo if grpo[k] != g2[k]} == {"learning_rate"} and 4 * grpo["learning_rate"] == g2["learning_rate"]
+    assert spec.stages["grpo_lr2e5"].inputs["checkpoint"] == spec.stages["grpo"].inputs["checkpoint"] == ["dpo_long"]
     gpu = [n for n, st in spec.stages.items() if st.resources.gpus]
     assert all(spec.stages[n].resources.gpus == 1 for n in gpu)  # one GPU each: Ray places them side by side
 

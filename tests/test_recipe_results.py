@@ -114,3 +114,18 @@ def test_niah_by_depth_reads_each_eval_reports_grid(tmp_path):
     assert rows == ["| eval_long_context | 8,192 | 0: 0.75 · 0.5: 1.00 · 1: 0.50 |",
                     "| eval_long_context | 16,384 | 0: 0.25 · 0.5: 0.50 · 1: 1.00 |"]
     assert "### NIAH by needle depth" in recipe_results.results({"stages": stages})
+
+
+def test_pass_rate_plot_draws_every_post_training_eval_per_task(tmp_path):
+    stages = {"eval_sft_short": {"summary": {"eval_pass_rate": 0.12, "eval_pass_prompts": 440.0,
+                                             "eval_pass_rate.string": 0.17, "eval_pass_rate.retrieval": 0.43}},
+              "sft_more": {"summary": {"eval_pass_rate_before": 0.0}},
+              "eval_sft_more": {"summary": {"eval_pass_rate": 0.175, "eval_pass_prompts": 440.0,
+                                            "eval_pass_rate.string": 0.31}},
+              "eval_all_softmax": {"summary": {"eval_pass_rate": 0.0, "eval_pass_prompts": 440.0}}}
+    drawn = recipe_results.pass_rate_plot(stages, tmp_path / "p.png")
+    assert drawn == {"eval_sft_short": {"all": 0.12, "string": 0.17, "retrieval": 0.43},
+                     "eval_sft_more": {"all": 0.175, "string": 0.31}}
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no post-training eval"):
+        recipe_results.pass_rate_plot({"eval_all_softmax": stages["eval_all_softmax"]}, tmp_path / "q.png")
