@@ -147,10 +147,15 @@ class RetrievalMaker:
     """Makes :class:`RetrievalSample` s of an exact length from context tokens (corpus text without special tokens).
 
     ``tokenizer`` is a ``tokenizers.Tokenizer`` (the pipeline's byte-level BPE); ``bos``/``eos`` its special ids.
+    ``answer_eos``: whether the EOS that ends each sample (right after its answer) is a target counted with the
+    answer (True) or stays in the sample as a token no loss is taken on (False). A model that copies the answer
+    would predict what followed it in the context there; on the CPU an EOS target after short copied spans kept a
+    toy from learning to copy at all (BENCHMARKS.md, the fourth and eighth leases).
     """
 
-    def __init__(self, tokenizer: Any, *, bos: int, eos: int) -> None:
+    def __init__(self, tokenizer: Any, *, bos: int, eos: int, answer_eos: bool = True) -> None:
         self.tokenizer, self.bos, self.eos = tokenizer, int(bos), int(eos)
+        self.answer_eos = bool(answer_eos)
         self.word_start = word_starts(tokenizer)
         self._cache: dict[str, np.ndarray] = {}
         self.makers: dict[str, Callable[[np.ndarray, int, np.random.Generator], RetrievalSample]] = {
@@ -188,14 +193,15 @@ class RetrievalMaker:
 
     def _assemble(self, parts: Sequence[tuple[np.ndarray, str]], kind: str, meta: dict[str, Any]) -> RetrievalSample:
         """``[BOS] parts... [EOS]``; each part is ``"text"`` (context: a target), ``"answer"`` (a target, counted
-        as answer) or ``"prompt"`` (not a target: planted records, query, cue, markers). The EOS ends the answer."""
+        as answer) or ``"prompt"`` (not a target: planted records, query, cue, markers). The EOS ends the answer:
+        an answer target, or with ``answer_eos`` off no target."""
         toks = [np.asarray([self.bos], TOKEN_DTYPE)]
         role = ["prompt"]
         for ids, r in parts:
             toks.append(np.asarray(ids, TOKEN_DTYPE))
             role += [r] * len(ids)
         toks.append(np.asarray([self.eos], TOKEN_DTYPE))
-        role.append("answer")
+        role.append("answer" if self.answer_eos else "prompt")
         roles = np.asarray(role)
         return RetrievalSample(np.concatenate(toks), roles == "prompt", roles == "answer", kind, meta)
 

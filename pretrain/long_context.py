@@ -371,7 +371,8 @@ def _pack_phase(params: LongContextParams, i: int, ctx: StageContext, data: Any,
     if params.retrieval_rows(i):
         add_retrieval_rows(tmp, tok, added_rows=params.retrieval_rows(i), seed=params.seed + i,
                            kinds=params.retrieval_kinds, min_tokens=params.retrieval_min_tokens,
-                           loss_on=params.retrieval_loss, progress=ctx.progress)
+                           loss_on=params.retrieval_loss, answer_eos=params.retrieval_answer_eos,
+                           progress=ctx.progress)
     publish_dir(tmp, data_dir)
 
 

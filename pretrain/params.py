@@ -36,6 +36,10 @@ class TrainingParams(EngineKnobs, StageParams):
     retrieval_loss: Literal["all", "answers"] = Field("all", description=(
         "What of a retrieval sample is a training target: 'all' (its natural-text context and its answer) or "
         "'answers' (the answer alone, so the copy targets weigh more in the loss; the plain rows still teach the text)."))
+    retrieval_answer_eos: bool = Field(True, description=(
+        "Whether the EOS that ends each retrieval sample, right after its answer, is a training target (counted with "
+        "the answer). Off: the EOS stays in the row but takes no loss; a model that copies the answer would predict "
+        "what followed it in the context there."))
 
     def training_problems(self) -> list[str]:
         """The engine's knobs against each other and the row lengths: checkpoints on logged steps, the retrieval

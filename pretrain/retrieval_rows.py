@@ -127,11 +127,12 @@ def _commit(data_dir: Path, record_file: str, record: dict[str, Any], info: Any)
 
 def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int, seed: int,
                        kinds: Sequence[str] = KINDS, min_tokens: int = 256, loss_on: str = "all",
-                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                       answer_eos: bool = True, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Add ``added_rows`` retrieval rows to the training split in ``data_dir`` (module docstring); return what
     ``retrieval.json`` records. ``tokenizer`` is the run's ``tokenizers.Tokenizer``. ``loss_on``: ``"all"`` (a
     sample's natural-text context and its answer are targets) or ``"answers"`` (the answers alone: the copy targets
-    are then a larger share of the run's loss; the context's text is still read, as the plain rows teach it)."""
+    are then a larger share of the run's loss; the context's text is still read, as the plain rows teach it).
+    ``answer_eos``: whether the EOS after each answer is a target (:class:`data.retrieval.RetrievalMaker`)."""
     if loss_on not in LOSS_ON:
         raise ValueError(f"retrieval loss_on={loss_on!r}: expected one of {', '.join(LOSS_ON)}")
     data_dir = Path(data_dir)
@@ -147,7 +148,7 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
     special = info.special_ids
     plain = PackedRows(data_dir, "train")
     rng = np.random.default_rng([seed, _ROWS_TAG])
-    maker = RetrievalMaker(tokenizer, bos=special["bos"], eos=special["eos"])
+    maker = RetrievalMaker(tokenizer, bos=special["bos"], eos=special["eos"], answer_eos=answer_eos)
     contexts = TrainingText(plain, special.values(), rng)
     total = len(plain) + added_rows
     at = positions(len(plain), added_rows)
@@ -214,7 +215,8 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
               "tokens": added["tokens"], "loss_tokens": added["loss_tokens"],
               "answer_tokens": sum(c["answer_tokens"] for c in by_kind.values()),
               "share_of_rows": added_rows / max(total, 1), "filler": filler, "by_kind": by_kind,
-              "kinds": list(kinds), "min_tokens": min_tokens, "loss_on": loss_on, "seed": seed}
+              "kinds": list(kinds), "min_tokens": min_tokens, "loss_on": loss_on, "answer_eos": answer_eos,
+              "seed": seed}
     _commit(data_dir, RETRIEVAL_FILE, record, replace(info, train=train))
     if progress:
         progress(f"retrieval rows: {added_rows:,} of {total:,} training rows, {samples:,} samples ("

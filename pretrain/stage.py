@@ -173,7 +173,7 @@ def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
                                added_rows=retrieval_rows_for(info.train.rows, params.retrieval_share),
                                seed=params.seed, kinds=params.retrieval_kinds,
                                min_tokens=params.retrieval_min_tokens, loss_on=params.retrieval_loss,
-                               progress=ctx.progress)
+                               answer_eos=params.retrieval_answer_eos, progress=ctx.progress)
         if params.copy_share:
             add_copy_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")),
                           rows=max(1, copy_rows_for(params.train_tokens, params.seq_len, params.copy_share,

@@ -56,12 +56,11 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     lrs = [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_softmax_lr5e5")]
     assert lrs == [5e-4, 1e-4, 5e-5]
     assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_all_softmax_lr5e5"}
-    # long_context_2x: the spec's long_context but for its phases' token budgets, twice each
+    # long_context_no_eos: the spec's long_context but for the retrieval answers' EOS target
     lc = spec.stages["long_context"].params.model_dump()
-    lc2 = spec.stages["long_context_2x"].params.model_dump()
-    assert {k for k in lc if lc[k] != lc2[k]} <= {"phases", "probe_every"}
-    assert [q["tokens"] for q in lc2["phases"]] == [2 * q["tokens"] for q in lc["phases"]]
-    assert [{**q, "tokens": 0} for q in lc2["phases"]] == [{**q, "tokens": 0} for q in lc["phases"]]
+    lc_e = spec.stages["long_context_no_eos"].params.model_dump()
+    assert {k for k in lc if lc[k] != lc_e[k]} == {"retrieval_answer_eos"} and lc["retrieval_answer_eos"] is True
+    assert spec.stages["long_context_no_eos"].inputs == spec.stages["long_context"].inputs
     assert lc["capacity_factor"] == hybrid["capacity_factor"] and lc["retrieval_share"] == 0.75
     # long_context_reseeded: the spec's long_context but for its seed (a second sample of the same config); phase i
     # draws with seed + i, so the two runs' seeds stay apart over every phase
@@ -85,9 +84,9 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
     rc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_recipe_cpu.py"), "--root", str(tmp_path / "root"),
                          "--json", str(report)], cwd=ROOT, timeout=1500).returncode
     stages = json.loads(report.read_text())["stages"]
-    # long_context_2x differs from long_context only in its phases, and sft_more from sft_short only in its epochs,
-    # which the CPU sizes replace: one cache key each, so they read their twin's artifact ("cached")
-    twins = {"long_context_2x", "eval_long_context_2x", "sft_more", "eval_sft_more"}
+    # sft_more differs from sft_short only in its epochs, which the CPU sizes replace: one cache key, so it reads
+    # its twin's artifact ("cached")
+    twins = {"sft_more", "eval_sft_more"}
     assert rc == 0 and all(r["state"] == "done" or (n in twins and r["state"] == "cached")
                            for n, r in stages.items()), {n: r["error"] for n, r in stages.items() if r["state"] != "done"}
     assert len(stages) >= 27
@@ -101,6 +100,11 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
     assert comparison["fair"] is True
     for name in ("sft_short", "dpo_short", "grpo", "eval_grpo"):
         assert "eval_pass_rate" in stages[name]["summary"], name
+    # long_context_no_eos's retrieval rows: the same rows as long_context's, one label fewer a sample
+    ret = [json.loads((Path(stages[n]["artifact"]) / "phases" / "0" / "retrieval.json").read_text())
+           for n in ("long_context", "long_context_no_eos")]
+    assert (ret[0]["answer_eos"], ret[1]["answer_eos"]) == (True, False) and ret[0]["samples"] == ret[1]["samples"]
+    assert ret[1]["answer_tokens"] == ret[0]["answer_tokens"] - ret[0]["samples"]
 
 
 @pytest.mark.slow

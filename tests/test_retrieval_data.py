@@ -136,6 +136,20 @@ def test_every_kind_makes_exactly_the_asked_length_with_answers_copied_from_earl
     assert seen == set(KINDS)
 
 
+def test_an_answer_eos_off_keeps_the_eos_in_the_sample_and_out_of_the_loss(tokenizer, packed):
+    """answer_eos=False: the same tokens and targets but for the closing EOS, which is no target and no answer."""
+    ctx, eos = _context(packed), tokenizer.token_to_id("<|eos|>")
+    on = _maker(tokenizer)
+    off = RetrievalMaker(tokenizer, bos=tokenizer.token_to_id("<|bos|>"), eos=eos, answer_eos=False)
+    for kind in KINDS:
+        a = on.make(kind, ctx[:400], 400, np.random.default_rng(11))
+        b = off.make(kind, ctx[:400], 400, np.random.default_rng(11))
+        assert (a.tokens == b.tokens).all() and b.tokens[-1] == eos, kind
+        assert a.answer[-1] and not a.no_loss[-1] and not b.answer[-1] and b.no_loss[-1], kind
+        assert (a.answer[:-1] == b.answer[:-1]).all() and (a.no_loss[:-1] == b.no_loss[:-1]).all(), kind
+        assert b.answer_tokens == a.answer_tokens - 1 >= 1, kind
+
+
 def test_a_sample_is_determined_by_its_seed(tokenizer, packed):
     a = _samples(tokenizer, packed, n_per_kind=3)
     b = _samples(tokenizer, packed, n_per_kind=3)
@@ -270,6 +284,27 @@ def test_answers_only_rows_count_just_the_answers_and_keep_the_same_tokens(packe
         assert (a.row(int(i))[2] == b.row(int(i))[2]).all()
     with pytest.raises(ValueError, match="loss_on"):
         add_retrieval_rows(tmp_path / "y", tokenizer, added_rows=3, seed=0, loss_on="context")
+
+
+def test_rows_without_the_answer_eos_target_have_one_label_fewer_a_sample(packed, tokenizer, tmp_path, mixed):
+    """answer_eos=False through add_retrieval_rows: the same rows (same seed), each sample's closing EOS no label,
+    in both loss_on modes; retrieval.json says which."""
+    out, record = mixed
+    plain = len(PackedRows(packed, "train"))
+    for loss_on in ("all", "answers"):
+        d = tmp_path / loss_on
+        shutil.copytree(packed, d)
+        rec = add_retrieval_rows(d, tokenizer, added_rows=retrieval_rows_for(plain, 0.25), seed=0, min_tokens=96,
+                                 loss_on=loss_on, answer_eos=False)
+        assert (np.load(out / "train_tokens.npy") == np.load(d / "train_tokens.npy")).all()
+        assert rec["answer_eos"] is False and record["answer_eos"] is True
+        assert rec["answer_tokens"] == record["answer_tokens"] - record["samples"]
+        if loss_on == "all":
+            for kind, c in rec["by_kind"].items():
+                assert c["loss_tokens"] == record["by_kind"][kind]["loss_tokens"] - c["samples"], kind
+            assert rec["loss_tokens"] == record["loss_tokens"] - record["samples"]
+        else:
+            assert all(c["loss_tokens"] == c["answer_tokens"] for c in rec["by_kind"].values())
 
 
 def _window_hashes(tokens: np.ndarray, special: list[int], n: int = 24) -> np.ndarray:
