@@ -19,7 +19,9 @@ for bit-level parity, and because the full softmax is needed for the aux loss an
 
 Aux loss (§2.1): L_aux = alpha_aux * (1/E) * sum_i f_i * m_i, with f_i the fraction of routed token slots
 that chose expert i (sum_i f_i = 1) and m_i the mean router probability of expert i over tokens; padding
-tokens are excluded. ``aux_loss`` here is (1/E) * sum_i f_i * m_i; alpha_aux is applied by the model.
+tokens are excluded. ``aux_loss`` here is (1/E) * sum_i f_i * m_i; alpha_aux is applied by the model. The released
+code's loss (transformers' ``load_balancing_loss_func``, as Mixtral's) is E * sum_i (k f_i) * P_i, k E^2 times this
+one (x128 at E = 8, k = 2): we follow the report's formula, so the same alpha_aux weighs k E^2 times less here.
 
 Token drop (§2.1, training only): each expert accepts at most ``capacity = ceil(capacity_factor * N * k / E)``
 token slots; slots are admitted GShard-style, every token's first choice before any second choice, in token

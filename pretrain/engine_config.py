@@ -50,7 +50,11 @@ class EngineKnobs(BaseModel):
     capacity_factor: float = Field(1.25, gt=0, description="Expert capacity = ceil(factor x tokens x k / E).")
     min_capacity: int = Field(0, ge=0, description=(
         "Lower bound on capacity (DeepSpeed's own default is 4; the paper has none)."))
-    aux_loss_coef: float = Field(0.001, ge=0, description="alpha_aux of the balance loss (released MiniMax value).")
+    aux_loss_coef: float = Field(0.001, ge=0, description=(
+        "alpha_aux of the balance loss, the report's (1/E) sum_i f_i m_i (§2.1; model/moe.py). The released code's "
+        "loss (transformers' MiniMax, as Mixtral's) is E sum_i (k f_i) P_i, k E^2 times larger (x128 at gpu-300m's "
+        "E = 8, k = 2), so a coefficient here weighs k E^2 times less than the same number there. The default is the "
+        "released config's number, 0.001."))
     checkpoint_every: int = Field(50, ge=0, description=(
         "Steps between DeepSpeed checkpoints (plus one before the first step and one at the end); 0: none, and a "
         "stopped run starts over (for runs that end inside one machine lease: each save of gpu-300m is ~10 GB)."))

@@ -42,20 +42,23 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     spec = load_spec(gpu_recipe_cpu.SPEC)
     hybrid = spec.stages["pretrain"].params.model_dump()
     varied = spec.stages["compare"].params.varied
-    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr"}
+    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr", "aux_loss_coef"}
     for name, pattern in (("pretrain_all_softmax", "all-softmax"), ("pretrain_all_lightning", "all-lightning"),
-                          ("pretrain_all_softmax_lr5e5", "all-softmax")):
+                          ("pretrain_balance", "hybrid")):
         p = spec.stages[name].params.model_dump()
         assert p["model_overrides"] == {"attention_pattern": pattern}
         diff = {k for k in hybrid if hybrid[k] != p[k]}
-        assert diff <= {"model_overrides", "peak_lr"}, (name, diff)
+        assert diff <= {"model_overrides", "peak_lr"} or (name, diff) == ("pretrain_balance", {"aux_loss_coef"}), \
+            (name, diff)
     assert hybrid["model_overrides"] == {"attention_pattern": "hybrid"}
     assert hybrid["head_init"] == "embedding"  # the fifth lease: the Xavier head left the hybrid on the plateau
     assert hybrid["capacity_factor"] == 2.0  # the sixth lease: 1.25 dropped 35% and trained to a worse loss
-    # all-softmax at two LRs: the same pretraining but for the peak LR (1e-4 left the plateau 3e-4 stayed on)
-    lrs = [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_softmax_lr5e5")]
-    assert lrs == [5e-4, 1e-4, 5e-5]
-    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_all_softmax_lr5e5"}
+    # all-softmax at 1e-4 (it left the plateau 3e-4 stayed on); the balance branch at the released normalization's
+    # 0.01 (ours is the report's (1/E) sum f_i m_i, k E^2 = 128 times smaller at gpu-300m)
+    assert [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax")] == [5e-4, 1e-4]
+    e, k = 8, 2
+    assert (hybrid["aux_loss_coef"], spec.stages["pretrain_balance"].params.aux_loss_coef) == (0.01, 0.01 * k * e * e)
+    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_balance"}
     # long_context_no_eos: the spec's long_context but for the retrieval answers' EOS target
     lc = spec.stages["long_context"].params.model_dump()
     lc_e = spec.stages["long_context_no_eos"].params.model_dump()

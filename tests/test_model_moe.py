@@ -453,3 +453,21 @@ def test_a_training_step_traced_before_any_eager_call_takes_the_grouped_gemm_in_
     monkeypatch.setattr(moe_module, "GROUPED_MM_UNPROBED_DEVICES", frozenset({"cpu"}))
     assert bf16.path_for(x.bfloat16()) == "grouped"
     assert moe_module._GROUPED_MM_KNOWN == {}  # nothing probed inside the trace
+
+
+@pytest.mark.parametrize("num_experts", [4, 8])
+def test_balance_loss_is_the_released_loss_over_k_e_squared(num_experts: int) -> None:
+    """The report's (1/E) sum f_i m_i against transformers' MiniMax load_balancing_loss_func (E sum (k f_i) P_i) on
+    the same router logits: exactly k E^2 apart, balanced or skewed (the aux_loss_coef description's factor)."""
+    from transformers.models.minimax.modeling_minimax import load_balancing_loss_func
+
+    from model.moe import balance_loss
+
+    k, gen = 2, torch.Generator().manual_seed(0)
+    for skew in (0.0, 4.0):
+        logits = torch.randn(2048, num_experts, generator=gen) + skew * torch.linspace(0, 1, num_experts)
+        probs = logits.softmax(-1)
+        routed = torch.bincount(probs.topk(k, -1).indices.reshape(-1), minlength=num_experts)
+        ours = balance_loss(probs, routed, None)
+        theirs = load_balancing_loss_func((logits,), num_experts, k)
+        assert float(theirs / ours) == pytest.approx(k * num_experts**2, rel=1e-5)
