@@ -182,8 +182,8 @@ def pass_rate_plot(stages: dict[str, dict[str, Any]], path: Path) -> dict[str, d
 
 
 def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
-    keys = ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
-            "niah_choice_accuracy", "copy_accuracy", "copy_loss_gain")
+    keys = ("niah_accuracy", "niah_accuracy_2x", "niah_chat_accuracy", "multi_round_niah_recall",
+            "multi_round_niah_recall_2x", "niah_choice_accuracy", "copy_accuracy", "copy_loss_gain")
     out = ["| eval | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     post = post_training_evals(stages)
     evals = [n for n in ("eval", "eval_long_context") if n in stages] + sorted(
@@ -191,6 +191,18 @@ def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
     for name in evals:  # after pretraining and long_context, and each ablation branch's eval
         s = (stages.get(name) or {}).get("summary") or {}
         if s:
+            out.append(f"| {name} | " + " | ".join(_fmt(s.get(k, math.nan)) for k in keys) + " |")
+    return out
+
+
+def post_training_niah(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """NIAH at the trained length and twice it after each post-training stage: the plain prompt's exact match, the
+    chat template's (``niah_chat``), and the forced choice."""
+    keys = ("niah_accuracy", "niah_chat_accuracy", "niah_accuracy_2x", "niah_chat_accuracy_2x", "niah_choice_accuracy")
+    out = ["| eval of | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name in post_training_evals(stages):
+        s = (stages.get(name) or {}).get("summary") or {}
+        if "niah_accuracy" in s:
             out.append(f"| {name} | " + " | ".join(_fmt(s.get(k, math.nan)) for k in keys) + " |")
     return out
 
@@ -236,7 +248,8 @@ def results(report: dict[str, Any]) -> str:
     for name in sorted(n for n in stages if n.startswith("pretrain")):  # the hybrid's, then each ablation branch's
         parts += [f"### {name}", "", *probe_curve(stages, name), ""]
     parts += ["## NIAH and copying", "", *niah(stages), "", "### NIAH by needle depth", "", *niah_by_depth(stages),
-              "", "## Post-training", "", *pass_rates(stages), ""]
+              "", "## Post-training", "", *pass_rates(stages), "", "### NIAH after each stage", "",
+              *post_training_niah(stages), ""]
     comp = (stages.get("compare") or {}).get("artifact")
     if comp and (Path(comp) / "comparison.md").is_file():
         parts += ["## Ablation (`compare`)", "", (Path(comp) / "comparison.md").read_text()]

@@ -36,6 +36,7 @@ CITIES = (
 )  # fmt: skip
 NEEDLE = "The special magic {city} number is: {number}."
 QUESTION = "\n\nWhat is the special magic {city} number? The special magic {city} number is:"
+CHAT_QUESTION = "\n\nWhat is the special magic {city} number?"  # niah_chat_prompt: no completion cue in a chat
 MR_NEEDLE_REQUEST = "Please give me the special magic number for {city}."
 MR_FILLER_REQUESTS = (
     "Write a passage on any topic you like.", "Describe an event in a few paragraphs.",
@@ -104,6 +105,17 @@ def niah_prompt(stream: TokenStream, offset: int, length: int, depth: float, cit
     at = round(depth * hay_len)
     ids = [bos_id, *hay[:at], *needle, *hay[at:], *question]
     return NiahTrial(length, depth, city, number, ids, 1 + at, len(needle), offset)
+
+
+def niah_chat_prompt(trial: NiahTrial, encode: Encode, decode: Callable[[list[int]], str],
+                     render: Callable[[list[dict[str, str]]], str]) -> list[int]:
+    """The trial as one user turn of a chat: its haystack and needle (the plain prompt's tokens without the BOS and
+    the question, decoded) and :data:`CHAT_QUESTION`, rendered by ``render`` (the chat template with the assistant's
+    turn opened) and encoded. The format a post-trained checkpoint was trained to answer in; the plain prompt's
+    completion cue would be out of place there. Its length is the plain prompt's plus the template's tokens."""
+    question = encode(QUESTION.format(city=trial.city))
+    body = decode(trial.ids[1:len(trial.ids) - len(question)])
+    return encode(render([{"role": "user", "content": body + CHAT_QUESTION.format(city=trial.city)}]))
 
 
 def build_niah_trials(stream: TokenStream, encode: Encode, bos_id: int, lengths: Sequence[int],

@@ -15,7 +15,8 @@ What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_
   match is all-or-nothing, a forced choice on the same prompts between the needle's number and ``niah_distractors``
   numbers the prompt never held (teacher-forced log-likelihood of each as the answer): ``niah_choice_accuracy`` /
   ``_2x`` (chance is 1 / (1 + niah_distractors)) and ``niah_answer_margin`` / ``_2x`` (nats: the needle's number's
-  log-likelihood minus the distractors' mean; 0 means the model ignores the needle);
+  log-likelihood minus the distractors' mean; 0 means the model ignores the needle); with ``niah_chat`` the same
+  trials again as one user turn in the chat template (``niah_chat_accuracy`` / ``_2x``: post-trained checkpoints);
 * the copy probe: ``[BOS] R R`` with ``R`` ``copy_tokens`` random token ids (``copy_pool``: drawn from the distinct
   ordinary tokens of the held-out text, as the in-training probe draws them, or from the whole ordinary vocabulary,
   many of whose tokens a small run never trains on); ``copy_accuracy`` is the top-1 accuracy
@@ -65,6 +66,7 @@ from data.eval_tasks import (
     held_out_token_pool,
     lm_eval_item_problem,
     needle_rounds,
+    niah_chat_prompt,
     niah_distractors,
     read_lm_eval_jsonl,
 )
@@ -103,6 +105,10 @@ class EvalParams(StageParams):
         "Vanilla NIAH needle depths: share of the haystack tokens before the needle."))
     niah_trials: int = Field(2, ge=1, description="Vanilla NIAH prompts per (length, depth) cell.")
     niah_max_new_tokens: int = Field(12, ge=1, description="Greedy tokens generated for a NIAH answer.")
+    niah_chat: bool = Field(False, description=(
+        "Also ask every vanilla NIAH prompt as one user turn in the tokenizer's chat template (the same haystack and "
+        "needle, the question without the completion cue): niah_chat_accuracy / _2x. For post-trained checkpoints, "
+        "which answer in that format; on the plain prompt they may answer with an EOS."))
     mr_niah_round_tokens: int = Field(96, ge=8, description=(
         "Multi-round NIAH: one history round per this many context tokens (at least one round per needle plus one "
         "filler round)."))
@@ -170,7 +176,12 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
         mine = [(t, d) for t, d in zip(trials, distractors, strict=True) if t.length == length]
         for batch in _batches(mine, params.generate_batch):
             answers = scorer.generate([t.ids for t, _ in batch], params.niah_max_new_tokens)
-            for (t, wrong), a in zip(batch, answers, strict=True):
+            chats: list[Any] = [None] * len(batch)  # niah_chat: the same trials as a chat's user turn
+            chat_answers: list[Any] = [None] * len(batch)
+            if params.niah_chat:
+                chats = [niah_chat_prompt(t, scorer.encode, scorer.decode, scorer.render_chat) for t, _ in batch]
+                chat_answers = scorer.generate(chats, params.niah_max_new_tokens)
+            for (t, wrong), a, ca, cp in zip(batch, answers, chat_answers, chats, strict=True):
                 # the forced choice: each number as the answer, spelt as the needle spells it (" 1234567")
                 ll = scorer.continuation_logliks(t.ids, [scorer.encode(f" {x}") for x in [t.number, *wrong]])
                 rows.append({"length": t.length, "depth": t.depth, "city": t.city, "number": t.number, "answer": a,
@@ -178,6 +189,9 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
                              "distractors": wrong, "answer_loglik": ll[0], "distractor_logliks": ll[1:],
                              "choice_correct": bool(ll[0] > max(ll[1:])),
                              "margin": float(ll[0] - np.mean(ll[1:]))})
+                if ca is not None:
+                    rows[-1] |= {"chat_answer": ca, "chat_correct": niah_correct(ca, t.number),
+                                 "chat_prompt_tokens": len(cp)}
             done += len(batch)
             ctx.progress(f"NIAH: {done}/{len(trials)} prompts (length {length})")
 
@@ -191,6 +205,10 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
            "choice_accuracy_by_length": {L: mean("choice_correct", length=L) for L in lengths},
            "margin_by_length": {L: mean("margin", length=L) for L in lengths},
            "trials": rows}
+    if params.niah_chat:
+        out["chat_accuracy_by_length"] = {L: mean("chat_correct", length=L) for L in lengths}
+        ctx.progress("NIAH in the chat template: " + ", ".join(
+            f"{L}: {out['chat_accuracy_by_length'][L]:.2f}" for L in lengths))
     ctx.progress("NIAH forced choice (chance {:.2f}): ".format(out["choice_chance"]) + ", ".join(
         f"{L}: {out['choice_accuracy_by_length'][L]:.2f} (margin {out['margin_by_length'][L]:+.2f} nats)"
         for L in lengths))

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from data.eval_tasks import (
+    CHAT_QUESTION,
     NEEDLE,
     QUESTION,
     MCItem,
@@ -29,6 +30,7 @@ from data.eval_tasks import (
     build_next_sentence_task,
     build_niah_trials,
     needle_rounds,
+    niah_chat_prompt,
     niah_distractors,
     niah_prompt,
     read_lm_eval_jsonl,
@@ -98,6 +100,20 @@ def test_niah_prompt_has_the_requested_tokens_and_the_needle_at_its_depth(tok: T
     assert t.ids[-len(question):] == question
     haystack = t.ids[1:t.needle_start] + t.ids[t.needle_start + len(needle):-len(question)]
     assert haystack == list(range(1037, 1037 + hay_len))  # one contiguous piece of the stream, in order
+
+
+def test_niah_chat_prompt_is_the_haystack_and_needle_as_a_user_turn_without_the_completion_cue(tok: Tok) -> None:
+    words = " ".join(f"river{i % 50} stone" for i in range(400))
+    stream = TokenStream(np.asarray(tok.encode(words), np.int64))
+    t = niah_prompt(stream, offset=5, length=300, depth=0.5, city="Oslo", number="1234567", encode=tok.encode,
+                    bos_id=tok.bos)
+    ids = niah_chat_prompt(t, tok.encode, tok.decode, tok.render)
+    question = tok.encode(QUESTION.format(city="Oslo"))
+    body = tok.decode(t.ids[1:-len(question)])
+    assert ids == tok.encode(tok.render([{"role": "user", "content": body + CHAT_QUESTION.format(city="Oslo")}]))
+    text = tok.decode(ids)
+    assert NEEDLE.format(city="Oslo", number="1234567") in text and body.strip()[:40] in text
+    assert text.count("The special magic Oslo number is:") == 1  # the needle's; the cue is not there
 
 
 def test_niah_haystack_wraps_around_the_held_out_stream_and_never_leaves_it(tok: Tok) -> None:
@@ -545,7 +561,7 @@ def evaluated(inputs: PretrainInputs, tmp_path_factory: pytest.TempPathFactory) 
                                       "prompts": prompts}, stage_name="eval")
     run(EvalParams(needle_depths=[0.0, 0.5, 1.0], niah_trials=2, cloze_items=12, next_sentence_items=10,
                    mr_niah_depths=[0.25, 0.75], loss_windows=4, task_files=[str(task_file)], seed=1,
-                   pass_rate_prompts=10, pass_rate_max_new_tokens=16), ctx)
+                   pass_rate_prompts=10, pass_rate_max_new_tokens=16, niah_chat=True), ctx)
     return EvalRun(ctx, json.loads((ctx.out_dir / "report.json").read_text()), pctx.summary, pctx.out_dir)
 
 
@@ -555,7 +571,7 @@ def test_stage_reports_every_metric_in_range(evaluated: EvalRun) -> None:
     for name in ("niah_accuracy", "niah_accuracy_2x", "multi_round_niah_recall", "multi_round_niah_recall_2x",
                  "mc_acc_norm", "mc_acc_norm.cloze", "mc_acc_norm.next_sentence", "mc_acc_norm.facts",
                  "mc_acc.cloze", f"niah_accuracy_at_{SEQ}", f"niah_accuracy_at_{2 * SEQ}", "niah_choice_accuracy",
-                 "niah_choice_accuracy_2x", "copy_accuracy"):
+                 "niah_choice_accuracy_2x", "copy_accuracy", "niah_chat_accuracy", "niah_chat_accuracy_2x"):
         assert 0.0 <= s[name] <= 1.0, name
     for name in ("niah_answer_margin", "niah_answer_margin_2x", "copy_loss_gain"):
         assert math.isfinite(s[name]), name
@@ -629,6 +645,13 @@ def test_stage_niah_grid_is_scored_by_exact_match_over_every_cell(evaluated: Eva
             cell = [r["correct"] for r in niah["trials"] if r["length"] == length and r["depth"] == depth]
             assert niah["accuracy"][i][j] == pytest.approx(np.mean(cell))
     assert evaluated.ctx.summary["niah_accuracy"] == pytest.approx(niah["accuracy_by_length"][str(SEQ)])
+    # niah_chat: every trial again in the chat template, scored the same way
+    for row in niah["trials"]:
+        assert row["chat_correct"] == niah_correct(row["chat_answer"], row["number"])
+    for length, key in ((SEQ, "niah_chat_accuracy"), (2 * SEQ, "niah_chat_accuracy_2x")):
+        cell = [r["chat_correct"] for r in niah["trials"] if r["length"] == length]
+        assert niah["chat_accuracy_by_length"][str(length)] == pytest.approx(np.mean(cell))
+        assert evaluated.ctx.summary[key] == pytest.approx(np.mean(cell))
     mr = evaluated.report["multi_round_niah"]
     for row in mr["trials"]:
         assert row["found"] == recall(row["answer"], row["numbers"])
@@ -657,6 +680,12 @@ def test_stage_niah_answers_are_greedy_decoding_with_and_without_the_recurrent_c
         out = m.generate(ids, max_new_tokens=12, do_sample=False, use_cache=False, pad_token_id=m.config.pad_token_id,
                          eos_token_id=m.config.eos_token_id)
     assert tok.decode(out[0, ids.shape[1]:].tolist()) == row["answer"]
+    chat = niah_chat_prompt(t, tok.encode, tok.decode, tok.render)  # niah_chat: the same trial as a user turn
+    assert len(chat) == row["chat_prompt_tokens"]
+    with torch.no_grad():
+        out = m.generate(torch.tensor([chat]), max_new_tokens=12, do_sample=False, use_cache=False,
+                         pad_token_id=m.config.pad_token_id, eos_token_id=m.config.eos_token_id)
+    assert tok.decode(out[0, len(chat):].tolist()) == row["chat_answer"]
     # the forced choice's log-likelihoods are an unpadded forward of prompt + " <number>" for each number
     for number, got in zip([t.number, *row["distractors"]], [row["answer_loglik"], *row["distractor_logliks"]],
                            strict=True):

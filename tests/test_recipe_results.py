@@ -95,6 +95,12 @@ def test_every_pretrain_gets_its_probe_curve_and_every_ablation_eval_its_niah_ro
     assert "| 50 | 0 | 9.000 | 0.250 |" in text and "| 50 | 0 | 10.000 | 0.500 |" in text
     niah = [line.split(" | ")[0] for line in recipe_results.niah(stages)[2:]]
     assert niah == ["| eval", "| eval_long_context", "| eval_xavier_head"]
+    # the post-training evals' NIAH, plain and in the chat template, in a table of their own
+    stages["eval_grpo"]["summary"]["niah_chat_accuracy"] = 0.5
+    post = recipe_results.post_training_niah(stages)
+    assert [line.split(" | ")[0] for line in post[2:]] == ["| eval", "| eval_long_context", "| eval_grpo",
+                                                             "| eval_sft_more"]
+    assert post[4].startswith("| eval_grpo | 0.9 | 0.5 | nan |") and "### NIAH after each stage" in text
 
 
 def test_niah_by_depth_reads_each_eval_reports_grid(tmp_path):
