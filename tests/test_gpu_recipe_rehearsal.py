@@ -103,6 +103,8 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
     assert comparison["fair"] is True
     for name in ("sft_short", "dpo_short", "grpo", "eval_grpo"):
         assert "eval_pass_rate" in stages[name]["summary"], name
+    for name in ("eval_long_context", "eval_sft_short", "eval_grpo"):  # niah_chat: on in these evals
+        assert 0.0 <= stages[name]["summary"]["niah_chat_accuracy"] <= 1.0, name
     # long_context_no_eos's retrieval rows: the same rows as long_context's, one label fewer a sample
     ret = [json.loads((Path(stages[n]["artifact"]) / "phases" / "0" / "retrieval.json").read_text())
            for n in ("long_context", "long_context_no_eos")]
