@@ -167,9 +167,9 @@ def pass_rate_plot(stages: dict[str, dict[str, Any]], path: Path) -> dict[str, d
         ax.bar(xs, [rates.get(t, math.nan) for t in groups], width, label=label)
         n = (stages[name].get("summary") or {}).get("eval_pass_prompts", 0)
         if n:
-            lo, hi = wilson(rates["all"] * n, n)
-            ax.errorbar(xs[0], rates["all"], yerr=[[rates["all"] - lo], [hi - rates["all"]]], color="black",
-                        capsize=2, linewidth=0.8)
+            lo, hi = wilson(rates["all"] * n, n)  # may miss a rate of 0 or 1 by a rounding error: clamped
+            ax.errorbar(xs[0], rates["all"], yerr=[[max(0.0, rates["all"] - lo)], [max(0.0, hi - rates["all"])]],
+                        color="black", capsize=2, linewidth=0.8)
     ax.set_xticks(range(len(groups)), [f"{g} (95% CI)" if g == "all" else g for g in groups])
     ax.set_ylabel("eval_pass_rate (greedy, held-out prompts)")
     ax.set_ylim(0, max(0.1, 1.15 * max(v for d in drawn.values() for v in d.values())))

@@ -112,7 +112,9 @@ def niah_chat_prompt(trial: NiahTrial, encode: Encode, decode: Callable[[list[in
     """The trial as one user turn of a chat: its haystack and needle (the plain prompt's tokens without the BOS and
     the question, decoded) and :data:`CHAT_QUESTION`, rendered by ``render`` (the chat template with the assistant's
     turn opened) and encoded. The format a post-trained checkpoint was trained to answer in; the plain prompt's
-    completion cue would be out of place there. Its length is the plain prompt's plus the template's tokens."""
+    completion cue would be out of place there. Its length is the plain prompt's less the BOS and the cue's tokens
+    (``CHAT_QUESTION`` is the shorter question) plus the template's, up to the few tokens that decoding and
+    re-encoding the haystack can merge or split."""
     question = encode(QUESTION.format(city=trial.city))
     body = decode(trial.ids[1:len(trial.ids) - len(question)])
     return encode(render([{"role": "user", "content": body + CHAT_QUESTION.format(city=trial.city)}]))

@@ -69,7 +69,8 @@ MIN_SAMPLE_TOKENS = 96  # below this a sample has no room for its context and qu
 @dataclass(frozen=True)
 class RetrievalSample:
     """``tokens`` int32 ``[BOS] ... [EOS]``; ``no_loss`` bool (True where the label does not count: BOS, the
-    planted records, the query and its cue); ``answer`` bool (the answer's tokens and the EOS after them)."""
+    planted records, the query and its cue, and the closing EOS when the maker's ``answer_eos`` is off); ``answer``
+    bool (the answer's tokens, and the EOS after them when ``answer_eos`` is on)."""
 
     tokens: np.ndarray
     no_loss: np.ndarray

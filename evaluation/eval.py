@@ -109,6 +109,9 @@ class EvalParams(StageParams):
         "Also ask every vanilla NIAH prompt as one user turn in the tokenizer's chat template (the same haystack and "
         "needle, the question without the completion cue): niah_chat_accuracy / _2x. For post-trained checkpoints, "
         "which answer in that format; on the plain prompt they may answer with an EOS."))
+    niah_chat_max_new_tokens: int = Field(24, ge=1, description=(
+        "Greedy tokens generated for a NIAH answer in the chat template (an answer may restate the question before "
+        "the number)."))
     mr_niah_round_tokens: int = Field(96, ge=8, description=(
         "Multi-round NIAH: one history round per this many context tokens (at least one round per needle plus one "
         "filler round)."))
@@ -180,7 +183,7 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
             chat_answers: list[Any] = [None] * len(batch)
             if params.niah_chat:
                 chats = [niah_chat_prompt(t, scorer.encode, scorer.decode, scorer.render_chat) for t, _ in batch]
-                chat_answers = scorer.generate(chats, params.niah_max_new_tokens)
+                chat_answers = scorer.generate(chats, params.niah_chat_max_new_tokens)
             for (t, wrong), a, ca, cp in zip(batch, answers, chat_answers, chats, strict=True):
                 # the forced choice: each number as the answer, spelt as the needle spells it (" 1234567")
                 ll = scorer.continuation_logliks(t.ids, [scorer.encode(f" {x}") for x in [t.number, *wrong]])

@@ -138,6 +138,8 @@ def to_minimax_config(config: HybridConfig) -> MiniMaxConfig:
         num_experts_per_tok=config.num_experts_per_tok,
         num_local_experts=config.num_experts,
         output_router_logits=False,  # on, generate crashes on left-padded batches (module docstring)
+        # the same number, though transformers' balance loss is k E^2 times ours (model/moe.py): it weighs that much
+        # more if the export is trained with output_router_logits on
         router_aux_loss_coef=config.router_aux_loss_coef,
         rope_parameters=rope,
         layer_types=[_HF_KIND[kind] for kind in config.attention_pattern],

@@ -133,5 +133,10 @@ def test_pass_rate_plot_draws_every_post_training_eval_per_task(tmp_path):
     assert drawn == {"eval_sft_short": {"all": 0.12, "string": 0.17, "retrieval": 0.43},
                      "eval_sft_more": {"all": 0.175, "string": 0.31}}
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    # a rate of 0 or 1, whose Wilson bound can miss it by a rounding error (0 of 22, 21 of 21), still draws
+    zero = {"eval": {"summary": {"eval_pass_rate": 0.0, "eval_pass_prompts": 22.0}},
+            "eval_sft_short": {"summary": {"eval_pass_rate": 1.0, "eval_pass_prompts": 21.0}}}
+    assert recipe_results.pass_rate_plot(zero, tmp_path / "z.png") == {"eval": {"all": 0.0},
+                                                                         "eval_sft_short": {"all": 1.0}}
     with pytest.raises(ValueError, match="no post-training eval"):
         recipe_results.pass_rate_plot({"eval_all_softmax": stages["eval_all_softmax"]}, tmp_path / "q.png")
