@@ -30,6 +30,7 @@
 # ARCHIVE, PYTHON: passed on to bench/run_gpu_dag.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PWD_ROOT=$PWD
 T0=$(date +%s)
 WATCH_S=${WATCH_S:-540}
 LEASE=${LEASE:-/tmp/hylight-lease}
@@ -49,8 +50,18 @@ if [ ! -f "$LEASE/pid" ] || { [ -n "${RESTART:-}" ] && ! running; }; then
     # RESTART=1 after the run ended (a fix sent with this call): the same artifact root, finished stages cached
     keep=${RESTART:+1}
     [ -n "$keep" ] && say "restarting the ended run on its artifact root (KEEP_WORK=1)"
-    KEEP_WORK=$keep OUT="$RUN_OUT" RUN_LIMIT_S=${RUN_LIMIT_S:-1700} setsid nohup bash bench/run_gpu_dag.sh \
-        >"$LEASE/run_gpu_dag.out" 2>&1 </dev/null &
+    # The run works from a copy of this call's tree, not from the repo root: every later call replaces the repo
+    # root with a fresh copy of the working tree, and a stage importing a module while that copy is under way
+    # finds it missing (the ninth lease: eval_sft_more, "No module named 'model.sizes'", 16 s before the third
+    # call's script began). The package archive stays where the call carried it (read once, at the start).
+    TREE="$LEASE/tree"
+    rm -rf "$TREE" && mkdir -p "$TREE" \
+        && tar -C . --exclude=./.git --exclude=./.venv --exclude=./.whl-dag -cf - . | tar -C "$TREE" -xf - \
+        || { say "copying the tree into $TREE failed"; exit 2; }
+    say "the run works from a copy of this call's tree: $TREE ($(du -sh "$TREE" | cut -f1))"
+    (cd "$TREE" && KEEP_WORK=$keep OUT="$RUN_OUT" RUN_LIMIT_S=${RUN_LIMIT_S:-1700} \
+        ARCHIVE="${ARCHIVE:-$PWD_ROOT/.whl-dag/pack/site.tar.xz}" exec setsid nohup bash bench/run_gpu_dag.sh \
+        >"$LEASE/run_gpu_dag.out" 2>&1 </dev/null) &
     echo $! >"$LEASE/pid"
     date +%s >"$LEASE/started"
     say "started bench/run_gpu_dag.sh (pid $(cat "$LEASE/pid"), its own session)"
