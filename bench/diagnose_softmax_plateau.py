@@ -203,6 +203,25 @@ def truncate_docs(batch, max_doc):
     return batch
 
 
+@torch.no_grad()
+def unigram_direction_init(model, u, batch, share):
+    """Add one direction w to every embedding row (``share`` of a row's typical norm) and the rank-1 term u w^T to
+    the head, scaled so that the logits start at the centred log unigram u: the unigram then needs no shared
+    vector built by the layers. Init only: no parameter is added."""
+    d = model.config.hidden_size
+    w = torch.randn(d, generator=torch.Generator().manual_seed(1234))
+    w /= w.norm()
+    emb = model.get_input_embeddings().weight
+    emb += share * emb.norm(dim=1).mean() * w
+    model.eval()
+    h = model.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens,
+                    position_ids=batch.position_ids).last_hidden_state
+    c = (h @ w).mean()
+    print(f"unigram init: shared direction {share:g} of a row's norm; final hidden along it {c:.3f} "
+          f"(rms of a hidden state {h.pow(2).mean().sqrt():.3f})", flush=True)
+    model.lm_head.weight += torch.outer(u, w) / c
+
+
 def cmd_train(args):
     torch.manual_seed(args.seed)
     rows, eval_rows = PackedRows(args.data, "train"), PackedRows(args.data, "eval")
@@ -223,6 +242,11 @@ def cmd_train(args):
             log_p = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
             head.bias.copy_(torch.from_numpy(log_p - log_p.mean()))  # starts at the unigram distribution
         model.lm_head = head
+    if args.unigram_init:  # the released architecture, another init: a shared embedding direction read as the unigram
+        counts = np.load(Path(args.data) / "unigram_counts.npy").astype(np.float64)
+        log_p = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
+        b0 = make_batch(eval_rows, list(range(min(args.rows, len(eval_rows)))))
+        unigram_direction_init(model, torch.from_numpy(log_p - log_p.mean()).float(), b0, args.unigram_init)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -267,7 +291,7 @@ def cmd_train(args):
                   f"lr {lr:.2e} ({time.time() - t0:.0f}s)", flush=True)
     ev, by_pos = evaluate(model, eval_batches)
     print(f"RESULT {args.pattern} residual={args.residual} rows={args.rows}x{L} max_doc={args.max_doc} "
-          f"lm_bias={args.lm_bias} overrides={args.overrides} seed={args.seed}: "
+          f"lm_bias={args.lm_bias} unigram_init={args.unigram_init} overrides={args.overrides} seed={args.seed}: "
           f"eval {ev:.3f} unigram {uni:.3f} (diff {ev - uni:+.3f}); eval by doc position {by_pos}; "
           f"clipped steps {sum(n > args.clip for n in norms)}/{len(norms)}", flush=True)
 
@@ -327,6 +351,9 @@ def main(argv=None):
     t.add_argument("--residual", choices=("released", "prenorm"), default="released")
     t.add_argument("--max-doc", type=int, default=0, help="split documents into pieces of at most this many tokens")
     t.add_argument("--dropless", action="store_true")
+    t.add_argument("--unigram-init", type=float, default=0.0,
+                   help="init only: a shared embedding direction of this share of a row's norm, read by the head as the "
+                        "log unigram (no new parameter)")
     t.add_argument("--lm-bias", action="store_true", help="control: add a learnable bias to lm_head, initialized to the log unigram")
     t.add_argument("--overrides", default="{}", help="JSON model config overrides")
     t.add_argument("--probe-steps", default="0,48")

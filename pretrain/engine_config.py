@@ -89,6 +89,15 @@ class RunShape(BaseModel):
         "length, on the CPU, the pretrain stage's toy copied with it and not without it in 400 steps; on 4 x H200 "
         "gpu-300m's hybrid copied with it and, with a Xavier head, neither copied nor left the unigram plateau "
         "(one run each, BENCHMARKS.md). Ignored when a run starts from a checkpoint."))
+    unigram_init: float = Field(0.0, ge=0.0, le=4.0, description=(
+        "A model trained from scratch starts with one shared direction added to every embedding row (this share of "
+        "a row's norm; 0: none) and its untied head reading that direction as the log unigram, so the logits start "
+        "near the unigram through a direction every token carries. Initial weights only: no parameter is added and "
+        "the released architecture is unchanged; our departure from the report's Xavier init where a DAG sets it. "
+        "Without it the all-softmax variant fits the unigram by turning every softmax output into one shared "
+        "vector and stays on the unigram plateau (7.53 on 4 x H200 at LR 3e-4 and 6e-4). On the CPU (tiny, 48 "
+        "steps, bench/diagnose_softmax_plateau.py --unigram-init 1): all-softmax 7.06 -> 6.42 and 6.34 (two seeds; "
+        "unigram 6.98), the hybrid 6.64 -> 6.41. Not yet run on a GPU. Ignored when a run starts from a checkpoint."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description=(
         "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))

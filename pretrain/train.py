@@ -60,7 +60,7 @@ from pretrain.export import export_checkpoint
 from pretrain.grad_guard import DivergenceError, GradGuard, install_spike_guard
 from pretrain.local_ranks import LOOPBACK, STORE_FD_ENV, free_loopback_port, listening_loopback_socket
 from pretrain.loss import install_loss
-from pretrain.packed_data import PackedRows, make_batch, make_loader, unigram_loss
+from pretrain.packed_data import UNIGRAM_FILE, PackedRows, make_batch, make_loader, unigram_loss
 from pretrain.probe import RetrievalProbe
 from pretrain.schedules import BatchSizeSchedule, WSDSchedule
 from pretrain.sequence_parallel import (
@@ -213,7 +213,49 @@ def build_model(cfg: EngineConfig) -> Any:
     lm = HybridForCausalLM(mc)
     if cfg.head_init == "embedding" and not mc.tie_word_embeddings:
         init_head_from_embedding(lm)
+    if cfg.unigram_init:
+        if mc.tie_word_embeddings:
+            raise ValueError("unigram_init needs an untied output head (the released model's): "
+                             "tie_word_embeddings is set")
+        counts = np.load(Path(cfg.data_dir) / UNIGRAM_FILE)
+        ids = PackedRows(cfg.data_dir, "eval").row(0)[0][:UNIGRAM_INIT_TOKENS]
+        init_unigram_direction(lm, counts, torch.as_tensor(np.asarray(ids, np.int64))[None], cfg.unigram_init)
     return lm
+
+
+UNIGRAM_INIT_TOKENS = 256  # the held-out tokens whose final hidden states measure the shared direction's reading
+
+
+@torch.no_grad()
+def init_unigram_direction(model: Any, unigram_counts: np.ndarray, input_ids: torch.Tensor, share: float) -> float:
+    """``unigram_init``: add one fixed unit direction w to every embedding row (``share`` times a row's mean norm)
+    and the rank-1 term u w^T / c to the untied head, where u is the centred log unigram (add-one smoothed) and c the
+    mean of the final hidden states along w on ``input_ids``: the logits then start near the unigram distribution
+    through a direction every token carries, instead of one the layers must build. Without it all-softmax models
+    fit the unigram by turning every softmax output into one shared vector and stay on the unigram plateau
+    (BENCHMARKS.md, "why all-softmax stalls"). Changes the initial weights only, no parameter is added, and the
+    released architecture is unchanged. The same seed gives the same init on every rank. Returns c."""
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    d = embed.shape[1]
+    w = torch.randn(d, generator=torch.Generator().manual_seed(UNIGRAM_INIT_SEED), dtype=torch.float64)
+    w = (w / w.norm()).to(embed.dtype)
+    embed.add_(share * embed.norm(dim=1).mean() * w)
+    was_training = model.training
+    model.eval()
+    h = model.model(input_ids=input_ids.to(embed.device)).last_hidden_state
+    model.train(was_training)
+    c = float((h.float() @ w.float()).mean())
+    if not abs(c) > 1e-3:
+        raise ValueError(f"unigram_init: the final hidden states carry the shared direction at {c:.2e}: too little "
+                         f"to read the unigram from; raise unigram_init ({share})")
+    counts = np.asarray(unigram_counts, np.float64)
+    log_p = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
+    u = torch.from_numpy(log_p - log_p.mean()).to(head.dtype)
+    head.add_(torch.outer(u, w.to(head.dtype)) / c)
+    return c
+
+
+UNIGRAM_INIT_SEED = 1234
 
 
 def init_head_from_embedding(model: Any) -> None:

@@ -942,6 +942,52 @@ def test_head_init_embedding_starts_the_untied_head_as_the_embedding_and_xavier_
         cfg(head_init="zeros")
 
 
+def test_unigram_init_starts_the_logits_near_the_unigram_through_one_shared_direction(
+        trained: TrainedRun, stage_inputs: PretrainInputs) -> None:
+    """``unigram_init`` (the all-softmax plateau): only the embedding and the head change, every embedding row by
+    the same vector, no parameter is added, and the held-out loss at step 0 starts near the unigram loss where the
+    Xavier init starts above ln V; a checkpoint start and a tied head are handled."""
+    from pretrain.engine_config import EngineConfig
+    from pretrain.packed_data import PackedRows, make_batch, unigram_loss
+    from pretrain.train import build_model
+
+    data = trained.resume / "data"
+
+    def cfg(**kw: object) -> EngineConfig:
+        return EngineConfig(data_dir=str(data), tokenizer_dir=str(stage_inputs.tokenizer.path), resume_dir="r",
+                            export_dir="e", size="tiny",
+                            seq_len=json.loads((data / "packing.json").read_text())["seq_len"], **kw)
+
+    base, uni = build_model(cfg(head_init="embedding")), build_model(cfg(head_init="embedding", unigram_init=1.0))
+    names = dict(base.named_parameters())
+    changed = {n for n, p in uni.named_parameters() if not torch.equal(p, names[n])}
+    assert changed == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert len(names) == len(dict(uni.named_parameters()))
+    shift = (uni.get_input_embeddings().weight - base.get_input_embeddings().weight).detach()
+    assert torch.allclose(shift, shift[0].expand_as(shift), atol=1e-6)  # one direction for every row
+    mean_norm = float(base.get_input_embeddings().weight.detach().norm(dim=1).mean())
+    assert float(shift[0].norm()) == pytest.approx(mean_norm, rel=1e-4)
+
+    eval_rows = PackedRows(str(data), "eval")
+    uni_loss = unigram_loss(eval_rows, np.load(data / "unigram_counts.npy"))
+    b = make_batch(eval_rows, list(range(min(4, len(eval_rows)))))
+
+    def loss(m: torch.nn.Module) -> float:
+        m.eval()
+        with torch.no_grad():
+            return float(m(input_ids=b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens,
+                           position_ids=b.position_ids).loss)
+
+    vocab = base.config.vocab_size
+    base_loss, uni_start = loss(base), loss(uni)
+    assert base_loss > math.log(vocab) - 0.05
+    assert abs(uni_start - uni_loss) < 0.25 * (base_loss - uni_loss), (base_loss, uni_start, uni_loss)
+    with pytest.raises(ValueError, match="untied"):
+        build_model(cfg(unigram_init=1.0, model_overrides={"tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="unigram_init"):
+        cfg(unigram_init=-1.0)
+
+
 @pytest.mark.parametrize("kind", ["pretrain", "long_context"])
 @pytest.mark.parametrize("bad, resources", [
     (dict(sequence_parallel=3), None),  # 256 (512/1024) is not divisible by 3
