@@ -18,7 +18,15 @@ from transformers.generation.logits_process import (
 )
 
 from model.cache import StaticHybridCache
-from model.generation import DecodeEngine, GenerationSpec, batch_bucket, engines_of, next_tokens
+from model.generation import (
+    COMPILED_REUSE_FACTOR,
+    DecodeEngine,
+    GenerationSpec,
+    batch_bucket,
+    choose_bucket,
+    engines_of,
+    next_tokens,
+)
 from model.modeling import HybridForCausalLM
 from model.sizes import config_for
 from tests.test_model_moe import _SYNCING_OPS, _RecordOps
@@ -275,6 +283,44 @@ def test_generated_ids_can_feed_a_training_forward():
 
 def test_batches_are_bucketed_to_powers_of_two():
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 32, 33, 256)] == [1, 2, 4, 8, 32, 64, 256]
+
+
+def test_a_small_batch_reuses_a_compiled_larger_bucket_within_the_factor():
+    """A compile costs tens of seconds a bucket: a ragged last batch decodes in a compiled larger bucket (up to
+    COMPILED_REUSE_FACTOR times its own), the smallest that holds it; nothing compiled, its own bucket."""
+    assert [choose_bucket(n) for n in (1, 8, 33)] == [1, 8, 64]
+    assert choose_bucket(8, {64}) == 64 and choose_bucket(8, {64, 16}) == 16
+    assert choose_bucket(8, {8 * COMPILED_REUSE_FACTOR * 2}) == 8  # too large: its own bucket
+    assert choose_bucket(100, {64}) == 128  # a compiled bucket too small to hold it is not used
+    assert choose_bucket(1, {COMPILED_REUSE_FACTOR}) == COMPILED_REUSE_FACTOR
+
+
+def test_generate_picks_a_compiled_bucket_for_a_ragged_batch(monkeypatch):
+    """_engine reads the buckets compiled for this model: with compile on, a call of 3 rows after one of 8 runs in the
+    8-row engine and gives the same tokens as its own 4-row engine (greedy); with compile off buckets stay its own."""
+    import model.generation as gen
+
+    model = _model("hybrid")
+    spec = GenerationSpec(max_new_tokens=6, pad=PAD)
+    prompts8 = [torch.randint(3, 512, (n,)) for n in (5, 7, 3, 9, 4, 6, 8, 5)]
+    monkeypatch.setattr(gen, "DecodeEngine", _EagerEngine)  # the CPU has no compile: record the bucket only
+    with torch.inference_mode():
+        assert gen._engine(model, 8, 32, spec, cuda_graph=False, compile=True).batch == 8
+        assert gen._engine(model, 3, 32, spec, cuda_graph=False, compile=True).batch == 8
+        assert gen._engine(model, 3, 32, spec, cuda_graph=False, compile=False).batch == 4
+    outs = []
+    for bucket in (4, 8):
+        with torch.inference_mode():
+            engine = DecodeEngine(model, bucket, 32, spec, cuda_graph=False)
+            engine.prefill(prompts8[:3])
+            engine.decode(spec.max_new_tokens - 1)
+            outs.append(engine.out[:3, :spec.max_new_tokens].clone())
+    assert torch.equal(outs[0], outs[1])  # the larger bucket decodes the same tokens
+
+
+class _EagerEngine(DecodeEngine):
+    def __init__(self, model, batch, capacity, spec, cuda_graph, compile=False):
+        super().__init__(model, batch, capacity, spec, cuda_graph, compile=False)
 
 
 def test_a_decode_step_reads_each_layers_projections_as_one_product_with_the_same_logits(monkeypatch):
