@@ -64,6 +64,15 @@ SKIP = {("dpo", "min_prompt_tokens")}
 NOT_WITH_SP = {"probe_every"}  # sizes a sequence-parallel stage refuses (the in-training probe runs on one rank)
 
 
+def _scaled_min_tokens(params, floor: int) -> int:
+    """A long_context stage's shortest retrieval sample at CPU size: the spec's, scaled from its shortest row to the
+    rehearsal's, never under ``floor``; so a branch that differs from its twin in this param stays different (and
+    rehearses its own data) instead of sharing its twin's cache key."""
+    spec_row = min(p.seq_len for p in params.phases)
+    cpu_row = min(p["seq_len"] for p in LONG_CONTEXT["phases"])
+    return max(floor, min(cpu_row, round(params.retrieval_min_tokens * cpu_row / spec_row)))
+
+
 def overrides(spec_path: Path = SPEC) -> list[str]:
     """The ``--set`` overrides of the rehearsal: each stage's sizes by its kind, and CPU resources."""
     spec = load_spec(spec_path)
@@ -73,6 +82,8 @@ def overrides(spec_path: Path = SPEC) -> list[str]:
         sp = getattr(st.params, "sequence_parallel", 1)
         for key, value in BY_KIND.get(st.kind.name, {}).items():
             if key in fields and (st.kind.name, key) not in SKIP and not (sp > 1 and key in NOT_WITH_SP):
+                if (st.kind.name, key) == ("long_context", "retrieval_min_tokens"):
+                    value = _scaled_min_tokens(st.params, value)
                 out.append(f"{name}.{key}={json.dumps(value)}")
         if st.resources.gpus:
             out.append(f"{name}.resources.gpus=0")
