@@ -182,7 +182,7 @@ def pass_rate_plot(stages: dict[str, dict[str, Any]], path: Path) -> dict[str, d
 
 
 def niah(stages: dict[str, dict[str, Any]]) -> list[str]:
-    keys = ("niah_accuracy", "niah_accuracy_2x", "niah_chat_accuracy", "multi_round_niah_recall",
+    keys = ("niah_accuracy", "niah_accuracy_2x", "niah_prefix_digits", "niah_chat_accuracy", "multi_round_niah_recall",
             "multi_round_niah_recall_2x", "niah_choice_accuracy", "copy_accuracy", "copy_loss_gain")
     out = ["| eval | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     post = post_training_evals(stages)

@@ -77,6 +77,7 @@ from evaluation.metrics import (
     min_detectable_accuracy_difference,
     min_samples_for_accuracy_difference,
     niah_correct,
+    niah_prefix_digits,
     recall,
 )
 from evaluation.report import plot_results, summary_metrics, write_strict_json
@@ -188,7 +189,8 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
                 # the forced choice: each number as the answer, spelt as the needle spells it (" 1234567")
                 ll = scorer.continuation_logliks(t.ids, [scorer.encode(f" {x}") for x in [t.number, *wrong]])
                 rows.append({"length": t.length, "depth": t.depth, "city": t.city, "number": t.number, "answer": a,
-                             "correct": niah_correct(a, t.number), "needle_start": t.needle_start,
+                             "correct": niah_correct(a, t.number),
+                             "prefix_digits": niah_prefix_digits(a, t.number), "needle_start": t.needle_start,
                              "distractors": wrong, "answer_loglik": ll[0], "distractor_logliks": ll[1:],
                              "choice_correct": bool(ll[0] > max(ll[1:])),
                              "margin": float(ll[0] - np.mean(ll[1:]))})
@@ -204,6 +206,7 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
     grid = [[mean("correct", length=L, depth=d) for L in lengths] for d in params.needle_depths]
     out = {"lengths": lengths, "depths": params.needle_depths, "accuracy": grid,
            "accuracy_by_length": {L: mean("correct", length=L) for L in lengths},
+           "prefix_digits_by_length": {L: mean("prefix_digits", length=L) for L in lengths},
            "choice_chance": 1.0 / (1 + params.niah_distractors),
            "choice_accuracy_by_length": {L: mean("choice_correct", length=L) for L in lengths},
            "margin_by_length": {L: mean("margin", length=L) for L in lengths},

@@ -28,6 +28,20 @@ def niah_correct(generated: str, number: str) -> bool:
     return first_number(generated) == number
 
 
+def niah_prefix_digits(generated: str, number: str) -> float:
+    """The share of the needle's digits that the first number in the answer reproduces from its start: a copy that
+    stops one digit early scores 6/7, one that runs on past the number's end 1.0, no number 0. Exact match is
+    :func:`niah_correct`; this separates a copy with a wrong end from no copy (the ninth GPU lease: 5 of 13 wrong
+    answers at 8K were the needle's first 6 or 7 digits)."""
+    got = first_number(generated) or ""
+    same = 0
+    for a, b in zip(got, number, strict=False):  # the shorter of the two bounds the prefix
+        if a != b:
+            break
+        same += 1
+    return same / len(number)
+
+
 def recall(generated: str, numbers: Sequence[str]) -> list[bool]:
     """Multi-round NIAH: which of the needles' numbers appear (as whole numbers) in the answer."""
     found = set(_NUMBER.findall(generated))

@@ -27,6 +27,8 @@ def summary_metrics(trained: int, niah: dict[str, Any], copy: dict[str, Any] | N
         "niah_choice_accuracy": niah["choice_accuracy_by_length"][T],
         "niah_choice_accuracy_2x": niah["choice_accuracy_by_length"][2 * T],
         "niah_answer_margin": niah["margin_by_length"][T], "niah_answer_margin_2x": niah["margin_by_length"][2 * T],
+        "niah_prefix_digits": niah["prefix_digits_by_length"][T],
+        "niah_prefix_digits_2x": niah["prefix_digits_by_length"][2 * T],
     }
     if "chat_accuracy_by_length" in niah:  # niah_chat
         summary |= {"niah_chat_accuracy": niah["chat_accuracy_by_length"][T],

@@ -44,6 +44,7 @@ from evaluation.metrics import (
     min_samples_for_accuracy_difference,
     min_samples_for_mean_difference,
     niah_correct,
+    niah_prefix_digits,
     recall,
 )
 from pipeline.stage import Artifact, StageContext
@@ -233,6 +234,16 @@ def test_copy_probe_draws_from_the_held_out_texts_tokens_by_default(tmp_path: Pa
 ])
 def test_niah_answer_is_an_exact_match_of_the_first_number(answer: str, right: bool) -> None:
     assert niah_correct(answer, "1234567") is right
+
+
+@pytest.mark.parametrize(("answer", "share"), [
+    (" 1234567.", 1.0), (" 123456\n", 6 / 7), (" 12345677777", 1.0), (" 1299999", 2 / 7), (" 7654321", 0.0),
+    (" the number", 0.0), ("", 0.0), (" 1 then 1234567", 1 / 7),
+])
+def test_niah_prefix_digits_is_the_share_of_the_needles_digits_copied_from_its_start(answer: str, share: float) -> None:
+    """A copy with a wrong end (one digit short, or running on) keeps the digits it got right; exact match does not."""
+    assert niah_prefix_digits(answer, "1234567") == pytest.approx(share)
+    assert (niah_prefix_digits(answer, "1234567") == 1.0) >= niah_correct(answer, "1234567")
 
 
 def test_multi_round_recall_counts_whole_numbers_found() -> None:
@@ -629,6 +640,7 @@ def test_stage_niah_grid_is_scored_by_exact_match_over_every_cell(evaluated: Eva
     assert len(niah["trials"]) == 2 * 3 * 2
     for row in niah["trials"]:
         assert row["correct"] == niah_correct(row["answer"], row["number"])
+        assert row["prefix_digits"] == niah_prefix_digits(row["answer"], row["number"])
         assert row["choice_correct"] == (row["answer_loglik"] > max(row["distractor_logliks"]))
         assert row["margin"] == pytest.approx(row["answer_loglik"] - np.mean(row["distractor_logliks"]))
         assert len(row["distractors"]) == 3 and row["number"] not in row["distractors"]
@@ -637,6 +649,10 @@ def test_stage_niah_grid_is_scored_by_exact_match_over_every_cell(evaluated: Eva
         assert niah["choice_accuracy_by_length"][str(length)] == pytest.approx(np.mean([r["choice_correct"] for r in rows]))
         assert niah["margin_by_length"][str(length)] == pytest.approx(np.mean([r["margin"] for r in rows]))
     assert evaluated.ctx.summary["niah_choice_accuracy_2x"] == niah["choice_accuracy_by_length"][str(2 * SEQ)]
+    for length, key in ((SEQ, "niah_prefix_digits"), (2 * SEQ, "niah_prefix_digits_2x")):
+        rows = [r for r in niah["trials"] if r["length"] == length]
+        assert evaluated.ctx.summary[key] == pytest.approx(np.mean([r["prefix_digits"] for r in rows]))
+        assert evaluated.ctx.summary[key] >= niah["accuracy_by_length"][str(length)]
     copy = evaluated.report["copy_probe"]
     assert copy["trials"] == 8 and len(copy["rows"]) == 8
     assert evaluated.ctx.summary["copy_accuracy"] == pytest.approx(np.mean([r["second_copy_accuracy"] for r in copy["rows"]]))
