@@ -218,7 +218,9 @@ def build_model(cfg: EngineConfig) -> Any:
             raise ValueError("unigram_init needs an untied output head (the released model's): "
                              "tie_word_embeddings is set")
         counts = np.load(Path(cfg.data_dir) / UNIGRAM_FILE)
-        ids = PackedRows(cfg.data_dir, "eval").row(0)[0][:UNIGRAM_INIT_TOKENS]
+        rows = PackedRows(cfg.data_dir, "eval")
+        rows = rows if len(rows) else PackedRows(cfg.data_dir, "train")
+        ids = rows.row(0)[0][:UNIGRAM_INIT_TOKENS]
         init_unigram_direction(lm, counts, torch.as_tensor(np.asarray(ids, np.int64))[None], cfg.unigram_init)
     return lm
 
