@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from model import HybridForCausalLM, config_for, modeling
 from model.configuration import SOFTMAX
 from pretrain.packed_data import IGNORE_INDEX, PackedRows, make_batch, unigram_loss
+from pretrain.train import UNIGRAM_INIT_TOKENS, init_unigram_direction
 
 # --- residual-layout monkeypatches (controls, not model changes) -----------------------------------------------
 
@@ -203,25 +204,6 @@ def truncate_docs(batch, max_doc):
     return batch
 
 
-@torch.no_grad()
-def unigram_direction_init(model, u, batch, share):
-    """Add one direction w to every embedding row (``share`` of a row's typical norm) and the rank-1 term u w^T to
-    the head, scaled so that the logits start at the centred log unigram u: the unigram then needs no shared
-    vector built by the layers. Init only: no parameter is added."""
-    d = model.config.hidden_size
-    w = torch.randn(d, generator=torch.Generator().manual_seed(1234))
-    w /= w.norm()
-    emb = model.get_input_embeddings().weight
-    emb += share * emb.norm(dim=1).mean() * w
-    model.eval()
-    h = model.model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens,
-                    position_ids=batch.position_ids).last_hidden_state
-    c = (h @ w).mean()
-    print(f"unigram init: shared direction {share:g} of a row's norm; final hidden along it {c:.3f} "
-          f"(rms of a hidden state {h.pow(2).mean().sqrt():.3f})", flush=True)
-    model.lm_head.weight += torch.outer(u, w) / c
-
-
 def cmd_train(args):
     torch.manual_seed(args.seed)
     rows, eval_rows = PackedRows(args.data, "train"), PackedRows(args.data, "eval")
@@ -242,11 +224,10 @@ def cmd_train(args):
             log_p = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
             head.bias.copy_(torch.from_numpy(log_p - log_p.mean()))  # starts at the unigram distribution
         model.lm_head = head
-    if args.unigram_init:  # the released architecture, another init: a shared embedding direction read as the unigram
-        counts = np.load(Path(args.data) / "unigram_counts.npy").astype(np.float64)
-        log_p = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
-        b0 = make_batch(eval_rows, list(range(min(args.rows, len(eval_rows)))))
-        unigram_direction_init(model, torch.from_numpy(log_p - log_p.mean()).float(), b0, args.unigram_init)
+    if args.unigram_init:  # the pretrain stage's unigram_init, with its own function and its 256 held-out tokens
+        ids = torch.as_tensor(np.asarray(eval_rows.row(0)[0][:UNIGRAM_INIT_TOKENS], np.int64))[None]
+        c = init_unigram_direction(model, np.load(Path(args.data) / "unigram_counts.npy"), ids, args.unigram_init)
+        print(f"unigram init: share {args.unigram_init:g}; final hidden states along the direction {c:.3f}", flush=True)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

@@ -96,8 +96,8 @@ class RunShape(BaseModel):
         "the released architecture is unchanged; our departure from the report's Xavier init where a DAG sets it. "
         "Without it the all-softmax variant fits the unigram by turning every softmax output into one shared "
         "vector and stays on the unigram plateau (7.53 on 4 x H200 at LR 3e-4 and 6e-4). On the CPU (tiny, 48 "
-        "steps, bench/diagnose_softmax_plateau.py --unigram-init 1): all-softmax 7.06 -> 6.42 and 6.34 (two seeds; "
-        "unigram 6.98), the hybrid 6.64 -> 6.41. Not yet run on a GPU. Ignored when a run starts from a checkpoint."))
+        "steps, bench/diagnose_softmax_plateau.py --unigram-init 1): all-softmax 7.06 -> 6.40 and 6.33 (two seeds; "
+        "unigram 6.98), the hybrid 6.64 -> 6.39. Not yet run on a GPU. Ignored when a run starts from a checkpoint."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description=(
         "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))

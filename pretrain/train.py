@@ -226,6 +226,7 @@ def build_model(cfg: EngineConfig) -> Any:
 
 
 UNIGRAM_INIT_TOKENS = 256  # the held-out tokens whose final hidden states measure the shared direction's reading
+UNIGRAM_INIT_SEED = 1234  # of the shared direction: the same on every rank
 
 
 @torch.no_grad()
@@ -255,9 +256,6 @@ def init_unigram_direction(model: Any, unigram_counts: np.ndarray, input_ids: to
     u = torch.from_numpy(log_p - log_p.mean()).to(head.dtype)
     head.add_(torch.outer(u, w.to(head.dtype)) / c)
     return c
-
-
-UNIGRAM_INIT_SEED = 1234
 
 
 def init_head_from_embedding(model: Any) -> None:

@@ -946,7 +946,7 @@ def test_unigram_init_starts_the_logits_near_the_unigram_through_one_shared_dire
         trained: TrainedRun, stage_inputs: PretrainInputs) -> None:
     """``unigram_init`` (the all-softmax plateau): only the embedding and the head change, every embedding row by
     the same vector, no parameter is added, and the held-out loss at step 0 starts near the unigram loss where the
-    Xavier init starts above ln V; a checkpoint start and a tied head are handled."""
+    Xavier init starts above ln V; a tied head is refused, and so is a negative share."""
     from pretrain.engine_config import EngineConfig
     from pretrain.packed_data import PackedRows, make_batch, unigram_loss
     from pretrain.train import build_model
