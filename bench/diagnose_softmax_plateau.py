@@ -41,6 +41,14 @@ Findings (tiny, 48 steps x 2,048 tokens, lr 3e-3, unigram eval loss 7.282; logs 
                         hybrid 6.282
   not the cause: packing (packed = alone to 4e-16), grad clipping, pre-norm residual (7.225), docs cut to 16 tokens
   (7.232), 64-token rows in this loop (7.225), lr 1e-3 (7.486, collapsing too), alpha 6 (7.232), seed 1 (7.245)
+
+The copy window (``--copy-steps 48``, then 48 text steps; the tiny DAG's 256-token rows, unigram 6.982;
+BENCHMARKS.md, the tenth lease): after a uniformly drawn window, ``--unigram-init 1`` (7.043) and ``--lm-bias``
+(7.024) collapse all-softmax, which they prevent without a window (6.398, 6.22); with ``--copy-draw unigram``
+the init does not (6.803). Without either, all-softmax 6.724 after the window.
+
+    python bench/diagnose_softmax_plateau.py train --pattern all-softmax --data D --tokens 98304 --copy-steps 48 \
+        --unigram-init 1.0 [--copy-draw unigram] [--head-init embedding]
 """
 
 from __future__ import annotations
@@ -55,10 +63,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data.retrieval import copy_sample
 from model import HybridForCausalLM, config_for, modeling
 from model.configuration import SOFTMAX
-from pretrain.packed_data import IGNORE_INDEX, PackedRows, make_batch, unigram_loss
-from pretrain.train import UNIGRAM_INIT_TOKENS, init_unigram_direction
+from pretrain.packed_data import IGNORE_INDEX, Batch, PackedRows, make_batch, unigram_loss
+from pretrain.train import UNIGRAM_INIT_TOKENS, init_head_from_embedding, init_unigram_direction
 
 # --- residual-layout monkeypatches (controls, not model changes) -----------------------------------------------
 
@@ -184,6 +193,20 @@ def probe(model, batch):
     return "\n".join(rows)
 
 
+def copy_batch(n_rows, L, vocab, rng, mark, weights=None):
+    """``n_rows`` rows of one copy sample each (data/retrieval.py's ``copy_sample``: a span of ids drawn from the
+    ordinary vocabulary, uniformly or by ``weights``, the marker, the span again; the loss on the repeat alone): the
+    copy curriculum's rows, one sample a row (the stage packs spans of 32-256 ids several to a row)."""
+    samples = [copy_sample(np.arange(3, vocab), L, rng, bos=0, eos=1, mark=mark, weights=weights)
+               for _ in range(n_rows)]
+    ids = np.concatenate([x.tokens for x in samples]).astype(np.int64)
+    labels = np.concatenate([np.where(x.answer, x.tokens, IGNORE_INDEX) for x in samples]).astype(np.int64)
+    return Batch(input_ids=torch.from_numpy(ids)[None], labels=torch.from_numpy(labels)[None],
+                 cu_seqlens=torch.arange(0, (n_rows + 1) * L, L, dtype=torch.int32),
+                 position_ids=torch.arange(L).repeat(n_rows)[None], tokens=int((labels != IGNORE_INDEX).sum()),
+                 rows=tuple(range(n_rows)))
+
+
 # --- commands ---------------------------------------------------------------------------------------------------
 
 def truncate_docs(batch, max_doc):
@@ -224,6 +247,9 @@ def cmd_train(args):
             log_p = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
             head.bias.copy_(torch.from_numpy(log_p - log_p.mean()))  # starts at the unigram distribution
         model.lm_head = head
+    if args.head_init == "embedding":  # the pretrain stage's head_init: embedding (the GPU recipe sets it)
+        with torch.no_grad():
+            init_head_from_embedding(model)
     if args.unigram_init:  # the pretrain stage's unigram_init, with its own function and its 256 held-out tokens
         ids = torch.as_tensor(np.asarray(eval_rows.row(0)[0][:UNIGRAM_INIT_TOKENS], np.int64))[None]
         c = init_unigram_direction(model, np.load(Path(args.data) / "unigram_counts.npy"), ids, args.unigram_init)
@@ -234,8 +260,14 @@ def cmd_train(args):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     tokens_per_step = args.rows * L
-    steps = args.tokens // tokens_per_step
+    steps = args.tokens // tokens_per_step + args.copy_steps
     warm = max(1, int(args.warmup * steps))
+    copy_rng = np.random.default_rng(args.seed + 1)
+    mark = np.random.default_rng(12345).integers(3, vocab, size=2)
+    copy_weights = None
+    if args.copy_draw == "unigram":  # as the pretrain stage's copy_draw: unigram (add-one, so every id can come)
+        counts = np.load(Path(args.data) / "unigram_counts.npy").astype(np.float64)[3:vocab] + 1.0
+        copy_weights = counts / counts.sum()
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(rows))
     n_eval = max(1, (args.eval_tokens // L) // args.rows)
@@ -246,7 +278,7 @@ def cmd_train(args):
     uni = unigram_loss(eval_rows, np.load(Path(args.data) / "unigram_counts.npy"))
     probe_steps = {int(s) for s in args.probe_steps.split(",") if s}
     print(f"# {args.pattern} residual={args.residual} rows {args.rows}x{L} steps {steps} lr {args.lr} "
-          f"lm_bias {args.lm_bias} "
+          f"lm_bias {args.lm_bias} copy_steps {args.copy_steps} "
           f"max_doc {args.max_doc} overrides {args.overrides}; unigram eval loss {uni:.3f}", flush=True)
     t0, losses, norms = time.time(), [], []
     for step in range(steps + 1):
@@ -257,7 +289,11 @@ def cmd_train(args):
         lr = args.lr * min(1.0, (step + 1) / warm)
         for g in opt.param_groups:
             g["lr"] = lr
-        b = fix(make_batch(rows, order[step * args.rows:(step + 1) * args.rows].tolist()))
+        if step < args.copy_steps:  # the copy window first, as the GPU recipe's curriculum
+            b = copy_batch(args.rows, L, vocab, copy_rng, mark, copy_weights)
+        else:
+            j = step - args.copy_steps
+            b = fix(make_batch(rows, order[j * args.rows:(j + 1) * args.rows].tolist()))
         out = model(input_ids=b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens, position_ids=b.position_ids,
                     output_router_logits=True)
         opt.zero_grad(set_to_none=True)
@@ -267,12 +303,14 @@ def cmd_train(args):
         losses.append(out.loss.item())
         norms.append(gn)
         if (step + 1) % args.log_every == 0:
-            print(f"step {step + 1} loss {np.mean(losses[-args.log_every:]):.3f} grad_norm(pre-clip) "
+            window = "copy" if step < args.copy_steps else "text"
+            print(f"step {step + 1} {window} loss {np.mean(losses[-args.log_every:]):.3f} grad_norm(pre-clip) "
                   f"mean {np.mean(norms[-args.log_every:]):.3f} max {np.max(norms[-args.log_every:]):.3f} "
                   f"lr {lr:.2e} ({time.time() - t0:.0f}s)", flush=True)
     ev, by_pos = evaluate(model, eval_batches)
     print(f"RESULT {args.pattern} residual={args.residual} rows={args.rows}x{L} max_doc={args.max_doc} "
-          f"lm_bias={args.lm_bias} unigram_init={args.unigram_init} overrides={args.overrides} seed={args.seed}: "
+          f"lm_bias={args.lm_bias} unigram_init={args.unigram_init} copy_steps={args.copy_steps} "
+          f"copy_draw={args.copy_draw} head_init={args.head_init} overrides={args.overrides} seed={args.seed}: "
           f"eval {ev:.3f} unigram {uni:.3f} (diff {ev - uni:+.3f}); eval by doc position {by_pos}; "
           f"clipped steps {sum(n > args.clip for n in norms)}/{len(norms)}", flush=True)
 
@@ -336,6 +374,12 @@ def main(argv=None):
                    help="init only: a shared embedding direction of this share of a row's norm, read by the head as the "
                         "log unigram (no new parameter)")
     t.add_argument("--lm-bias", action="store_true", help="control: add a learnable bias to lm_head, initialized to the log unigram")
+    t.add_argument("--copy-steps", type=int, default=0,
+                   help="train this many steps on copy rows first (the GPU recipe's copy window), then --tokens of text")
+    t.add_argument("--head-init", choices=("xavier", "embedding"), default="xavier",
+                   help="the output head's start (the pretrain stage's head_init; embedding: a copy of the embedding)")
+    t.add_argument("--copy-draw", choices=("uniform", "unigram"), default="uniform",
+                   help="how the copy window's spans draw their ids (the pretrain stage's copy_draw)")
     t.add_argument("--overrides", default="{}", help="JSON model config overrides")
     t.add_argument("--probe-steps", default="0,48")
     t.add_argument("--eval-tokens", type=int, default=16384)

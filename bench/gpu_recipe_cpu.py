@@ -37,8 +37,9 @@ SPEC = ROOT / "dags" / "gpu-recipe.yaml"
 PRETRAIN = {"size": "tiny", "seq_len": 256, "micro_batch_rows": 4, "batch_rows": 4, "max_batch_rows": 8,
             "double_batch_at_tokens": [40960], "train_tokens": 61440, "copy_until_tokens": 40960, "copy_span_tokens": [8, 48],
             "retrieval_min_tokens": 128, "log_every": 5, "probe_every": 10}
-LONG_CONTEXT = {"phases": [{"seq_len": 512, "rope_theta": 20000.0, "tokens": 8192, "short": 30, "medium": 70, "long": 0},
-                           {"seq_len": 1024, "rope_theta": 40000.0, "tokens": 8192, "short": 35, "medium": 35, "long": 30}],
+# 16 rows of 1,024 tokens in the last phase: a retrieval_share of 0.9 still leaves the 2 plain rows its samples need
+LONG_CONTEXT = {"phases": [{"seq_len": 512, "rope_theta": 20000.0, "tokens": 16384, "short": 30, "medium": 70, "long": 0},
+                           {"seq_len": 1024, "rope_theta": 40000.0, "tokens": 16384, "short": 35, "medium": 35, "long": 30}],
                 "batch_tokens": 4096, "micro_batch_tokens": 2048, "retrieval_min_tokens": 128, "log_every": 1,
                 "probe_every": 2}
 EVAL = {"needle_depths": [0.5], "niah_trials": 1, "mr_niah_trials": 1, "loss_windows": 2, "cloze_items": 8,

@@ -97,7 +97,10 @@ class RunShape(BaseModel):
         "Without it the all-softmax variant fits the unigram by turning every softmax output into one shared "
         "vector and stays on the unigram plateau (7.53 on 4 x H200 at LR 3e-4 and 6e-4). On the CPU (tiny, 48 "
         "steps, bench/diagnose_softmax_plateau.py --unigram-init 1): all-softmax 7.06 -> 6.40 and 6.33 (two seeds; "
-        "unigram 6.98), the hybrid 6.64 -> 6.39. Not yet run on a GPU. Ignored when a run starts from a checkpoint."))
+        "unigram 6.98), the hybrid 6.64 -> 6.39. On 4 x H200 at gpu-300m, after the copy curriculum's window, it "
+        "did not help: all-softmax at 3e-4 with it ended on the plateau (7.532) and the hybrid with it, which copies "
+        "without it, never left ln V in the copy window and ended there too (7.526 against 4.218; one run each, "
+        "BENCHMARKS.md, the tenth lease). Ignored when a run starts from a checkpoint."))
     seq_len: int = Field(256, ge=16, description="Tokens per packed row.")
     micro_batch_rows: int = Field(4, ge=1, description=(
         "Rows per forward call on each rank (with sequence_parallel: on each group, every rank holding a slice)."))

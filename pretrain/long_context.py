@@ -150,6 +150,13 @@ class LongContextParams(TrainingParams, LongContextPlan):
             raise ValueError(f"short_max_tokens={self.short_bound} must be below medium_max_tokens={self.medium_bound}")
         if min(self.document_lengths) < 3:
             raise ValueError(f"long_document_lengths={self.document_lengths}: lengths of 3 tokens or more")
+        for i, p in enumerate(self.phases):
+            plain = self.phase_rows(i) - self.retrieval_rows(i)
+            if self.retrieval_share and plain < 2:  # a sample's context is plain rows' text, up to a row's length
+                raise ValueError(f"phases.{i}: retrieval_share={self.retrieval_share} leaves {plain} of its "
+                                 f"{self.phase_rows(i)} rows plain, and its retrieval samples (up to {p.seq_len} "
+                                 "tokens) take their text from the plain rows: at least 2 are needed; raise the "
+                                 "phase's tokens or lower retrieval_share")
         return self
 
     def row_lengths(self) -> dict[str, int]:

@@ -35,10 +35,9 @@ def test_the_rehearsal_overrides_validate_here_and_change_only_sizes_and_resourc
         b = base.stages[name]
         assert st.kind.name == b.kind.name and st.inputs == b.inputs, name  # the same graph
     assert base.stages["pretrain"].params.copy_share > 0  # the curriculum is rehearsed, not turned off
-    # a long_context branch that differs in its shortest retrieval sample keeps differing at CPU size (scaled to
-    # the rehearsal's rows), so it rehearses its own data instead of sharing its twin's cache key
-    mins = {n: spec.stages[n].params.retrieval_min_tokens for n in ("long_context", "long_context_far")}
-    assert mins == {"long_context": 128, "long_context_far": 512}
+    # the shortest retrieval sample is scaled to the rehearsal's rows (256 of 8,192 -> 128 of 512, its floor)
+    mins = {n: spec.stages[n].params.retrieval_min_tokens for n in ("long_context", "long_context_lookups")}
+    assert mins == {"long_context": 128, "long_context_lookups": 128}
     assert spec.stages["pretrain"].params.copy_share == base.stages["pretrain"].params.copy_share
 
 
@@ -46,44 +45,39 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     spec = load_spec(gpu_recipe_cpu.SPEC)
     hybrid = spec.stages["pretrain"].params.model_dump()
     varied = spec.stages["compare"].params.varied
-    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr", "unigram_init"}
-    for name, pattern in (("pretrain_all_softmax", "all-softmax"), ("pretrain_all_lightning", "all-lightning"),
-                          ("pretrain_unigram", "hybrid")):
+    assert set(varied) == {"model_overrides.attention_pattern", "peak_lr"}
+    variants = {"pretrain_all_softmax": "all-softmax", "pretrain_all_softmax_lr15e5": "all-softmax",
+                "pretrain_all_lightning": "all-lightning"}
+    for name, pattern in variants.items():
         p = spec.stages[name].params.model_dump()
         assert p["model_overrides"] == {"attention_pattern": pattern}
         diff = {k for k in hybrid if hybrid[k] != p[k]}
-        assert diff <= {"model_overrides", "peak_lr", "unigram_init"}, (name, diff)
+        assert diff <= {"model_overrides", "peak_lr"}, (name, diff)
+    assert set(spec.stages["compare"].inputs["checkpoints"]) == {"pretrain", *variants}
     assert hybrid["model_overrides"] == {"attention_pattern": "hybrid"}
     assert hybrid["head_init"] == "embedding"  # the fifth lease: the Xavier head left the hybrid on the plateau
     assert hybrid["capacity_factor"] == 2.0  # the sixth lease: 1.25 dropped 35% and trained to a worse loss
-    # all-softmax at the LR of its plateau runs (3e-4) with the shared unigram direction; the hybrid twin with the
-    # same init, so that all-softmax against hybrid can be read at equal inits; the chain's hybrid without it
-    assert [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax")] == [5e-4, 3e-4]
-    inits = {n: spec.stages[n].params.unigram_init
-             for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_lightning", "pretrain_unigram")}
-    assert inits == {"pretrain": 0.0, "pretrain_all_softmax": 1.0, "pretrain_all_lightning": 0.0,
-                     "pretrain_unigram": 1.0}
-    assert {k for k in hybrid if hybrid[k] != spec.stages["pretrain_unigram"].params.model_dump()[k]} == \
-        {"unigram_init"}
-    assert set(spec.stages["compare"].inputs["checkpoints"]) >= {"pretrain", "pretrain_unigram"}
-    # long_context_far: the spec's long_context but for its retrieval samples' shortest length
+    # all-softmax at 2e-4 and 1.5e-4, between its one LR off the plateau (1e-4) and its plateau runs (3e-4);
+    # unigram_init off everywhere (the tenth lease: it kept both all-softmax and the hybrid on the plateau)
+    lrs = [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_softmax_lr15e5")]
+    assert lrs == [5e-4, 2e-4, 1.5e-4]
+    assert all(st.params.unigram_init == 0.0 for st in spec.stages.values() if st.kind.name == "pretrain")
+    # the look-up branches: the spec's long_context but for the kinds (look-ups only), then also the share
     lc = spec.stages["long_context"].params.model_dump()
-    lc_f = spec.stages["long_context_far"].params.model_dump()
-    assert {k for k in lc if lc[k] != lc_f[k]} == {"retrieval_min_tokens"}
-    assert (lc["retrieval_min_tokens"], lc_f["retrieval_min_tokens"]) == (256, 4096)
-    assert lc_f["retrieval_min_tokens"] <= min(p["seq_len"] for p in lc_f["phases"])
-    assert spec.stages["long_context_far"].inputs == spec.stages["long_context"].inputs
-    assert lc["capacity_factor"] == hybrid["capacity_factor"] and lc["retrieval_share"] == 0.75
-    # long_context_reseeded: the spec's long_context but for its seed (a second sample of the same config); phase i
-    # draws with seed + i, so the two runs' seeds stay apart over every phase
-    lc_s = spec.stages["long_context_reseeded"].params.model_dump()
-    assert {k for k in lc if lc[k] != lc_s[k]} == {"seed"}
-    assert not {lc["seed"] + i for i in range(len(lc["phases"]))} & {lc_s["seed"] + i for i in range(len(lc["phases"]))}
+    lk, ld = (spec.stages[n].params.model_dump() for n in ("long_context_lookups", "long_context_lookups_dense"))
+    assert {k for k in lc if lc[k] != lk[k]} == {"retrieval_kinds"}
+    assert lk["retrieval_kinds"] == ["lookup", "multi_lookup"] and "repeat" in lc["retrieval_kinds"]
+    assert {k for k in lk if lk[k] != ld[k]} == {"retrieval_share"}
+    assert (lc["retrieval_share"], ld["retrieval_share"]) == (0.75, 0.9)
+    for n in ("long_context_lookups", "long_context_lookups_dense"):
+        assert spec.stages[n].inputs == spec.stages["long_context"].inputs, n
+    assert lc["capacity_factor"] == hybrid["capacity_factor"]
     # the post-training variants: each its twin but for the params it names, and from a chain checkpoint
     sft, sft_more = (spec.stages[n].params.model_dump() for n in ("sft_short", "sft_more"))
     assert {k for k in sft if sft[k] != sft_more[k]} == {"epochs"} and (sft["epochs"], sft_more["epochs"]) == (6, 10)
     grpo, g2 = (spec.stages[n].params.model_dump() for n in ("grpo", "grpo_from_sft_more"))
-    assert grpo == g2  # the chain's GRPO, from the best SFT checkpoint instead of dpo_long
+    # the chain's GRPO with twice the steps, from the best SFT checkpoint instead of dpo_long
+    assert {k for k in grpo if grpo[k] != g2[k]} == {"max_steps"} and (grpo["max_steps"], g2["max_steps"]) == (80, 160)
     assert (spec.stages["grpo"].inputs["checkpoint"], spec.stages["grpo_from_sft_more"].inputs["checkpoint"]) == \
         (["dpo_long"], ["sft_more"])
     gpu = [n for n, st in spec.stages.items() if st.resources.gpus]
@@ -115,12 +109,13 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
         assert "eval_pass_rate" in stages[name]["summary"], name
     for name in ("eval_long_context", "eval_sft_short", "eval_grpo"):  # niah_chat: on in these evals
         assert 0.0 <= stages[name]["summary"]["niah_chat_accuracy"] <= 1.0, name
-    # long_context_far's retrieval rows: as many rows as long_context's, in fewer and longer samples (at its CPU
-    # floor of 512, a 512-token phase-0 row is one sample)
-    ret = [json.loads((Path(stages[n]["artifact"]) / "phases" / "0" / "retrieval.json").read_text())
-           for n in ("long_context", "long_context_far")]
-    assert (ret[0]["min_tokens"], ret[1]["min_tokens"]) == (128, 512) and ret[0]["rows"] == ret[1]["rows"]
-    assert ret[1]["samples"] == ret[1]["rows"] < ret[0]["samples"]
+    # the look-up branches' retrieval rows: look-ups alone, and with a 0.9 share fewer plain rows and more samples
+    ret = {n: json.loads((Path(stages[n]["artifact"]) / "phases" / "1" / "retrieval.json").read_text())
+           for n in ("long_context", "long_context_lookups", "long_context_lookups_dense")}
+    assert set(ret["long_context"]["by_kind"]) == {"lookup", "multi_lookup", "repeat", "continue"}
+    assert set(ret["long_context_lookups"]["by_kind"]) == {"lookup", "multi_lookup"}
+    assert ret["long_context_lookups_dense"]["plain_rows"] < ret["long_context_lookups"]["plain_rows"]
+    assert ret["long_context_lookups_dense"]["samples"] > ret["long_context_lookups"]["samples"]
 
 
 @pytest.mark.slow

@@ -74,6 +74,10 @@ def test_default_params_are_two_table_6_shaped_phases_with_derived_bounds() -> N
     (dict(phases=[]), "at least 1"),
     (dict(short_max_tokens=600), "below medium_max_tokens"),
     (dict(phases=[dict(seq_len=512, rope_theta=1e4, tokens=10, short=0, medium=0, long=0)]), "positive"),
+    # 8 rows at 0.9: 7 retrieval rows and 1 plain row, less text than one sample of 1,024 tokens may take (the
+    # tenth lease's CPU rehearsal found this 81 s into the stage; now the spec says so)
+    (dict(phases=[dict(seq_len=1024, rope_theta=4e4, tokens=8192, short=35, medium=35, long=30)],
+          retrieval_share=0.9), r"leaves 1 of its 8 rows plain"),
 ])
 def test_bad_params_are_clear_errors(bad: dict, match: str) -> None:
     from pydantic import ValidationError
@@ -82,6 +86,14 @@ def test_bad_params_are_clear_errors(bad: dict, match: str) -> None:
 
     with pytest.raises(ValidationError, match=match):
         LongContextParams(**bad)
+
+
+def test_two_plain_rows_are_enough_for_the_retrieval_samples() -> None:
+    from pretrain.long_context import LongContextParams
+
+    p = LongContextParams(phases=[dict(seq_len=1024, rope_theta=4e4, tokens=16384, short=35, medium=35, long=30)],
+                          retrieval_share=0.9)
+    assert (p.phase_rows(0), p.retrieval_rows(0)) == (16, 14)
 
 
 # --- 2. rows that follow the schedule ---------------------------------------------------------------------------
