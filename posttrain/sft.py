@@ -6,6 +6,9 @@ Inputs: ``checkpoint`` (pretrain, long_context or another sft stage: the policy 
 ``prompts`` (the prompts stage; this stage reads ``pools/sft.jsonl`` and measures on ``pools/eval.jsonl``), optional
 ``reward_model`` (its ``reward_model/`` gives the hierarchy's helpfulness term).
 
+0. **Which prompts** (:func:`choose_prompts`): ``min_prompt_tokens`` / ``max_prompt_tokens`` drop prompts by their
+   chat-formatted length (a long-context stage keeps long prompts; a short one can leave them to it), then a seeded
+   subset of ``max_prompts`` is sampled.
 1. **Rejection sampling** (§5.3: "sampling multiple variations per prompt across different temperature settings to
    select optimal demonstrations measured by the reward hierarchy"): ``samples_per_temperature`` responses at each of
    ``temperatures`` per prompt (:func:`posttrain.policy.sample_responses`; the policy samples itself — the report's
@@ -64,6 +67,7 @@ from posttrain.policy import (
     EvalBefore,
     SamplingStats,
     Temperatures,
+    chat_prompt,
     last_checkpoint,
     load_policy,
     pass_rate,
@@ -96,6 +100,8 @@ DROPPED_FILE = "dropped.jsonl"
 REPORT_FILE = "sft_report.json"
 SOURCES = ("sampled", "reference")
 DROP_REASONS = {
+    "prompt_too_short": "fewer than min_prompt_tokens chat-formatted prompt tokens (a long-context stage)",
+    "prompt_too_long": "more than max_prompt_tokens chat-formatted prompt tokens",
     "over_max_prompts": "not in the seeded subset of max_prompts prompts of the sft pool (not sampled)",
     "no_correct_sample": "verifiable prompt with no correct finished sample, and reference_fallback is off",
     "reference_incorrect": "verifiable prompt, no correct sample, and its reference fails its own checker",
@@ -118,6 +124,12 @@ class SFTParams(StageParams):
     max_prompts: int | None = Field(24, ge=1, description=(
         "Sample a seeded subset of N prompts of the sft pool (the rest are dropped as over_max_prompts); None = all. "
         "Tiny-sized default."))
+    min_prompt_tokens: int = Field(0, ge=0, description=(
+        "Prompts shorter than this (chat-formatted tokens) are dropped before the max_prompts subset "
+        "(prompt_too_short): a long-context SFT stage (Table 7 stage II) keeps long prompts only. 0: no floor."))
+    max_prompt_tokens: int | None = Field(None, ge=1, description=(
+        "Prompts longer than this are dropped before the max_prompts subset (prompt_too_long), so a stage can leave "
+        "a pool's long-context prompts to another. None: no limit (max_length still drops long examples)."))
     sampling_batch_size: int = Field(16, ge=1, description="Prompts per generate call.")
     require_finished: bool = Field(True, description=(
         "Only samples that ended their turn (end-of-turn / eos before max_new_tokens) are candidates."))
@@ -163,24 +175,50 @@ class SFTParams(StageParams):
                              f"{self.lr_scheduler_type!r} (drop min_learning_rate or use 'cosine')")
         if self.min_learning_rate is not None and self.min_learning_rate > self.learning_rate:
             raise ValueError(f"min_learning_rate {self.min_learning_rate} exceeds learning_rate {self.learning_rate}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < self.min_prompt_tokens:
+            raise ValueError(f"max_prompt_tokens {self.max_prompt_tokens} is below min_prompt_tokens "
+                             f"{self.min_prompt_tokens}: no prompt could pass")
         return self
 
 
 # --- the stage ------------------------------------------------------------------------------------------------------
-def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: Any, hierarchy: RewardHierarchy,
-                   records: list[dict[str, Any]], stats: SamplingStats
-                   ) -> tuple[list[Target], list[dict[str, Any]], Counter]:
-    """Rejection sampling + length and diversity filters over the sft pool: (kept targets in pool order, one
-    dropped row per dropped prompt, candidate-level counts)."""
+def choose_prompts(params: SFTParams, records: list[dict[str, Any]], prompt_tokens: Any
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the prompts to sample, one dropped row for each other prompt): the length filters first
+    (``min_prompt_tokens``, ``max_prompt_tokens``; ``prompt_tokens(record)`` counts a record's chat-formatted prompt,
+    called only when a filter is set), then a seeded subset of ``max_prompts``, not the pool's head (the pool lists
+    verifiable prompts before open-ended ones). Filtering first keeps the subset of a pool's other prompts the same
+    when long prompts join the pool, and gives a long-context stage ``max_prompts`` long prompts."""
     dropped: list[dict[str, Any]] = []
+    if params.min_prompt_tokens or params.max_prompt_tokens is not None:
+        kept = []
+        for r in records:
+            n = prompt_tokens(r)
+            if n < params.min_prompt_tokens:
+                dropped.append({"id": r.get("id"), "reason": "prompt_too_short", "detail": f"{n} tokens"})
+            elif params.max_prompt_tokens is not None and n > params.max_prompt_tokens:
+                dropped.append({"id": r.get("id"), "reason": "prompt_too_long", "detail": f"{n} tokens"})
+            else:
+                kept.append(r)
+        records = kept
     if params.max_prompts is not None and params.max_prompts < len(records):
-        # a seeded subset, not the pool's head (the pool lists verifiable prompts before open-ended ones)
         order = sorted(range(len(records)),
                        key=lambda i: unit_hash(params.seed, "sft_prompts", str(records[i].get("id", i))))
         chosen = set(order[:params.max_prompts])
         dropped += [{"id": r.get("id"), "reason": "over_max_prompts"} for i, r in enumerate(records)
                     if i not in chosen]
         records = [r for i, r in enumerate(records) if i in chosen]
+    return records, dropped
+
+
+def build_sft_data(params: SFTParams, ctx: StageContext, model: Any, tokenizer: Any, hierarchy: RewardHierarchy,
+                   records: list[dict[str, Any]], stats: SamplingStats
+                   ) -> tuple[list[Target], list[dict[str, Any]], Counter]:
+    """Rejection sampling + length and diversity filters over the sft pool: (kept targets in pool order, one
+    dropped row per dropped prompt, candidate-level counts)."""
+    records, dropped = choose_prompts(
+        params, records, lambda r: len(tokenizer(chat_prompt(tokenizer, r["prompt"]), add_special_tokens=False)
+                                       .input_ids))
     samples = sample_responses(model, tokenizer, [r["prompt"] for r in records], temperatures=params.temperatures,
                                samples_per_temperature=params.samples_per_temperature,
                                max_new_tokens=params.max_new_tokens, batch_size=params.sampling_batch_size,

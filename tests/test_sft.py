@@ -15,7 +15,7 @@ import torch
 
 from posttrain.preference_pairs import reference_response
 from posttrain.rewards import RewardHierarchy
-from posttrain.sft import DROP_REASONS, SOURCES, SFTParams
+from posttrain.sft import DROP_REASONS, SOURCES, SFTParams, choose_prompts
 from posttrain.sft_selection import diversity_filter, ngram_jaccard, select_target, word_ngrams
 from posttrain.verifiable import ANSWER_INSTRUCTION
 
@@ -99,6 +99,54 @@ def test_params_check_the_schedule() -> None:
         SFTParams(learning_rate=1e-6, min_learning_rate=1e-5)
     with pytest.raises(ValueError, match="temperatures"):
         SFTParams(temperatures=[])
+
+
+def _pool(lengths: list[int]) -> list[dict]:
+    return [{"id": f"p{i}", "prompt": "w " * n} for i, n in enumerate(lengths)]
+
+
+def _words(rec: dict) -> int:
+    return len(rec["prompt"].split())
+
+
+def test_length_filters_come_before_the_subset_and_account_for_every_prompt() -> None:
+    pool = _pool([5, 50, 500, 5000, 7, 6000, 70])
+    records, dropped = choose_prompts(SFTParams(min_prompt_tokens=100, max_prompts=None), pool, _words)
+    assert [r["id"] for r in records] == ["p2", "p3", "p5"]
+    assert {d["id"]: d["reason"] for d in dropped} == {"p0": "prompt_too_short", "p1": "prompt_too_short",
+                                                       "p4": "prompt_too_short", "p6": "prompt_too_short"}
+    records, dropped = choose_prompts(SFTParams(max_prompt_tokens=100, max_prompts=None), pool, _words)
+    assert [r["id"] for r in records] == ["p0", "p1", "p4", "p6"]
+    assert all(d["reason"] == "prompt_too_long" for d in dropped) and len(dropped) == 3
+    # a long-context stage gets max_prompts long prompts, not the long ones among a subset of the whole pool
+    records, dropped = choose_prompts(SFTParams(min_prompt_tokens=100, max_prompts=2), pool, _words)
+    assert len(records) == 2 and all(_words(r) >= 100 for r in records)
+    assert len(records) + len(dropped) == len(pool) and {d["reason"] for d in dropped} == \
+        {"prompt_too_short", "over_max_prompts"}
+    assert set(DROP_REASONS) >= {"prompt_too_short", "prompt_too_long"}
+
+
+def test_long_prompts_joining_the_pool_leave_a_short_stages_subset_unchanged() -> None:
+    short = _pool([5, 50, 7, 70, 9, 90, 11, 30])
+    long = [{"id": f"long{i}", "prompt": "w " * 5000} for i in range(20)]
+    params = SFTParams(max_prompt_tokens=100, max_prompts=4)
+    before, _ = choose_prompts(params, short, _words)
+    after, dropped = choose_prompts(params, short + long, _words)
+    assert [r["id"] for r in after] == [r["id"] for r in before]
+    assert sum(d["reason"] == "prompt_too_long" for d in dropped) == 20
+
+
+def test_no_length_filter_counts_no_prompt() -> None:
+    def boom(rec: dict) -> int:
+        raise AssertionError("counted without a filter")
+
+    records, dropped = choose_prompts(SFTParams(max_prompts=None), _pool([1, 2, 3]), boom)
+    assert len(records) == 3 and dropped == []
+
+
+def test_prompt_length_bounds_must_leave_room() -> None:
+    with pytest.raises(ValueError, match="below min_prompt_tokens"):
+        SFTParams(min_prompt_tokens=100, max_prompt_tokens=50)
 
 
 @pytest.mark.parametrize("bad", [[], [0.7, -0.5]], ids=["none", "negative"])
