@@ -12,6 +12,10 @@ Sources, in this order (the order decides which copy of a duplicate is kept: use
    Python functions with hidden tests), ``verifiable`` counts per task type, with exact checkers.
 3. **open-ended** prompts drawn from the corpus (the optional ``documents`` input): an excerpt of a document under
    one of :data:`OPEN_ENDED_TEMPLATES` (summarize, explain, title, continue, rewrite, questions).
+4. **long-context retrieval** prompts (``long_retrieval``, off by default): a code planted in a window of
+   ``long_retrieval_words`` words over the open-ended prompts' documents, windows consecutive and non-overlapping
+   (:func:`posttrain.verifiable.long_retrieval_records`); our stand-in for Table 7 stage II's long-context SFT data.
+   They go to ``sft`` alone (not ``dpo``), last, so every other pool and near-duplicate verdict stays as without them.
 
 Tags (§5.1: task type, knowledge domain, difficulty): generated prompts carry the generator's own tags (exact);
 open-ended prompts take the template's task type, the document's domain mapped by :data:`DOMAIN_OF` and a
@@ -63,8 +67,10 @@ from posttrain.verifiable import (
     CHECKERS,
     CODE_INSTRUCTION,
     DIFFICULTIES,
+    LONG,
     TASK_TYPES,
     generate_verifiable,
+    long_retrieval_records,
 )
 
 PROMPTS_TYPE = "prompts"
@@ -98,6 +104,13 @@ class PromptsParams(StageParams):
         description=f"Verifiable prompts generated per task type ({', '.join(TASK_TYPES)}); retrieval passages "
                     "come from the documents input.")
     code_tests: int = Field(5, ge=1, description="Hidden test cases per generated code prompt.")
+    long_retrieval: int = Field(0, ge=0, description=(
+        "Long-context retrieval prompts (our stand-in for Table 7 stage II's long-context SFT data): a code planted "
+        "in a window of long_retrieval_words words over the open-ended prompts' documents (fewer when they run out). "
+        "All go to the sft pool and none to dpo, so DPO, RL and the eval pool are unchanged; an sft stage picks "
+        "them by min_prompt_tokens and can leave them out by max_prompt_tokens. 0: none."))
+    long_retrieval_words: int = Field(5000, ge=50, description=(
+        "Words of a long retrieval prompt's passage (about 1.4 tokens a word with the recipe's 32K tokenizer)."))
     open_ended: int = Field(200, ge=0, description="Open-ended prompts drawn from the documents input.")
     excerpt_words: list[int] = Field(default_factory=lambda: [60, 150, 300], description=(
         "Excerpt lengths (words) of open-ended prompts, one per difficulty easy/medium/hard."))
@@ -125,6 +138,15 @@ class PromptsParams(StageParams):
         if any(n < 0 for n in v.values()):
             raise ValueError(f"verifiable counts must be >= 0, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _long_fits(self) -> PromptsParams:
+        if self.long_retrieval and self.long_retrieval_words * 4 > self.max_prompt_chars:
+            raise ValueError(f"long_retrieval_words={self.long_retrieval_words} makes prompts of at least "
+                             f"~{self.long_retrieval_words * 4:,} characters, over max_prompt_chars="
+                             f"{self.max_prompt_chars:,} (they would all be dropped as too_long): raise "
+                             "max_prompt_chars")
+        return self
 
     @model_validator(mode="after")
     def _excerpts(self) -> PromptsParams:
@@ -281,7 +303,14 @@ def split_group(rec: dict[str, Any]) -> str:
     return f"id/{rec['id']}"
 
 
+def is_long(rec: dict[str, Any]) -> bool:
+    """A long-context retrieval prompt (``long_retrieval``): sft pool only."""
+    return rec.get("task_type") == "retrieval" and rec.get("difficulty") == LONG
+
+
 def assign_pool(rec: dict[str, Any], params: PromptsParams) -> str:
+    if is_long(rec):
+        return "sft"
     group = split_group(rec)
     verifiable = rec.get("checker") in CHECKERS
     if verifiable and unit_hash(params.seed, "prompts/eval", group) < params.eval_fraction:
@@ -366,6 +395,10 @@ def collect_prompts(params: PromptsParams, passages: list[tuple[str, str, str]],
         consider(rec)
     for rec in open_ended_prompts(open_docs, params.open_ended, params):
         consider(rec)
+    # last, so that no earlier prompt's near-duplicate verdict changes when they are asked for
+    for rec in long_retrieval_records(params.seed, params.long_retrieval, open_docs, params.long_retrieval_words):
+        rec["tag_source"] = "generator"
+        consider(rec)
     return inputs, kept, dropped
 
 
@@ -374,7 +407,8 @@ def split_pools(kept: list[dict[str, Any]], params: PromptsParams) -> dict[str, 
     pools: dict[str, list[dict[str, Any]]] = {p: [] for p in POOLS}
     for rec in kept:
         pools[assign_pool(rec, params)].append(rec)
-    pools["dpo"] = [r for r in pools["sft"] if unit_hash(params.seed, "prompts/dpo", r["id"]) < params.dpo_fraction]
+    pools["dpo"] = [r for r in pools["sft"]
+                    if not is_long(r) and unit_hash(params.seed, "prompts/dpo", r["id"]) < params.dpo_fraction]
     return pools
 
 
@@ -390,6 +424,11 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
     passages, open_docs = sample[:n_retrieval], sample[n_retrieval:]  # disjoint documents
     inputs, kept, dropped = collect_prompts(params, passages, open_docs)
     pools = split_pools(kept, params)
+    if params.long_retrieval:
+        made = sum(is_long(r) for r in pools["sft"])
+        ctx.progress(f"long retrieval: {made} of {params.long_retrieval} prompts of {params.long_retrieval_words:,} "
+                     f"words kept (windows over the {len(open_docs)} open-ended prompts' documents"
+                     + (", which ran out)" if made < params.long_retrieval else ")"))
     n_in, n_kept = sum(inputs.values()), len(kept)
     partition = len(pools["sft"]) + len(pools["rl"]) + len(pools["eval"])
     if n_in != n_kept + len(dropped) or partition != n_kept:
@@ -409,6 +448,7 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
     summary |= {f"dropped.{r}": reasons.get(r, 0) for r in DROP_REASONS}
     summary |= {f"pool.{p}": len(rows) for p, rows in pools.items()}
     summary |= {f"pool.{p}.verifiable": sum(r.get("checker") in CHECKERS for r in rows) for p, rows in pools.items()}
+    summary["pool.sft.long_retrieval"] = sum(is_long(r) for r in pools["sft"])
     for pool in POOLS:
         for v, n in tags[pool]["task_type"].items():
             summary[f"tags.{pool}.task_type.{metric_key(v)}"] = n

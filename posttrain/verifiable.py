@@ -9,6 +9,8 @@ Four seeded generators make prompts whose answer can be checked exactly:
 * ``retrieval``: a passage of corpus text with a planted fact (a code number for a named item) or a question
   about the passage itself (the word right after a quoted phrase that occurs once); checker ``exact_number`` /
   ``exact_text`` (case-insensitive);
+  ``long`` retrieval (:func:`long_retrieval_records`): the planted fact in a window of thousands of words over several
+  documents, for long-context SFT;
 * ``code``: a small Python function to write, one example in the prompt and hidden test cases (expected values
   computed by the reference solution); checker ``python_tests`` (the tests run in :mod:`posttrain.sandbox`).
 
@@ -46,6 +48,7 @@ ANSWER_INSTRUCTION = "Give the final answer on the last line, as 'Answer: <answe
 CODE_INSTRUCTION = "Reply with the function in one ```python code block."
 TASK_TYPES = ("arithmetic", "string", "retrieval", "code")
 DIFFICULTIES = ("easy", "medium", "hard")
+LONG = "long"  # the difficulty of long-context retrieval records (long_retrieval_records)
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,53 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _ITEMS = ("blue vault", "north gate", "copper locker", "east archive", "silver cabinet", "harbor shed", "red safe")
 
 
+def planted_fact_prompt(rng: random.Random, passage: str) -> tuple[str, dict[str, Any], str]:
+    """(prompt, reference, checker): ``passage`` with "The code of the ITEM is NNNNN." planted at a random sentence
+    boundary, and the question for that code (5 digits; ``exact_number``)."""
+    item, code = rng.choice(_ITEMS), rng.randint(10_000, 99_999)
+    parts = _SENTENCE_END.split(passage)
+    at = rng.randint(0, len(parts))
+    parts.insert(at, f"The code of the {item} is {code}.")
+    passage = " ".join(parts)
+    question = f"What is the code of the {item}?"
+    return (f"Read the passage and answer the question.\n\nPassage:\n{passage}\n\nQuestion: {question} "
+            f"{ANSWER_INSTRUCTION}", {"answer": str(code)}, "exact_number")
+
+
+def long_retrieval_records(seed: int, n: int, texts: Sequence[tuple[str, str, str]], words: int
+                           ) -> list[dict[str, Any]]:
+    """Up to ``n`` long-context retrieval records (fewer when the texts run out): consecutive, non-overlapping
+    windows of ``words`` words over ``texts`` ((doc_id, domain, text) tuples) joined in their order, each a
+    :func:`planted_fact_prompt`. Task type ``retrieval``, difficulty ``long``, ids of their own
+    (``verifiable/retrieval-long/...``); ``long_sources`` lists the window's documents. The report's long-context
+    SFT data (Table 7's stage II) is not public: these are our stand-in, in the sft pool only (posttrain.prompts)."""
+    if words < 1:
+        raise ValueError(f"long retrieval windows of {words} words: use 1 or more")
+    rng = random.Random(f"{seed}/retrieval-long")
+    out: list[dict[str, Any]] = []
+    window: list[str] = []
+    sources: list[str] = []
+    for doc_id, _domain, text in texts:
+        ws = text.split()
+        at = 0
+        while at < len(ws) and len(out) < n:
+            take = ws[at:at + words - len(window)]
+            window += take
+            at += len(take)
+            if not sources or sources[-1] != doc_id:
+                sources.append(doc_id)
+            if len(window) == words:
+                prompt, ref, checker = planted_fact_prompt(rng, " ".join(window))
+                rec = _record("retrieval", len(out), seed, prompt, "long-context", LONG, checker, ref)
+                rec["id"] = f"verifiable/retrieval-long/{seed}/{len(out):06d}"
+                rec["long_sources"] = sources
+                out.append(rec)
+                window, sources = [], []
+        if len(out) == n:
+            break
+    return out
+
+
 def retrieval_task(rng: random.Random, difficulty: str, passage_text: str) -> tuple[str, dict[str, Any], str] | None:
     """(prompt, reference, checker) from a passage of corpus text, or None when the text is too short."""
     words_wanted = {"easy": 60, "medium": 200, "hard": 500}[difficulty]
@@ -311,14 +361,7 @@ def retrieval_task(rng: random.Random, difficulty: str, passage_text: str) -> tu
     start = rng.randint(0, max(0, len(words) - words_wanted))
     passage = " ".join(words[start:start + words_wanted])
     if rng.random() < 0.5:  # planted fact at a random sentence boundary
-        item, code = rng.choice(_ITEMS), rng.randint(10_000, 99_999)
-        parts = _SENTENCE_END.split(passage)
-        at = rng.randint(0, len(parts))
-        parts.insert(at, f"The code of the {item} is {code}.")
-        passage = " ".join(parts)
-        question = f"What is the code of the {item}?"
-        return (f"Read the passage and answer the question.\n\nPassage:\n{passage}\n\nQuestion: {question} "
-                f"{ANSWER_INSTRUCTION}", {"answer": str(code)}, "exact_number")
+        return planted_fact_prompt(rng, passage)
     pw = passage.split()  # a word right after a 3-word phrase that occurs exactly once in the passage
     order = list(range(len(pw) - 3))
     rng.shuffle(order)

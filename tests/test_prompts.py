@@ -32,6 +32,7 @@ from posttrain.verifiable import (
     extract_number,
     extract_text,
     generate_verifiable,
+    long_retrieval_records,
 )
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "sample_corpus" / "prose.jsonl.gz"
@@ -287,6 +288,43 @@ def test_stage_without_documents_makes_no_retrieval_or_open_ended_prompts(tmp_pa
     run_prompts(PromptsParams(verifiable={"arithmetic": 6, "retrieval": 5}, open_ended=5), ctx)
     report = json.loads((ctx.out_dir / REPORT_FILE).read_text())
     assert report["inputs"] == {"verifiable": 6} and report["kept"] == 6
+
+
+def test_long_retrieval_windows_are_consecutive_and_carry_one_checkable_code():
+    texts = _passages(20)
+    words = [w for _, _, t in texts for w in t.split()]
+    recs = long_retrieval_records(0, 3, texts, 150)
+    assert len(recs) == 3 and len({r["id"] for r in recs}) == 3
+    for k, r in enumerate(recs):
+        assert r["id"] == f"verifiable/retrieval-long/0/{k:06d}" and r["difficulty"] == "long"
+        assert r["task_type"] == "retrieval" and r["checker"] == "exact_number"
+        passage = r["prompt"].split("Passage:\n", 1)[1].split("\n\nQuestion:", 1)[0]
+        code = r["reference"]["answer"]
+        planted = next(p for p in [f"The code of the {i} is {code}." for i in
+                                   ("blue vault", "north gate", "copper locker", "east archive", "silver cabinet",
+                                    "harbor shed", "red safe")] if p in passage)
+        # the window is the next 150 words of the joined texts, with the code's sentence planted in it
+        assert passage.replace(planted, " ").split() == words[150 * k:150 * (k + 1)]
+        assert check(r, f"Answer: {code}").correct and not check(r, "Answer: 12").correct
+        assert r["long_sources"][0] in {i for i, _, _ in texts}
+    assert long_retrieval_records(0, 3, texts, 150) == recs  # deterministic in the seed
+    assert len(long_retrieval_records(0, 10_000, texts, 150)) == len(words) // 150  # fewer when the texts run out
+
+
+def test_long_retrieval_prompts_go_to_sft_alone_and_change_no_other_pool(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, _, base = _run(tmp_path / "a")
+    ctx, report, pools = _run(tmp_path / "b", long_retrieval=3, long_retrieval_words=100)
+    long = [r for r in pools["sft"] if r["difficulty"] == "long"]
+    assert len(long) == 3 and ctx.summary["pool.sft.long_retrieval"] == 3
+    assert report["inputs"]["verifiable"] == 81 + 3
+    for p in ("dpo", "rl", "eval"):
+        assert pools[p] == base[p], p  # DPO, RL and the eval keep exactly their prompts
+    assert [r for r in pools["sft"] if r["difficulty"] != "long"] == base["sft"]
+    with pytest.raises(ValueError, match="raise max_prompt_chars"):
+        PromptsParams(long_retrieval=5, long_retrieval_words=5000, max_prompt_chars=8000)
+    PromptsParams(long_retrieval=0, long_retrieval_words=5000, max_prompt_chars=8000)  # off: no check
 
 
 def test_bad_user_jsonl_is_refused_at_validation_with_file_and_line(tmp_path):
