@@ -48,7 +48,8 @@ BY_KIND = {
     "tokenizer": {"vocab_size": 4096},
     "quality": {"max_tokens": 64},
     "mix": {"token_budget": 1500000},
-    "prompts": {"verifiable": {"arithmetic": 40, "string": 40, "retrieval": 20, "code": 20}, "open_ended": 60},
+    "prompts": {"verifiable": {"arithmetic": 40, "string": 40, "retrieval": 20, "code": 20}, "open_ended": 60,
+                "long_retrieval_words": 80},
     "pretrain": PRETRAIN,
     "long_context": LONG_CONTEXT,
     "reward_model": {"max_steps": 4, "batch_pairs": 4, "max_length": 256, "eval_every": 2},
@@ -94,6 +95,10 @@ def overrides(spec_path: Path = SPEC) -> list[str]:
     # dpo_long reads long prompts only: at 1K-token rows, the spec's 256-token floor leaves few; keep it near
     if "dpo_long" in spec.stages:
         out.append("dpo_long.min_prompt_tokens=96")
+    # an sft stage of long prompts only (sft_long_ctx): the CPU's long_retrieval prompts of 80 words are ~150 tokens
+    for name, st in spec.stages.items():
+        if st.kind.name == "sft" and getattr(st.params, "min_prompt_tokens", 0):
+            out.append(f"{name}.min_prompt_tokens=100")
     return out
 
 
