@@ -144,16 +144,24 @@ def combine(weights: RewardWeights, correctness: float | None, correct: bool | N
     return weights.correctness * (float(bool(correct)) + correctness) / 2 + secondary
 
 
+# The reward model reads at most this many tokens of a (prompt, response) chat, its end (the response and the end of
+# the prompt, where the score is read): the reward model trains on pairs of a few hundred tokens, and a batch of 32
+# long-context prompts (~7K tokens each, the prompts stage's long_retrieval) at full length would cost the memory
+# of 32 x 7K tokens for a score it never learnt to give. Every prompt before long_retrieval is shorter.
+RM_MAX_TOKENS = 2048
+
+
 class RewardHierarchy:
     """Scores batches of (prompt record, response) with the components and total above."""
 
     def __init__(self, weights: RewardWeights = RewardWeights(), reward_model_dir: str | Path | None = None,
                  limits: ConstraintLimits = ConstraintLimits(), scorer: Any = None, device: Any = "cpu") -> None:
         """``scorer``: anything with ``score(prompts, responses) -> list[float]`` (default: the reward model in
-        ``reward_model_dir`` via RewardModelScorer, on ``device``; neither: no helpfulness_rm component)."""
+        ``reward_model_dir`` via RewardModelScorer, on ``device``, reading the last :data:`RM_MAX_TOKENS` tokens;
+        neither: no helpfulness_rm component)."""
         self.weights, self.limits = weights, limits
         if scorer is None and reward_model_dir is not None:
-            scorer = RewardModelScorer(reward_model_dir, device=device)
+            scorer = RewardModelScorer(reward_model_dir, device=device, max_length=RM_MAX_TOKENS)
         self.scorer = scorer
         # the last score() call's seconds in the reward model and in the checkers (the code checker runs the sandbox)
         self.last_seconds = {"reward_model": 0.0, "checkers": 0.0}

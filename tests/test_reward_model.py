@@ -344,6 +344,21 @@ def test_the_reward_hierarchy_puts_its_reward_model_on_the_device_it_is_given(tr
     assert {p.device.type for p in moved.parameters()} == {"meta"}
 
 
+@pytest.mark.slow
+def test_the_reward_hierarchy_scores_the_end_of_a_long_chat(trained: StageContext) -> None:
+    """A long-context prompt (the prompts stage's long_retrieval, ~7K tokens) is scored on its last RM_MAX_TOKENS
+    tokens, the response's end included; a short one whole, as before the cap."""
+    from posttrain.rewards import RM_MAX_TOKENS, RewardHierarchy
+
+    scorer = RewardHierarchy(reward_model_dir=trained.out_dir / "reward_model").scorer
+    short = scorer.encode("What is 6 * 7?", "Answer: 42")
+    assert len(short) < RM_MAX_TOKENS and short == list(scorer.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 6 * 7?"}, {"role": "assistant", "content": "Answer: 42"}],
+        tokenize=True, return_dict=True)["input_ids"])
+    long = scorer.encode("word " * 6000 + "What is 6 * 7?", "Answer: 42")
+    assert len(long) == RM_MAX_TOKENS and long[-len(short) // 2:] == short[-len(short) // 2:]
+
+
 def test_the_reward_hierarchy_times_its_reward_model_and_its_checkers() -> None:
     from posttrain.rewards import RewardHierarchy
     from posttrain.verifiable import ANSWER_INSTRUCTION
