@@ -146,8 +146,8 @@ def combine(weights: RewardWeights, correctness: float | None, correct: bool | N
 
 # The reward model reads at most this many tokens of a (prompt, response) chat, its end (the response and the end of
 # the prompt, where the score is read): the reward model trains on pairs of a few hundred tokens, and a batch of 32
-# long-context prompts (~7K tokens each, the prompts stage's long_retrieval) at full length would cost the memory
-# of 32 x 7K tokens for a score it never learnt to give. Every prompt before long_retrieval is shorter.
+# long-context prompts (~6K tokens each, the prompts stage's long_retrieval) at full length would cost the memory
+# of 32 x 6K tokens for a score it never learnt to give. Every prompt before long_retrieval is shorter.
 RM_MAX_TOKENS = 2048
 
 
