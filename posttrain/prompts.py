@@ -67,7 +67,7 @@ from posttrain.verifiable import (
     CHECKERS,
     CODE_INSTRUCTION,
     DIFFICULTIES,
-    LONG,
+    LONG_ID_PREFIX,
     TASK_TYPES,
     generate_verifiable,
     long_retrieval_records,
@@ -109,8 +109,9 @@ class PromptsParams(StageParams):
         "in a window of long_retrieval_words words over the open-ended prompts' documents (fewer when they run out). "
         "All go to the sft pool and none to dpo, so DPO, RL and the eval pool are unchanged; an sft stage picks "
         "them by min_prompt_tokens and can leave them out by max_prompt_tokens. 0: none."))
-    long_retrieval_words: int = Field(5000, ge=50, description=(
-        "Words of a long retrieval prompt's passage (about 1.4 tokens a word with the recipe's 32K tokenizer)."))
+    long_retrieval_words: int = Field(4000, ge=50, description=(
+        "Words of a long retrieval prompt's passage (the sample corpus has ~7 bytes a word and the recipe's 32K "
+        "tokenizer ~4.4 bytes a token: ~1.6 tokens a word). The documents are read uncut for these windows."))
     open_ended: int = Field(200, ge=0, description="Open-ended prompts drawn from the documents input.")
     excerpt_words: list[int] = Field(default_factory=lambda: [60, 150, 300], description=(
         "Excerpt lengths (words) of open-ended prompts, one per difficulty easy/medium/hard."))
@@ -141,11 +142,11 @@ class PromptsParams(StageParams):
 
     @model_validator(mode="after")
     def _long_fits(self) -> PromptsParams:
-        if self.long_retrieval and self.long_retrieval_words * 4 > self.max_prompt_chars:
-            raise ValueError(f"long_retrieval_words={self.long_retrieval_words} makes prompts of at least "
-                             f"~{self.long_retrieval_words * 4:,} characters, over max_prompt_chars="
-                             f"{self.max_prompt_chars:,} (they would all be dropped as too_long): raise "
-                             "max_prompt_chars")
+        if self.long_retrieval and self.long_retrieval_words * 6 > self.max_prompt_chars:
+            raise ValueError(f"long_retrieval_words={self.long_retrieval_words} makes prompts of ~"
+                             f"{self.long_retrieval_words * 6:,} characters or more (the sample corpus averages ~7 "
+                             f"a word), over max_prompt_chars={self.max_prompt_chars:,}: most would be dropped as "
+                             "too_long; raise max_prompt_chars")
         return self
 
     @model_validator(mode="after")
@@ -304,8 +305,9 @@ def split_group(rec: dict[str, Any]) -> str:
 
 
 def is_long(rec: dict[str, Any]) -> bool:
-    """A long-context retrieval prompt (``long_retrieval``): sft pool only."""
-    return rec.get("task_type") == "retrieval" and rec.get("difficulty") == LONG
+    """A generated long-context retrieval prompt (``long_retrieval``): sft pool only. Keyed on the generator's id,
+    so a user prompt tagged ``long`` is pooled like any other."""
+    return rec.get("source") == "verifiable" and str(rec.get("id", "")).startswith(LONG_ID_PREFIX)
 
 
 def assign_pool(rec: dict[str, Any], params: PromptsParams) -> str:
@@ -357,7 +359,8 @@ def _plot(ctx: StageContext, tags: dict[str, dict[str, dict[str, int]]]) -> None
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
-def collect_prompts(params: PromptsParams, passages: list[tuple[str, str, str]], open_docs: list[tuple[str, str, str]]
+def collect_prompts(params: PromptsParams, passages: list[tuple[str, str, str]], open_docs: list[tuple[str, str, str]],
+                    long_records: list[dict[str, Any]] = ()
                     ) -> tuple[Counter, list[dict[str, Any]], list[dict[str, Any]]]:
     """(inputs by source, kept records, dropped rows): the user, verifiable and open-ended prompts in that order,
     each kept or dropped (empty, too long, a duplicate of one kept before it, an invalid user line)."""
@@ -396,7 +399,7 @@ def collect_prompts(params: PromptsParams, passages: list[tuple[str, str, str]],
     for rec in open_ended_prompts(open_docs, params.open_ended, params):
         consider(rec)
     # last, so that no earlier prompt's near-duplicate verdict changes when they are asked for
-    for rec in long_retrieval_records(params.seed, params.long_retrieval, open_docs, params.long_retrieval_words):
+    for rec in long_records:
         rec["tag_source"] = "generator"
         consider(rec)
     return inputs, kept, dropped
@@ -422,13 +425,20 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
     sample = _sample_documents(docs_path, n_retrieval + params.open_ended, params.seed,
                                max(params.excerpt_words) * 4)
     passages, open_docs = sample[:n_retrieval], sample[n_retrieval:]  # disjoint documents
-    inputs, kept, dropped = collect_prompts(params, passages, open_docs)
+    long_records: list[dict[str, Any]] = []
+    if params.long_retrieval:  # the same documents as open_docs (the sample does not depend on the cut), uncut
+        whole = _sample_documents(docs_path, n_retrieval + params.open_ended, params.seed,
+                                  params.long_retrieval_words)[n_retrieval:]
+        long_records = long_retrieval_records(params.seed, params.long_retrieval, whole, params.long_retrieval_words)
+    inputs, kept, dropped = collect_prompts(params, passages, open_docs, long_records)
     pools = split_pools(kept, params)
     if params.long_retrieval:
         made = sum(is_long(r) for r in pools["sft"])
-        ctx.progress(f"long retrieval: {made} of {params.long_retrieval} prompts of {params.long_retrieval_words:,} "
-                     f"words kept (windows over the {len(open_docs)} open-ended prompts' documents"
-                     + (", which ran out)" if made < params.long_retrieval else ")"))
+        ctx.progress(f"long retrieval: {len(long_records)} of {params.long_retrieval} prompts of "
+                     f"{params.long_retrieval_words:,} words made from the {len(open_docs)} open-ended prompts' "
+                     f"documents" + (" (they ran out)" if len(long_records) < params.long_retrieval else "")
+                     + f"; {made} kept" + (f", {len(long_records) - made} dropped (too_long or duplicate: "
+                                           "dropped.jsonl)" if made < len(long_records) else ""))
     n_in, n_kept = sum(inputs.values()), len(kept)
     partition = len(pools["sft"]) + len(pools["rl"]) + len(pools["eval"])
     if n_in != n_kept + len(dropped) or partition != n_kept:

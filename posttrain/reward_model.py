@@ -49,7 +49,7 @@ from posttrain.policy import (
     trainer_log_relay,
 )
 from posttrain.preference_pairs import PreferencePair, build_pairs, pair_file_problems
-from posttrain.prompts import POOLS, PROMPTS_TYPE, read_pool
+from posttrain.prompts import POOLS, PROMPTS_TYPE, is_long, read_pool
 from posttrain.report import log_finite_summary, write_report
 from posttrain.sandbox import containment_record
 from pretrain.stage import CHECKPOINT_TYPE
@@ -127,6 +127,13 @@ def trainer_class() -> type:
     from posttrain.moe_loss import model_balance_trainer  # heavy: torch
 
     return model_balance_trainer(RewardTrainer)
+
+
+def pair_prompts(prompts_dir: Path, pools: list[str]) -> list[dict[str, Any]]:
+    """The prompt records pairs are built from: ``pools`` of the prompts artifact, without its long-context
+    retrieval prompts (``long_retrieval``: thousands of tokens, beyond any pair length this stage trains at), so the
+    pairs are those of a prompts artifact made without them."""
+    return [r for pool in pools for r in read_pool(prompts_dir, pool, "reward_model") if not is_long(r)]
 
 
 EncodedPairs = tuple[list[PreferencePair], list[list[int]], list[list[int]]]  # pairs, chosen ids, rejected ids
@@ -235,7 +242,7 @@ def run(params: RewardModelParams, ctx: StageContext) -> None:
         raise FileNotFoundError(f"reward_model: {model_dir} holds no model: the checkpoint input must be a pretrain "
                                 "or long_context stage's artifact (with model/)")
     docs = ctx.inputs.get("documents")
-    pair_set = build_pairs([r for pool in params.pools for r in read_pool(ctx.input("prompts").path, pool, "reward_model")], seed=params.seed,
+    pair_set = build_pairs(pair_prompts(ctx.input("prompts").path, params.pools), seed=params.seed,
                            heldout_fraction=params.heldout_fraction,
                            documents=docs.path if docs is not None and not isinstance(docs, list) else None,
                            continuation_words=params.continuation_words, user_files=params.user_pair_files,

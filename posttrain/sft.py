@@ -6,9 +6,9 @@ Inputs: ``checkpoint`` (pretrain, long_context or another sft stage: the policy 
 ``prompts`` (the prompts stage; this stage reads ``pools/sft.jsonl`` and measures on ``pools/eval.jsonl``), optional
 ``reward_model`` (its ``reward_model/`` gives the hierarchy's helpfulness term).
 
-0. **Which prompts** (:func:`choose_prompts`): ``min_prompt_tokens`` / ``max_prompt_tokens`` drop prompts by their
-   chat-formatted length (a long-context stage keeps long prompts; a short one can leave them to it), then a seeded
-   subset of ``max_prompts`` is sampled.
+0. **Which prompts** (:func:`choose_prompts`): ``difficulties`` keeps prompts by their difficulty tag and
+   ``min_prompt_tokens`` / ``max_prompt_tokens`` by their chat-formatted length (a long-context stage keeps the long
+   ones; a short one can leave them to it), then a seeded subset of ``max_prompts`` is sampled.
 1. **Rejection sampling** (§5.3: "sampling multiple variations per prompt across different temperature settings to
    select optimal demonstrations measured by the reward hierarchy"): ``samples_per_temperature`` responses at each of
    ``temperatures`` per prompt (:func:`posttrain.policy.sample_responses`; the policy samples itself — the report's
@@ -100,6 +100,7 @@ DROPPED_FILE = "dropped.jsonl"
 REPORT_FILE = "sft_report.json"
 SOURCES = ("sampled", "reference")
 DROP_REASONS = {
+    "other_difficulty": "its difficulty tag is not one of difficulties",
     "prompt_too_short": "fewer than min_prompt_tokens chat-formatted prompt tokens (a long-context stage)",
     "prompt_too_long": "more than max_prompt_tokens chat-formatted prompt tokens",
     "over_max_prompts": "not in the seeded subset of max_prompts prompts of the sft pool (not sampled)",
@@ -124,6 +125,10 @@ class SFTParams(StageParams):
     max_prompts: int | None = Field(24, ge=1, description=(
         "Sample a seeded subset of N prompts of the sft pool (the rest are dropped as over_max_prompts); None = all. "
         "Tiny-sized default."))
+    difficulties: list[str] | None = Field(None, min_length=1, description=(
+        "Keep only prompts whose difficulty tag is one of these, before the other filters (other_difficulty): "
+        "[long] for a long-context stage on the prompts stage's long_retrieval prompts, [easy, medium, hard] to "
+        "leave them out. None: every prompt."))
     min_prompt_tokens: int = Field(0, ge=0, description=(
         "Prompts shorter than this (chat-formatted tokens) are dropped before the max_prompts subset "
         "(prompt_too_short): a long-context SFT stage (Table 7 stage II) keeps long prompts only. 0: no floor."))
@@ -184,12 +189,17 @@ class SFTParams(StageParams):
 # --- the stage ------------------------------------------------------------------------------------------------------
 def choose_prompts(params: SFTParams, records: list[dict[str, Any]], prompt_tokens: Any
                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the prompts to sample, one dropped row for each other prompt): the length filters first
-    (``min_prompt_tokens``, ``max_prompt_tokens``; ``prompt_tokens(record)`` counts a record's chat-formatted prompt,
+    """(the prompts to sample, one dropped row for each other prompt): the filters first (``difficulties``, then
+    ``min_prompt_tokens``, ``max_prompt_tokens``; ``prompt_tokens(record)`` counts a record's chat-formatted prompt,
     called only when a filter is set), then a seeded subset of ``max_prompts``, not the pool's head (the pool lists
     verifiable prompts before open-ended ones). Filtering first keeps the subset of a pool's other prompts the same
     when long prompts join the pool, and gives a long-context stage ``max_prompts`` long prompts."""
     dropped: list[dict[str, Any]] = []
+    if params.difficulties is not None:
+        wanted = set(params.difficulties)
+        dropped += [{"id": r.get("id"), "reason": "other_difficulty", "detail": str(r.get("difficulty"))}
+                    for r in records if r.get("difficulty") not in wanted]
+        records = [r for r in records if r.get("difficulty") in wanted]
     if params.min_prompt_tokens or params.max_prompt_tokens is not None:
         kept = []
         for r in records:

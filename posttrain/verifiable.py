@@ -49,6 +49,7 @@ CODE_INSTRUCTION = "Reply with the function in one ```python code block."
 TASK_TYPES = ("arithmetic", "string", "retrieval", "code")
 DIFFICULTIES = ("easy", "medium", "hard")
 LONG = "long"  # the difficulty of long-context retrieval records (long_retrieval_records)
+LONG_ID_PREFIX = "verifiable/retrieval-long/"  # and their ids
 
 
 @dataclass(frozen=True)
@@ -343,7 +344,7 @@ def long_retrieval_records(seed: int, n: int, texts: Sequence[tuple[str, str, st
             if len(window) == words:
                 prompt, ref, checker = planted_fact_prompt(rng, " ".join(window))
                 rec = _record("retrieval", len(out), seed, prompt, "long-context", LONG, checker, ref)
-                rec["id"] = f"verifiable/retrieval-long/{seed}/{len(out):06d}"
+                rec["id"] = f"{LONG_ID_PREFIX}{seed}/{len(out):06d}"
                 rec["long_sources"] = sources
                 out.append(rec)
                 window, sources = [], []

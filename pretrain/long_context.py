@@ -152,7 +152,7 @@ class LongContextParams(TrainingParams, LongContextPlan):
             raise ValueError(f"long_document_lengths={self.document_lengths}: lengths of 3 tokens or more")
         for i, p in enumerate(self.phases):
             plain = self.phase_rows(i) - self.retrieval_rows(i)
-            if self.retrieval_share and plain < 2:  # a sample's context is plain rows' text, up to a row's length
+            if self.retrieval_rows(i) and plain < 2:  # a sample's context is plain rows' text, up to a row's length
                 raise ValueError(f"phases.{i}: retrieval_share={self.retrieval_share} leaves {plain} of its "
                                  f"{self.phase_rows(i)} rows plain, and its retrieval samples (up to {p.seq_len} "
                                  "tokens) take their text from the plain rows: at least 2 are needed; raise the "

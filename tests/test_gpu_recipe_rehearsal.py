@@ -84,11 +84,11 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     # (so they see the pool they saw before), sft_long_ctx takes them alone, from sft_short
     assert spec.stages["prompts"].params.long_retrieval > 0
     for n in ("sft_short", "sft_more", "sft_long"):
-        assert spec.stages[n].params.max_prompt_tokens == 2048 and spec.stages[n].params.min_prompt_tokens == 0, n
+        assert spec.stages[n].params.difficulties == ["easy", "medium", "hard"], n
     sl, sc = (spec.stages[n].params.model_dump() for n in ("sft_long", "sft_long_ctx"))
-    assert {k for k in sl if sl[k] != sc[k]} == {"max_prompt_tokens", "min_prompt_tokens", "sampling_batch_size",
-                                                 "max_length", "batch_size", "gradient_accumulation_steps", "epochs"}
-    assert sc["max_prompt_tokens"] is None and sc["min_prompt_tokens"] > 2048  # the two prompt sets are disjoint
+    assert {k for k in sl if sl[k] != sc[k]} == {"difficulties", "sampling_batch_size", "max_length", "batch_size",
+                                                 "gradient_accumulation_steps", "epochs"}
+    assert sc["difficulties"] == ["long"]  # the two prompt sets are disjoint
     assert sc["max_length"] == max(p.seq_len for p in spec.stages["long_context"].params.phases)
     assert spec.stages["sft_long_ctx"].inputs["checkpoint"] == ["sft_short"]
     gpu = [n for n, st in spec.stages.items() if st.resources.gpus]
@@ -120,10 +120,13 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
         assert "eval_pass_rate" in stages[name]["summary"], name
     for name in ("eval_long_context", "eval_sft_short", "eval_grpo"):  # niah_chat: on in these evals
         assert 0.0 <= stages[name]["summary"]["niah_chat_accuracy"] <= 1.0, name
-    # long-context SFT: the prompts stage made long look-ups, and sft_long_ctx trained on them alone
-    assert stages["prompts"]["summary"]["pool.sft.long_retrieval"] > 0
-    lctx = stages["sft_long_ctx"]["summary"]
-    assert lctx["sft_examples"] > 0 and lctx["dropped.prompt_too_short"] > 0
+    # long-context SFT: the prompts stage made long look-ups, sft_long_ctx trained on them alone and the chain's SFT
+    # stages on none of them
+    n_long = stages["prompts"]["summary"]["pool.sft.long_retrieval"]
+    lctx, short = stages["sft_long_ctx"]["summary"], stages["sft_short"]["summary"]
+    assert n_long > 0 and lctx["sft_examples"] > 0 and short["dropped.other_difficulty"] == n_long
+    pool = stages["prompts"]["summary"]["pool.sft"]
+    assert lctx["dropped.other_difficulty"] == pool - n_long  # every other prompt of the pool left out
     # the look-up branches' retrieval rows: look-ups alone, and with a 0.9 share fewer plain rows and more samples
     ret = {n: json.loads((Path(stages[n]["artifact"]) / "phases" / "1" / "retrieval.json").read_text())
            for n in ("long_context", "long_context_lookups", "long_context_lookups_dense")}

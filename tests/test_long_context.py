@@ -94,6 +94,10 @@ def test_two_plain_rows_are_enough_for_the_retrieval_samples() -> None:
     p = LongContextParams(phases=[dict(seq_len=1024, rope_theta=4e4, tokens=16384, short=35, medium=35, long=30)],
                           retrieval_share=0.9)
     assert (p.phase_rows(0), p.retrieval_rows(0)) == (16, 14)
+    # a share that rounds to no retrieval row needs no plain text for samples
+    one = LongContextParams(phases=[dict(seq_len=4096, rope_theta=4e4, tokens=4096, short=35, medium=35, long=30)],
+                            batch_tokens=4096, micro_batch_tokens=4096, retrieval_share=0.25)
+    assert (one.phase_rows(0), one.retrieval_rows(0)) == (1, 0)
 
 
 # --- 2. rows that follow the schedule ---------------------------------------------------------------------------

@@ -322,6 +322,14 @@ def test_long_retrieval_prompts_go_to_sft_alone_and_change_no_other_pool(tmp_pat
     for p in ("dpo", "rl", "eval"):
         assert pools[p] == base[p], p  # DPO, RL and the eval keep exactly their prompts
     assert [r for r in pools["sft"] if r["difficulty"] != "long"] == base["sft"]
+    # the reward model's pairs come from the pools without them, as from an artifact made without them
+    from posttrain.reward_model import pair_prompts
+
+    assert pair_prompts(ctx.out_dir, ["sft", "rl"]) == base["sft"] + base["rl"]
+    # a user prompt tagged like them is pooled like any other prompt
+    from posttrain.prompts import is_long
+
+    assert is_long(long[0]) and not is_long({**long[0], "source": "user", "id": "u9"})
     with pytest.raises(ValueError, match="raise max_prompt_chars"):
         PromptsParams(long_retrieval=5, long_retrieval_words=5000, max_prompt_chars=8000)
     PromptsParams(long_retrieval=0, long_retrieval_words=5000, max_prompt_chars=8000)  # off: no check

@@ -136,6 +136,20 @@ def test_long_prompts_joining_the_pool_leave_a_short_stages_subset_unchanged() -
     assert sum(d["reason"] == "prompt_too_long" for d in dropped) == 20
 
 
+def test_difficulties_keep_prompts_by_their_tag_before_the_other_filters() -> None:
+    pool = [{"id": f"p{i}", "prompt": "w " * n, "difficulty": d}
+            for i, (n, d) in enumerate([(5, "easy"), (5000, "long"), (50, "hard"), (6000, "long"), (7, "medium")])]
+    records, dropped = choose_prompts(SFTParams(difficulties=["long"], max_prompts=None), pool, _words)
+    assert [r["id"] for r in records] == ["p1", "p3"]
+    assert [(d["id"], d["reason"], d["detail"]) for d in dropped] == [
+        ("p0", "other_difficulty", "easy"), ("p2", "other_difficulty", "hard"), ("p4", "other_difficulty", "medium")]
+    records, dropped = choose_prompts(SFTParams(difficulties=["easy", "medium", "hard"], min_prompt_tokens=6,
+                                                max_prompts=None), pool, _words)
+    assert [r["id"] for r in records] == ["p2", "p4"]
+    assert {d["id"]: d["reason"] for d in dropped} == {"p1": "other_difficulty", "p3": "other_difficulty",
+                                                       "p0": "prompt_too_short"}
+
+
 def test_no_length_filter_counts_no_prompt() -> None:
     def boom(rec: dict) -> int:
         raise AssertionError("counted without a filter")
