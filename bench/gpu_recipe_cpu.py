@@ -95,10 +95,6 @@ def overrides(spec_path: Path = SPEC) -> list[str]:
     # dpo_long reads long prompts only: at 1K-token rows, the spec's 256-token floor leaves few; keep it near
     if "dpo_long" in spec.stages:
         out.append("dpo_long.min_prompt_tokens=96")
-    # an sft stage with a token floor: the CPU's long_retrieval prompts of 80 words are ~150 tokens
-    for name, st in spec.stages.items():
-        if st.kind.name == "sft" and getattr(st.params, "min_prompt_tokens", 0):
-            out.append(f"{name}.min_prompt_tokens=100")
     return out
 
 

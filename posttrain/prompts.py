@@ -49,7 +49,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +107,8 @@ class PromptsParams(StageParams):
     long_retrieval: int = Field(0, ge=0, description=(
         "Long-context retrieval prompts (our stand-in for Table 7 stage II's long-context SFT data): a code planted "
         "in a window of long_retrieval_words words over the open-ended prompts' documents (fewer when they run out). "
-        "All go to the sft pool and none to dpo, so DPO, RL and the eval pool are unchanged; an sft stage picks "
-        "them by min_prompt_tokens and can leave them out by max_prompt_tokens. 0: none."))
+        "All go to the sft pool and none to dpo, so DPO, RL and the eval pool are unchanged (the reward model builds no "
+        "pair from them); an sft stage picks them by their difficulty tag, long (its difficulties param). 0: none."))
     long_retrieval_words: int = Field(4000, ge=50, description=(
         "Words of a long retrieval prompt's passage (the sample corpus has ~7 bytes a word and the recipe's 32K "
         "tokenizer ~4.4 bytes a token: ~1.6 tokens a word). The documents are read uncut for these windows."))
@@ -360,7 +360,7 @@ def _plot(ctx: StageContext, tags: dict[str, dict[str, dict[str, int]]]) -> None
 
 # --- the stage ----------------------------------------------------------------------------------------------------
 def collect_prompts(params: PromptsParams, passages: list[tuple[str, str, str]], open_docs: list[tuple[str, str, str]],
-                    long_records: list[dict[str, Any]] = ()
+                    long_records: Sequence[dict[str, Any]] = ()
                     ) -> tuple[Counter, list[dict[str, Any]], list[dict[str, Any]]]:
     """(inputs by source, kept records, dropped rows): the user, verifiable and open-ended prompts in that order,
     each kept or dropped (empty, too long, a duplicate of one kept before it, an invalid user line)."""
@@ -422,14 +422,14 @@ def run(params: PromptsParams, ctx: StageContext) -> None:
     n_retrieval = params.verifiable.get("retrieval", 0)
     if docs_path is None and (n_retrieval or params.open_ended):
         ctx.progress("WARNING: no documents input: no retrieval or open-ended prompts")
+    cut = max(params.excerpt_words) * 4
+    # one pass over the documents; the long windows read the open-ended documents further than their excerpts do
     sample = _sample_documents(docs_path, n_retrieval + params.open_ended, params.seed,
-                               max(params.excerpt_words) * 4)
+                               max(cut, params.long_retrieval_words) if params.long_retrieval else cut)
+    long_records = long_retrieval_records(params.seed, params.long_retrieval, sample[n_retrieval:],
+                                          params.long_retrieval_words) if params.long_retrieval else []
+    sample = [(i, d, " ".join(t.split()[:cut])) for i, d, t in sample]  # what the excerpts and passages read
     passages, open_docs = sample[:n_retrieval], sample[n_retrieval:]  # disjoint documents
-    long_records: list[dict[str, Any]] = []
-    if params.long_retrieval:  # the same documents as open_docs (the sample does not depend on the cut), uncut
-        whole = _sample_documents(docs_path, n_retrieval + params.open_ended, params.seed,
-                                  params.long_retrieval_words)[n_retrieval:]
-        long_records = long_retrieval_records(params.seed, params.long_retrieval, whole, params.long_retrieval_words)
     inputs, kept, dropped = collect_prompts(params, passages, open_docs, long_records)
     pools = split_pools(kept, params)
     if params.long_retrieval:
