@@ -111,7 +111,7 @@ class PromptsParams(StageParams):
         "pair from them); an sft stage picks them by their difficulty tag, long (its difficulties param). 0: none."))
     long_retrieval_words: int = Field(4000, ge=50, description=(
         "Words of a long retrieval prompt's passage (the sample corpus has ~7 bytes a word and the recipe's 32K "
-        "tokenizer ~4.4 bytes a token: ~1.6 tokens a word). The documents are read uncut for these windows."))
+        "tokenizer ~4.4 bytes a token: ~1.6 tokens a word). A document gives a window up to this many of its words (its excerpt reads at most 4 times the longest excerpt_words)."))
     open_ended: int = Field(200, ge=0, description="Open-ended prompts drawn from the documents input.")
     excerpt_words: list[int] = Field(default_factory=lambda: [60, 150, 300], description=(
         "Excerpt lengths (words) of open-ended prompts, one per difficulty easy/medium/hard."))
