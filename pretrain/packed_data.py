@@ -1,15 +1,14 @@
 """Packed training data for the ``pretrain`` stage: a mixture turned into fixed-length token rows.
 
-Inputs are three artifacts: the ``mixture`` (data/mix.py: per document, in input order, its
-``sample_count`` and its ``tokens`` incl. BOS/EOS), the ``scored_documents`` it was planned from
-(data/documents.py) and the ``tokenizer`` (data/tokenizer.py). :func:`build_packed_dataset` writes:
+Inputs are three artifacts: the ``mixture`` (data/mix.py: per document, in input order, its ``sample_count`` and its
+``tokens`` incl. BOS/EOS), the ``scored_documents`` it was planned from (data/documents.py) and the ``tokenizer``
+(data/tokenizer.py). :func:`build_packed_dataset` writes:
 
 * ``train_tokens.npy`` int32 [rows, seq_len]: every document with ``sample_count > 0`` appears exactly
-  ``sample_count`` times (§4.1.3.2: the mixture's repetition is what the model sees), as
-  ``[BOS] + ids + [EOS]``, the instances in a deterministic shuffle of ``seed``, concatenated and cut
-  into rows. A document that does not fit in the rest of a row continues at the start of the next row
-  (a *continuation* segment). Nothing is dropped: the last row is padded with PAD, and pad positions
-  are out of the loss.
+  ``sample_count`` times (§4.1.3.2: the mixture's repetition is what the model sees), as ``[BOS] + ids + [EOS]``,
+  the instances in a deterministic shuffle of ``seed``, concatenated and cut into rows. A document that does not fit
+  in the rest of a row continues at the start of the next row (a *continuation* segment). Nothing is dropped: the
+  last row is padded with PAD, and pad positions are out of the loss.
 * ``train_segment_starts.npy`` int32 and ``train_segment_index.npy`` int64 [rows + 1]: row ``i``'s
   segment starts are ``starts[index[i]:index[i + 1]]``, row-local, beginning with 0 and ending with
   ``seq_len``; a padded tail is a segment of its own. These are the varlen boundaries (§3.2: packed
@@ -18,15 +17,14 @@ Inputs are three artifacts: the ``mixture`` (data/mix.py: per document, in input
 * ``unigram_counts.npy`` int64 [vocab]: token counts over the training rows' non-pad tokens.
 * ``eval_documents.json``: the held-out ids; ``packing.json``: :class:`PackedDatasetInfo`.
 
-Memory is O(number of documents) plus one document: every used document is tokenized once and
-appended to a scratch file of unique tokens; rows are then copied from that file (memory-mapped) in
-shuffled order through a fixed-size buffer straight to disk. Every file is written under a temporary
-name and renamed into place.
+Memory is O(number of documents) plus one document: every used document is tokenized once and appended to a scratch
+file of unique tokens; rows are then copied from that file (memory-mapped) in shuffled order through a fixed-size
+buffer straight to disk. Every file is written under a temporary name and renamed into place.
 
-Reading: :class:`PackedRows` (memory-mapped rows), :func:`make_batch` (B rows -> one packed sequence
-with ``cu_seqlens``, restarting ``position_ids`` and labels masked at segment starts and padding),
-:class:`RowLoader` (resumable, rank-sharded row order over epochs) and :func:`unigram_loss` (the
-baseline eval loss a trained model must beat).
+Reading: :class:`PackedRows` (memory-mapped rows), :func:`make_batch` (B rows -> one packed sequence with
+``cu_seqlens``, restarting ``position_ids`` and labels masked at segment starts and padding), :class:`RowLoader`
+(resumable, rank-sharded row order over epochs) and :func:`unigram_loss` (the baseline eval loss a trained model
+must beat).
 """
 
 from __future__ import annotations
@@ -603,23 +601,34 @@ class CurriculumLoader(RowLoader):
 
     Slot ``g`` (global, over all ranks) is a copy slot when ``c(g + 1) > c(g)``, with ``c(g) = min(g, U) * C // U``
     the copy slots before it (integer arithmetic: every rank agrees). The state is the slot counter alone.
+
+    ``keep_rows`` ``K`` (the last copy rows) are read after the window, evenly over its next ``keep_slots`` ``S``:
+    ``c(g)`` gains ``clip(g - U, 0, S) * K // S`` (``copy_keep_share``); after those slots, plain rows alone.
     """
 
     def __init__(self, rows: PackedRows | int, *, copy_start: int, copy_rows: int, curriculum_rows: int, seed: int,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True) -> None:
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, keep_rows: int = 0,
+                 keep_slots: int = 0) -> None:
         total = rows if isinstance(rows, int) else len(rows)
         if not 0 < copy_start < total or copy_start + copy_rows != total or copy_rows < 1:
             raise ValueError(f"copy rows [{copy_start}, {copy_start + copy_rows}) must be the last of the split's "
                              f"{total} rows, after at least one other row")
-        if curriculum_rows < copy_rows:
-            raise ValueError(f"curriculum_rows={curriculum_rows} < copy_rows={copy_rows}")
+        if not 0 <= keep_rows < copy_rows or not keep_rows <= keep_slots or (keep_slots and not keep_rows):
+            raise ValueError(f"keep_rows={keep_rows}, keep_slots={keep_slots}: need 0 <= keep_rows < copy_rows="
+                             f"{copy_rows} and keep_rows <= keep_slots (both 0 without rows kept after the window)")
+        if curriculum_rows < copy_rows - keep_rows:
+            raise ValueError(f"curriculum_rows={curriculum_rows} < the window's copy rows {copy_rows - keep_rows}")
         super().__init__(copy_start, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
         self.total_rows, self.copy_start, self.copy_rows, self.curriculum_rows = total, copy_start, copy_rows, curriculum_rows
+        self.keep_rows, self.keep_slots = keep_rows, keep_slots
         self.slot = 0  # next global slot
 
     def copies_before(self, slots: np.ndarray) -> np.ndarray:
         """Copy slots among the global slots ``[0, g)``, for each ``g`` in ``slots``."""
-        return np.minimum(slots, self.curriculum_rows) * self.copy_rows // self.curriculum_rows
+        before = np.minimum(slots, self.curriculum_rows) * (self.copy_rows - self.keep_rows) // self.curriculum_rows
+        if not self.keep_rows:
+            return before
+        return before + np.clip(slots - self.curriculum_rows, 0, self.keep_slots) * self.keep_rows // self.keep_slots
 
     def next_indices(self, num_rows: int) -> list[int]:
         if num_rows < 1:
@@ -640,11 +649,13 @@ class CurriculumLoader(RowLoader):
 
     def state_dict(self) -> dict[str, int]:
         return {"slot": self.slot, "seed": self.seed, "rows": self.total_rows, "copy_rows": self.copy_rows,
-                "curriculum_rows": self.curriculum_rows}
+                "curriculum_rows": self.curriculum_rows, "keep_rows": self.keep_rows, "keep_slots": self.keep_slots}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         mine = self.state_dict()
-        if "slot" not in state or any(state.get(k) != mine[k] for k in ("seed", "rows", "copy_rows", "curriculum_rows")):
+        saved = {"keep_rows": 0, "keep_slots": 0} | state  # a state saved before rows were kept after the window
+        if "slot" not in state or any(saved.get(k) != mine[k] for k in ("seed", "rows", "copy_rows", "curriculum_rows",
+                                                                        "keep_rows", "keep_slots")):
             raise ValueError(f"loader state {state} was not saved by this copy curriculum ({mine}): resume with the "
                              "same packed dataset and seed")
         if int(state["slot"]) < 0:
@@ -661,7 +672,7 @@ def make_loader(rows: PackedRows, *, seed: int, rank: int = 0, world_size: int =
         c = json.loads(record.read_text())
         return CurriculumLoader(rows, copy_start=c["first_copy_row"], copy_rows=c["rows"],
                                 curriculum_rows=c["curriculum_rows"], seed=seed, rank=rank, world_size=world_size,
-                                shuffle=shuffle)
+                                shuffle=shuffle, keep_rows=c.get("keep_rows", 0), keep_slots=c.get("keep_slots", 0))
     return RowLoader(rows, seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
 
 

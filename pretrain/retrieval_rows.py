@@ -233,6 +233,16 @@ def copy_rows_for(train_tokens: int, seq_len: int, share: float, until_tokens: i
     return int(slots * share)
 
 
+def copy_keep_rows_for(train_tokens: int, seq_len: int, keep_share: float, until_tokens: int) -> tuple[int, int]:
+    """(copy rows, slots) of ``copy_keep_share``: ``keep_share`` of the rows read after the first ``until_tokens``
+    training tokens, to the run's end; (0, 0) where that makes no row."""
+    if not 0.0 <= keep_share < 1.0:
+        raise ValueError(f"copy_keep_share={keep_share}: use a share in [0, 1)")
+    slots = max(train_tokens // seq_len - min(until_tokens, train_tokens) // seq_len, 0)
+    rows = int(slots * keep_share)
+    return (rows, slots) if rows else (0, 0)
+
+
 def _copy_pool(data_dir: Path, tokenizer: Any, info: Any, draw: str) -> tuple[np.ndarray, np.ndarray | None]:
     """The ids copy rows draw from (every ordinary id) and their probabilities (None: uniform; ``draw`` "unigram":
     as often as the training text uses each, ids it never uses left out)."""
@@ -247,13 +257,33 @@ def _copy_pool(data_dir: Path, tokenizer: Any, info: Any, draw: str) -> tuple[np
     return pool, counts / counts.sum()
 
 
+def _checked_copy_args(span_tokens: Sequence[int], gap_tokens: Sequence[int], rows: int, share: float, draw: str,
+                       keep_rows: int, keep_slots: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """:func:`add_copy_rows`' arguments checked: (span min, max), (gap min, max)."""
+    lo, hi = (int(x) for x in span_tokens)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"copy span_tokens={list(span_tokens)}: use [min, max] with 1 <= min <= max")
+    glo, ghi = (int(x) for x in gap_tokens)
+    if not 0 <= glo <= ghi:
+        raise ValueError(f"copy gap_tokens={list(gap_tokens)}: use [min, max] with 0 <= min <= max")
+    if rows < 1 or not 0.0 < share <= 1.0:
+        raise ValueError(f"copy rows={rows}, share={share}: need rows >= 1 and a share in (0, 1]")
+    if not 0 <= keep_rows <= keep_slots or (keep_slots and not keep_rows):
+        raise ValueError(f"copy keep_rows={keep_rows}, keep_slots={keep_slots}: need 0 <= keep_rows <= keep_slots")
+    if draw not in COPY_DRAWS:
+        raise ValueError(f"copy draw={draw!r}: use one of {', '.join(COPY_DRAWS)}")
+    return (lo, hi), (glo, ghi)
+
+
 def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: float, seed: int,
                   span_tokens: Sequence[int] = (32, 256), draw: str = "uniform", gap_tokens: Sequence[int] = (0, 0),
+                  keep_rows: int = 0, keep_slots: int = 0,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Append ``rows`` copy-curriculum rows to the training split in ``data_dir`` and record the schedule that
     reads them (``copy_curriculum.json``): the first ``rows / share`` rows a run reads hold them at ``share``,
     evenly spread (all of them at share 1), the rest of those rows and everything after coming from the split's
-    other rows (:class:`pretrain.packed_data.CurriculumLoader`). Our departure from the report (issue 33): natural
+    other rows (:class:`pretrain.packed_data.CurriculumLoader`). ``keep_rows`` more copy rows (made after those,
+    alike) are read after that window, spread evenly over its next ``keep_slots`` rows (``copy_keep_share``). Our departure from the report (issue 33): natural
     text with the other retrieval kinds did not teach ``gpu-300m`` to copy; 1,000 steps of these rows alone did
     (BENCHMARKS.md, the fifth lease).
 
@@ -269,16 +299,7 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     data_dir = Path(data_dir)
     if (data_dir / COPY_FILE).exists():
         raise ValueError(f"{data_dir} already holds copy rows ({COPY_FILE}); pack it again to change them")
-    lo, hi = (int(x) for x in span_tokens)
-    if not 1 <= lo <= hi:
-        raise ValueError(f"copy span_tokens={list(span_tokens)}: use [min, max] with 1 <= min <= max")
-    glo, ghi = (int(x) for x in gap_tokens)
-    if not 0 <= glo <= ghi:
-        raise ValueError(f"copy gap_tokens={list(gap_tokens)}: use [min, max] with 0 <= min <= max")
-    if rows < 1 or not 0.0 < share <= 1.0:
-        raise ValueError(f"copy rows={rows}, share={share}: need rows >= 1 and a share in (0, 1]")
-    if draw not in COPY_DRAWS:
-        raise ValueError(f"copy draw={draw!r}: use one of {', '.join(COPY_DRAWS)}")
+    (lo, hi), (glo, ghi) = _checked_copy_args(span_tokens, gap_tokens, rows, share, draw, keep_rows, keep_slots)
     info = read_info(data_dir)
     seq_len, special = info.seq_len, info.special_ids
     mark = np.asarray(tokenizer.encode(COPY_MARK, add_special_tokens=False).ids, TOKEN_DTYPE)
@@ -289,7 +310,8 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     pool, weights = _copy_pool(data_dir, tokenizer, info, draw)
     plain = PackedRows(data_dir, "train")
     rng = np.random.default_rng([seed, _COPY_TAG])
-    total = len(plain) + rows
+    made_copies = rows + keep_rows  # the window's first, then the kept ones: one stream, so the window's are as before
+    total = len(plain) + made_copies
 
     made = {"samples": 0, "span_tokens": 0, "gap_tokens": 0, "loss_tokens": 0}
 
@@ -321,18 +343,19 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
             row_starts = np.asarray([*row_starts_l, seq_len], np.int32)
             made["loss_tokens"] += int(loss_mask(row_starts, pad).sum())
             if progress and (j - len(plain) + 1) % 1024 == 0:
-                progress(f"copy rows: {j - len(plain) + 1:,}/{rows:,}")
+                progress(f"copy rows: {j - len(plain) + 1:,}/{made_copies:,}")
             yield row, row_starts, pad
 
     _write_train_split(data_dir, total, seq_len, info.vocab_size, "copy", made_rows())
     samples, loss_tokens = made["samples"], made["loss_tokens"]
 
     t = info.train
-    train = replace(t, rows=total, tokens=t.tokens + rows * seq_len, loss_tokens=t.loss_tokens + loss_tokens,
+    train = replace(t, rows=total, tokens=t.tokens + made_copies * seq_len, loss_tokens=t.loss_tokens + loss_tokens,
                     segments=t.segments + samples, documents=t.documents + samples,
                     document_instances=t.document_instances + samples)
-    record = {"rows": rows, "plain_rows": total - rows, "share": share, "first_copy_row": total - rows,
-              "curriculum_rows": int(math.ceil(rows / share)), "seq_len": seq_len, "samples": samples,
+    record = {"rows": made_copies, "plain_rows": total - made_copies, "share": share,
+              "first_copy_row": total - made_copies, "curriculum_rows": int(math.ceil(rows / share)),
+              "keep_rows": keep_rows, "keep_slots": keep_slots, "seq_len": seq_len, "samples": samples,
               "span_tokens": [lo, hi], "mean_span_tokens": made["span_tokens"] / max(samples, 1),
               "gap_tokens": [glo, ghi], "mean_gap_tokens": made["gap_tokens"] / max(samples, 1),
               "loss_tokens": loss_tokens, "pool": int(pool.size), "draw": draw, "marker_tokens": int(mark.size),
@@ -341,7 +364,9 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
     if progress:
         progress(f"copy curriculum: {rows:,} rows ({samples:,} samples, spans of {lo}-{hi} ids drawn {draw} from "
                  f"{pool.size:,}) "
-                 f"read as {share:.0%} of the first {record['curriculum_rows']:,} rows")
+                 f"read as {share:.0%} of the first {record['curriculum_rows']:,} rows"
+                 + (f", {keep_rows:,} of them as {keep_rows / keep_slots:.1%} of the next {keep_slots:,}"
+                    if keep_rows else ""))
     return record
 
 
@@ -356,7 +381,7 @@ def copy_metrics(record: dict[str, Any] | None) -> dict[str, float]:
     if not record:
         return {}
     return {f"copy_curriculum.{k}": record[k] for k in ("rows", "samples", "loss_tokens", "curriculum_rows",
-                                                        "share", "mean_span_tokens", "mean_gap_tokens")
+                                                        "share", "mean_span_tokens", "mean_gap_tokens", "keep_rows")
             if k in record}  # records written before gaps existed lack mean_gap_tokens
 
 

@@ -669,3 +669,79 @@ def test_a_pure_copy_window_reads_only_copy_rows_then_the_plain_epochs_from_thei
     first = loader.next_indices(6)
     assert first == list(range(20, 26))
     assert loader.next_indices(25) == RowLoader(20, seed=4).next_indices(25)
+
+
+def test_copy_rows_kept_after_the_window_are_read_once_each_spread_over_their_slots():
+    """copy_keep_share: the window reads its copy rows as before; the kept ones follow, one every keep_slots /
+    keep_rows slots after it, in order; then plain rows alone. The plain rows walk a plain loader's epochs."""
+    from pretrain.packed_data import CurriculumLoader, RowLoader
+    from pretrain.retrieval_rows import copy_keep_rows_for
+
+    assert copy_keep_rows_for(100 * 256, 256, 0.1, 60 * 256) == (4, 40)
+    assert copy_keep_rows_for(100 * 256, 256, 0.0, 60 * 256) == (0, 0)
+    assert copy_keep_rows_for(100 * 256, 256, 0.01, 60 * 256) == (0, 0)  # under one row: none
+    with pytest.raises(ValueError, match="copy_keep_share"):
+        copy_keep_rows_for(100 * 256, 256, 1.0, 60 * 256)
+    kept = CurriculumLoader(20 + 10, copy_start=20, copy_rows=10, curriculum_rows=6, seed=4, keep_rows=4,
+                            keep_slots=40)
+    order = kept.next_indices(6) + kept.next_indices(50)
+    assert order[:6] == list(range(20, 26))  # the window: its 6 copy rows alone, as without kept rows
+    at = [k for k, i in enumerate(order) if i >= 20][6:]
+    assert [order[k] for k in at] == [26, 27, 28, 29] and at == [15, 25, 35, 45]  # one every 10 slots
+    plain = [i for i in order if i < 20]
+    assert plain == RowLoader(20, seed=4).next_indices(len(plain))
+    window_only = CurriculumLoader(20 + 6, copy_start=20, copy_rows=6, curriculum_rows=6, seed=4)
+    assert window_only.next_indices(52) == [i for i in order if i < 26]  # the same rows, less the kept ones
+    state = kept.state_dict()
+    assert state["keep_rows"] == 4 and state["keep_slots"] == 40
+    with pytest.raises(ValueError, match="not saved by this copy curriculum"):
+        CurriculumLoader(20 + 10, copy_start=20, copy_rows=10, curriculum_rows=6, seed=4, keep_rows=4,
+                         keep_slots=80).load_state_dict(state)  # kept rows spread otherwise
+    old = {k: v for k, v in window_only.state_dict().items() if not k.startswith("keep")}  # saved before the param
+    fresh = CurriculumLoader(20 + 6, copy_start=20, copy_rows=6, curriculum_rows=6, seed=4)
+    fresh.load_state_dict(old)
+    assert fresh.slot == 52
+    with pytest.raises(ValueError, match="keep_rows"):
+        CurriculumLoader(30, copy_start=20, copy_rows=10, curriculum_rows=6, seed=4, keep_rows=10, keep_slots=40)
+    with pytest.raises(ValueError, match="keep_rows"):
+        CurriculumLoader(30, copy_start=20, copy_rows=10, curriculum_rows=6, seed=4, keep_rows=4, keep_slots=3)
+
+
+def test_kept_copy_rows_follow_the_window_s_rows_unchanged(mixed, tokenizer, tmp_path):
+    """add_copy_rows with keep_rows: the window's rows are the very rows made without them (one stream, in order),
+    the kept ones come after, the record counts both, and the split's loader reads them as recorded."""
+    from pretrain.packed_data import CurriculumLoader, make_loader
+    from pretrain.retrieval_rows import add_copy_rows, copy_metrics
+
+    src, _ = mixed
+    plain_dir, kept_dir = tmp_path / "plain", tmp_path / "kept"
+    shutil.copytree(src, plain_dir)
+    shutil.copytree(src, kept_dir)
+    a = add_copy_rows(plain_dir, tokenizer, rows=6, share=0.5, seed=0, span_tokens=(8, 40))
+    b = add_copy_rows(kept_dir, tokenizer, rows=6, share=0.5, seed=0, span_tokens=(8, 40), keep_rows=3, keep_slots=30)
+    assert (a["rows"], b["rows"], b["keep_rows"], b["keep_slots"]) == (6, 9, 3, 30)
+    assert a["curriculum_rows"] == b["curriculum_rows"] == 12 and a["first_copy_row"] == b["first_copy_row"]
+    ra, rb = PackedRows(plain_dir, "train"), PackedRows(kept_dir, "train")
+    assert len(rb) == len(ra) + 3 and rb.info.train.tokens == ra.info.train.tokens + 3 * 256
+    for i in range(len(ra)):
+        assert all((x == y).all() for x, y in zip(ra.row(i), rb.row(i), strict=True))
+    assert b["samples"] > a["samples"] and b["loss_tokens"] > a["loss_tokens"]
+    assert copy_metrics(b)["copy_curriculum.keep_rows"] == 3
+    loader = make_loader(rb, seed=0)
+    assert isinstance(loader, CurriculumLoader) and (loader.keep_rows, loader.keep_slots) == (3, 30)
+    first = b["first_copy_row"]
+    order = loader.next_indices(42)
+    assert [i for i in order[12:] if i >= first] == [first + 6, first + 7, first + 8]
+    with pytest.raises(ValueError, match="keep_rows"):
+        add_copy_rows(tmp_path / "bad", tokenizer, rows=6, share=0.5, seed=0, keep_rows=5, keep_slots=2)
+
+
+def test_pretrain_params_refuse_kept_copy_rows_without_a_window():
+    from pretrain.stage import PretrainParams
+
+    ok = PretrainParams(seq_len=256, copy_share=1.0, copy_until_tokens=100_000, copy_keep_share=0.05)
+    assert ok.copy_keep_share == 0.05 and PretrainParams().copy_keep_share == 0.0
+    with pytest.raises(ValueError, match="set copy_share"):
+        PretrainParams(seq_len=256, copy_keep_share=0.05)
+    with pytest.raises(ValueError, match="copy_keep_share"):
+        PretrainParams(seq_len=256, copy_share=1.0, copy_until_tokens=100_000, copy_keep_share=1.0)
