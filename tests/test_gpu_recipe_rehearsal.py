@@ -36,8 +36,8 @@ def test_the_rehearsal_overrides_validate_here_and_change_only_sizes_and_resourc
         assert st.kind.name == b.kind.name and st.inputs == b.inputs, name  # the same graph
     assert base.stages["pretrain"].params.copy_share > 0  # the curriculum is rehearsed, not turned off
     # the shortest retrieval sample is scaled to the rehearsal's rows (256 of 8,192 -> 128 of 512, its floor)
-    mins = {n: spec.stages[n].params.retrieval_min_tokens for n in ("long_context", "long_context_lookups")}
-    assert mins == {"long_context": 128, "long_context_lookups": 128}
+    mins = {n: spec.stages[n].params.retrieval_min_tokens for n in ("long_context", "long_context_copy_keep")}
+    assert mins == {"long_context": 128, "long_context_copy_keep": 128}
     assert spec.stages["pretrain"].params.copy_share == base.stages["pretrain"].params.copy_share
 
 
@@ -62,22 +62,23 @@ def test_the_ablation_branches_are_the_hybrids_pretraining_but_for_the_varied_pa
     lrs = [spec.stages[n].params.peak_lr for n in ("pretrain", "pretrain_all_softmax", "pretrain_all_softmax_lr15e5")]
     assert lrs == [5e-4, 2e-4, 1.5e-4]
     assert all(st.params.unigram_init == 0.0 for st in spec.stages.values() if st.kind.name == "pretrain")
-    # the look-up branches: the spec's long_context but for the kinds (look-ups only), then also the share
+    # the copy-keep branch: the hybrid's pretrain but for the copy rows kept after the window, then the spec's
+    # long_context from it
+    keep = spec.stages["pretrain_copy_keep"].params.model_dump()
+    assert {k for k in hybrid if hybrid[k] != keep[k]} == {"copy_keep_share"}
+    assert (hybrid["copy_keep_share"], keep["copy_keep_share"]) == (0.0, 0.1)
+    assert spec.stages["pretrain_copy_keep"].inputs == spec.stages["pretrain"].inputs
     lc = spec.stages["long_context"].params.model_dump()
-    lk, ld = (spec.stages[n].params.model_dump() for n in ("long_context_lookups", "long_context_lookups_dense"))
-    assert {k for k in lc if lc[k] != lk[k]} == {"retrieval_kinds"}
-    assert lk["retrieval_kinds"] == ["lookup", "multi_lookup"] and "repeat" in lc["retrieval_kinds"]
-    assert {k for k in lk if lk[k] != ld[k]} == {"retrieval_share"}
-    assert (lc["retrieval_share"], ld["retrieval_share"]) == (0.75, 0.9)
-    for n in ("long_context_lookups", "long_context_lookups_dense"):
-        assert spec.stages[n].inputs == spec.stages["long_context"].inputs, n
+    assert spec.stages["long_context_copy_keep"].params.model_dump() == lc
+    lc_in, keep_in = spec.stages["long_context"].inputs, spec.stages["long_context_copy_keep"].inputs
+    assert keep_in == {**lc_in, "checkpoint": ["pretrain_copy_keep"]} and lc_in["checkpoint"] == ["pretrain"]
     assert lc["capacity_factor"] == hybrid["capacity_factor"]
     # the post-training variants: each its twin but for the params it names, and from a chain checkpoint
     sft, sft_more = (spec.stages[n].params.model_dump() for n in ("sft_short", "sft_more"))
     assert {k for k in sft if sft[k] != sft_more[k]} == {"epochs"} and (sft["epochs"], sft_more["epochs"]) == (6, 10)
     grpo, g2 = (spec.stages[n].params.model_dump() for n in ("grpo", "grpo_from_sft_more"))
-    # the chain's GRPO with twice the steps, from the best SFT checkpoint instead of dpo_long
-    assert {k for k in grpo if grpo[k] != g2[k]} == {"max_steps"} and (grpo["max_steps"], g2["max_steps"]) == (80, 160)
+    # the chain's GRPO with four times the steps, from the best SFT checkpoint instead of dpo_long
+    assert {k for k in grpo if grpo[k] != g2[k]} == {"max_steps"} and (grpo["max_steps"], g2["max_steps"]) == (80, 320)
     assert (spec.stages["grpo"].inputs["checkpoint"], spec.stages["grpo_from_sft_more"].inputs["checkpoint"]) == \
         (["dpo_long"], ["sft_more"])
     # long-context SFT: the prompts stage adds long look-ups to the sft pool; the chain's SFT stages leave them out
@@ -127,13 +128,13 @@ def test_the_gpu_recipe_runs_end_to_end_on_the_cpu_with_its_sizes_cut(tmp_path):
     assert n_long > 0 and lctx["sft_examples"] > 0 and short["dropped.other_difficulty"] == n_long
     pool = stages["prompts"]["summary"]["pool.sft"]
     assert lctx["dropped.other_difficulty"] == pool - n_long  # every other prompt of the pool left out
-    # the look-up branches' retrieval rows: look-ups alone, and with a 0.9 share fewer plain rows and more samples
-    ret = {n: json.loads((Path(stages[n]["artifact"]) / "phases" / "1" / "retrieval.json").read_text())
-           for n in ("long_context", "long_context_lookups", "long_context_lookups_dense")}
-    assert set(ret["long_context"]["by_kind"]) == {"lookup", "multi_lookup", "repeat", "continue"}
-    assert set(ret["long_context_lookups"]["by_kind"]) == {"lookup", "multi_lookup"}
-    assert ret["long_context_lookups_dense"]["plain_rows"] < ret["long_context_lookups"]["plain_rows"]
-    assert ret["long_context_lookups_dense"]["samples"] > ret["long_context_lookups"]["samples"]
+    # the copy-keep branch: the window's copy rows as the chain's, plus 10% of the 80 rows read after it
+    kept = json.loads((Path(stages["pretrain_copy_keep"]["artifact"]) / "copy_curriculum.json").read_text())
+    assert (kept["keep_rows"], kept["keep_slots"]) == (8, 80) and kept["rows"] == copy["rows"] + 8
+    assert copy["keep_rows"] == 0 and kept["curriculum_rows"] == copy["curriculum_rows"]
+    ret = json.loads((Path(stages["long_context"]["artifact"]) / "phases" / "1" / "retrieval.json").read_text())
+    assert set(ret["by_kind"]) == {"lookup", "multi_lookup", "repeat", "continue"}
+    assert "niah_accuracy" in stages["eval_long_context_copy_keep"]["summary"]
 
 
 @pytest.mark.slow
