@@ -290,20 +290,21 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> di
 # A spec's values, counted with every YAML alias expanded: more means aliases of aliases (a "billion laughs"
 # document, or a recursive one) that validation would walk for ever. dags/tiny.yaml, the largest, has 666.
 MAX_SPEC_VALUES = 100_000
+MAX_SPEC_DEPTH = 64  # nesting levels; a real spec uses under ten
 
 
-def _expanded_size(value: Any, budget: int) -> int:
-    """How many values ``value`` holds with shared (aliased) parts counted each time; stops past ``budget``."""
-    count, todo = 0, [value]
+def _expanded_size(value: Any, budget: int) -> tuple[int, int]:
+    """How many values ``value`` holds with shared (aliased) parts counted each time, and how deep it nests; stops
+    past ``budget`` values."""
+    count, deepest, todo = 0, 0, [(value, 1)]
     while todo and count <= budget:
-        v = todo.pop()
-        count += 1
+        v, depth = todo.pop()
+        count, deepest = count + 1, max(deepest, depth)
         if isinstance(v, dict):
-            todo.extend(v.keys())
-            todo.extend(v.values())
+            todo.extend((x, depth + 1) for x in (*v.keys(), *v.values()))
         elif isinstance(v, list | tuple | set):
-            todo.extend(v)
-    return count
+            todo.extend((x, depth + 1) for x in v)
+    return count, deepest
 
 
 def load_raw(path: str | Path) -> tuple[dict[str, Any], str]:
@@ -330,9 +331,13 @@ def load_raw(path: str | Path) -> tuple[dict[str, Any], str]:
     if not isinstance(raw, dict):
         raise SpecError([f"{path}: a spec is a mapping with 'name' and 'stages' (got "
                          f"{'an empty file' if raw is None else type(raw).__name__})"])
-    if _expanded_size(raw, MAX_SPEC_VALUES) > MAX_SPEC_VALUES:
+    size, depth = _expanded_size(raw, MAX_SPEC_VALUES)
+    if size > MAX_SPEC_VALUES:
         raise SpecError([f"{path}: the spec holds more than {MAX_SPEC_VALUES} values with its YAML aliases "
                          "expanded (aliases of aliases, or an alias inside itself); write it out plainly"])
+    if depth > MAX_SPEC_DEPTH:  # whether the YAML loader's recursion ran out above depends on the caller's stack
+        raise SpecError([f"{path}: invalid YAML: nested too deeply for a spec ({depth} levels; at most "
+                         f"{MAX_SPEC_DEPTH})"])
     return raw, text
 
 

@@ -486,6 +486,9 @@ def _spec_problems(tmp_path: Path, content: str | bytes, overrides: list[str] | 
     pytest.param("", r"a spec is a mapping .* \(got an empty file\)", id="empty-file"),
     pytest.param(b"name: t\nstages: {}\n# \xff\n", r"spec.yaml: not UTF-8 text \(byte offset 21: invalid start byte\)", id="not-utf8"),
     pytest.param("a: " + "[" * 600 + "]" * 600, r"nested too deeply", id="nested-600-deep"),
+    # loads without running out of recursion at any stack depth: refused by the depth check alone
+    pytest.param("a: " + "[" * 100 + "]" * 100, r"invalid YAML: nested too deeply for a spec \(101 levels; at most 64\)",
+                 id="nested-100-deep"),
     pytest.param("name: t\nstages:\n  ? [a, b]\n  : {uses: ingest}\n", r"spec.yaml:3: invalid YAML: a key must be a "
                  "plain value, not a list", id="list-as-key"),
     pytest.param("name: t\nstages: [a, b]\n", r"spec.yaml:2: field stages: Input should be a valid dictionary",
