@@ -2,7 +2,8 @@
 stage table (when each stage's body started, how long it took, on which GPU, its headline numbers), how many GPUs
 were busy when, the copy curriculum's probe curve and the MoE drop rate, NIAH after pretraining and after
 long_context, the ablation table (`compare`'s comparison.md), and the post-training pass rates with 95% Wilson
-intervals, per task, and DPO's held-out preference accuracy.
+intervals, per task, each post-training eval against the eval of the checkpoint its stage started from prompt by
+prompt (wrong -> right, right -> wrong, exact McNemar p), and DPO's held-out preference accuracy.
 
     python bench/recipe_results.py REPORT_JSON [--out results.md]
     python bench/recipe_results.py --root ARTIFACT_ROOT [--out results.md]   # a run stopped before its report:
@@ -142,6 +143,55 @@ def pass_rates(stages: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def _checkpoint_of(stages: dict[str, dict[str, Any]], name: str) -> str | None:
+    """The stage whose artifact ``name`` read as its checkpoint (matched by digest in ``name``'s manifest), or None."""
+    manifest = _manifest((stages.get(name) or {}).get("artifact"))
+    wanted = set(((manifest.get("key_material") or {}).get("inputs") or {}).get("checkpoint") or [])
+    for other, s in stages.items():
+        if other != name and wanted and (s.get("digest") or _manifest(s.get("artifact")).get("digest")) in wanted:
+            return other
+    return None
+
+
+def _graded(stages: dict[str, dict[str, Any]], name: str) -> dict[str, bool]:
+    """An eval's verdict per held-out prompt id (its ``pass_rate.jsonl``), or {} where it has none."""
+    artifact = (stages.get(name) or {}).get("artifact")
+    path = Path(artifact) / "pass_rate.jsonl" if artifact else None
+    if path is None or not path.is_file():
+        return {}
+    return {r["id"]: bool(r["correct"]) for r in (json.loads(line) for line in path.read_text().splitlines() if line)}
+
+
+def mcnemar_p(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar p-value of ``gained`` prompts wrong -> right against ``lost`` right -> wrong (under no
+    change each discordant prompt goes either way with probability 1/2)."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(gained, lost) + 1)) / 2 ** n)
+
+
+def paired_gains(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """Each post-training eval against the eval of the checkpoint its stage started from, prompt by prompt: the
+    intervals of two pass rates on the same prompts overlap long before a paired difference is noise."""
+    evals = [n for n in stages if n.startswith("eval")]
+    out = ["| eval of | against | prompts | wrong → right | right → wrong | net (points) | McNemar p |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for name in post_training_evals(stages):
+        trained = _checkpoint_of(stages, name) if name in stages else None
+        start = _checkpoint_of(stages, trained) if trained else None
+        base = next((e for e in evals if start and _checkpoint_of(stages, e) == start), None)
+        after, before = _graded(stages, name), _graded(stages, base) if base else {}
+        both = sorted(set(after) & set(before))
+        if not both:
+            continue
+        gained = sum(after[i] and not before[i] for i in both)
+        lost = sum(before[i] and not after[i] for i in both)
+        out.append(f"| {name} | {base} | {len(both)} | {gained} | {lost} | {100 * (gained - lost) / len(both):+.1f} | "
+                   f"{mcnemar_p(gained, lost):.3g} |")
+    return out if len(out) > 2 else ["(no post-training eval with the eval of its starting checkpoint in this run)"]
+
+
 def pass_rate_plot(stages: dict[str, dict[str, Any]], path: Path) -> dict[str, dict[str, float]]:
     """Grouped bars: each post-training eval's pass rate per task and overall (with its 95% Wilson interval), in the
     recipe's order. Returns what it drew: {eval: {task or "all": rate}}."""
@@ -248,7 +298,8 @@ def results(report: dict[str, Any]) -> str:
     for name in sorted(n for n in stages if n.startswith("pretrain")):  # the hybrid's, then each ablation branch's
         parts += [f"### {name}", "", *probe_curve(stages, name), ""]
     parts += ["## NIAH and copying", "", *niah(stages), "", "### NIAH by needle depth", "", *niah_by_depth(stages),
-              "", "## Post-training", "", *pass_rates(stages), "", "### NIAH after each stage", "",
+              "", "## Post-training", "", *pass_rates(stages), "", "### Against the starting checkpoint, prompt by prompt",
+              "", *paired_gains(stages), "", "### NIAH after each stage", "",
               *post_training_niah(stages), ""]
     comp = (stages.get("compare") or {}).get("artifact")
     if comp and (Path(comp) / "comparison.md").is_file():

@@ -140,3 +140,40 @@ def test_pass_rate_plot_draws_every_post_training_eval_per_task(tmp_path):
                                                                          "eval_sft_short": {"all": 1.0}}
     with pytest.raises(ValueError, match="no post-training eval"):
         recipe_results.pass_rate_plot({"eval_all_softmax": stages["eval_all_softmax"]}, tmp_path / "q.png")
+
+
+def _graded_eval(root: Path, name: str, checkpoint_digest: str, verdicts: list[bool]) -> dict:
+    d = root / "artifacts" / "eval" / name
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text(json.dumps({"stage": name, "digest": f"d-{name}", "key_material": {
+        "inputs": {"checkpoint": [checkpoint_digest]}}}))
+    (d / "pass_rate.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "correct": c}) + "\n"
+                                               for i, c in enumerate(verdicts)))
+    return {"state": "done", "artifact": str(d), "summary": {}}
+
+
+def test_a_post_training_eval_is_paired_with_its_starting_checkpoints_eval_prompt_by_prompt(tmp_path):
+    """grpo started from dpo_long: eval_grpo against eval_dpo_long on the same prompts, 4 gained and 1 lost of 10:
+    net +30 points, exact McNemar p = 2 (C(5,0) + C(5,1)) / 2^5 = 0.375. Stages found by digest, not by name."""
+    root = tmp_path / "root"
+    stages = {
+        "dpo_long": {"digest": "D1", "artifact": _artifact(root, "dpo", "dpo_long", 0, 1, "0", {}),
+                     "summary": {"eval_pass_rate": 0.3, "eval_pass_rate_before": 0.2}},
+        "grpo": {"digest": "G1", "summary": {"eval_pass_rate": 0.6, "eval_pass_rate_before": 0.3}},
+    }
+    grpo_dir = root / "artifacts" / "grpo" / "grpo"
+    grpo_dir.mkdir(parents=True)
+    (grpo_dir / "manifest.json").write_text(json.dumps({"stage": "grpo", "key_material": {"inputs": {
+        "checkpoint": ["D1"]}}}))
+    stages["grpo"]["artifact"] = str(grpo_dir)
+    before = [True, True, True, False, False, False, False, False, False, False]
+    after = [True, True, False, True, True, True, True, False, False, False]
+    stages["eval_dpo_long"] = _graded_eval(root, "eval_dpo_long", "D1", before)
+    stages["eval_grpo"] = _graded_eval(root, "eval_grpo", "G1", after)
+    assert recipe_results.mcnemar_p(4, 1) == pytest.approx(0.375) and recipe_results.mcnemar_p(0, 0) == 1.0
+    assert recipe_results.mcnemar_p(10, 0) == pytest.approx(2 / 1024)
+    lines = recipe_results.paired_gains(stages)
+    assert "| eval_grpo | eval_dpo_long | 10 | 4 | 1 | +30.0 | 0.375 |" in lines
+    assert not any(line.startswith("| eval_dpo_long |") for line in lines)  # dpo_long's start has no eval here
+    del stages["eval_dpo_long"]
+    assert recipe_results.paired_gains(stages)[0].startswith("(no post-training eval")
