@@ -153,6 +153,12 @@ def _checkpoint_of(stages: dict[str, dict[str, Any]], name: str) -> str | None:
     return None
 
 
+def _prompts_of(stages: dict[str, dict[str, Any]], name: str) -> list[str]:
+    """The digests of the prompts artifact an eval read (its manifest's key material)."""
+    manifest = _manifest((stages.get(name) or {}).get("artifact"))
+    return ((manifest.get("key_material") or {}).get("inputs") or {}).get("prompts") or []
+
+
 def _graded(stages: dict[str, dict[str, Any]], name: str) -> dict[str, bool]:
     """An eval's verdict per held-out prompt id (its ``pass_rate.jsonl``), or {} where it has none."""
     artifact = (stages.get(name) or {}).get("artifact")
@@ -180,7 +186,10 @@ def paired_gains(stages: dict[str, dict[str, Any]]) -> list[str]:
     for name in post_training_evals(stages):
         trained = _checkpoint_of(stages, name) if name in stages else None
         start = _checkpoint_of(stages, trained) if trained else None
-        base = next((e for e in evals if start and _checkpoint_of(stages, e) == start), None)
+        # an eval of the start with verdicts, on the same prompts artifact as this eval's where one is
+        bases = sorted((e for e in evals if start and e != name and _checkpoint_of(stages, e) == start
+                        and _graded(stages, e)), key=lambda e: _prompts_of(stages, e) != _prompts_of(stages, name))
+        base = bases[0] if bases else None
         after, before = _graded(stages, name), _graded(stages, base) if base else {}
         both = sorted(set(after) & set(before))
         if not both:

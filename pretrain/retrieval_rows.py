@@ -18,7 +18,6 @@ phase), and the split's files and ``packing.json`` are rewritten: ``train_no_los
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
@@ -30,6 +29,7 @@ import numpy as np
 from data.retrieval import COPY_DRAWS, COPY_MARK, KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker, copy_sample
 from data.tokenizer import SPECIAL_TOKENS
 from pipeline.artifacts import atomic_file
+from pretrain.copy_schedule import copy_keep_rows_for, copy_rows_for, curriculum_rows_for  # noqa: F401 (re-exported)
 from pretrain.packed_data import (
     COPY_FILE,
     INFO_FILE,
@@ -224,25 +224,6 @@ def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int,
     return record
 
 
-def copy_rows_for(train_tokens: int, seq_len: int, share: float, until_tokens: int) -> int:
-    """Copy rows the curriculum reads: ``share`` of the rows of its first ``until_tokens`` training tokens (each
-    copy row is read once; :class:`pretrain.packed_data.CurriculumLoader`)."""
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"copy_share={share}: use a share in [0, 1]")
-    slots = min(until_tokens, train_tokens) // seq_len
-    return int(slots * share)
-
-
-def copy_keep_rows_for(train_tokens: int, seq_len: int, keep_share: float, until_tokens: int) -> tuple[int, int]:
-    """(copy rows, slots) of ``copy_keep_share``: ``keep_share`` of the rows read after the first ``until_tokens``
-    training tokens, to the run's end; (0, 0) where that makes no row."""
-    if not 0.0 <= keep_share < 1.0:
-        raise ValueError(f"copy_keep_share={keep_share}: use a share in [0, 1)")
-    slots = max(train_tokens // seq_len - min(until_tokens, train_tokens) // seq_len, 0)
-    rows = int(slots * keep_share)
-    return (rows, slots) if rows else (0, 0)
-
-
 def _copy_pool(data_dir: Path, tokenizer: Any, info: Any, draw: str) -> tuple[np.ndarray, np.ndarray | None]:
     """The ids copy rows draw from (every ordinary id) and their probabilities (None: uniform; ``draw`` "unigram":
     as often as the training text uses each, ids it never uses left out)."""
@@ -354,7 +335,7 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
                     segments=t.segments + samples, documents=t.documents + samples,
                     document_instances=t.document_instances + samples)
     record = {"rows": made_copies, "plain_rows": total - made_copies, "share": share,
-              "first_copy_row": total - made_copies, "curriculum_rows": int(math.ceil(rows / share)),
+              "first_copy_row": total - made_copies, "curriculum_rows": curriculum_rows_for(rows, share),
               "keep_rows": keep_rows, "keep_slots": keep_slots, "seq_len": seq_len, "samples": samples,
               "span_tokens": [lo, hi], "mean_span_tokens": made["span_tokens"] / max(samples, 1),
               "gap_tokens": [glo, ghi], "mean_gap_tokens": made["gap_tokens"] / max(samples, 1),
@@ -365,7 +346,7 @@ def add_copy_rows(data_dir: str | Path, tokenizer: Any, *, rows: int, share: flo
         progress(f"copy curriculum: {rows:,} rows ({samples:,} samples, spans of {lo}-{hi} ids drawn {draw} from "
                  f"{pool.size:,}) "
                  f"read as {share:.0%} of the first {record['curriculum_rows']:,} rows"
-                 + (f", {keep_rows:,} of them as {keep_rows / keep_slots:.1%} of the next {keep_slots:,}"
+                 + (f", then {keep_rows:,} more as {keep_rows / keep_slots:.1%} of the next {keep_slots:,}"
                     if keep_rows else ""))
     return record
 

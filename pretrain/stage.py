@@ -41,6 +41,7 @@ from data.mix import MIXTURE_TYPE
 from data.tokenizer import TOKENIZER_TYPE
 from pipeline.artifacts import publish_dir, write_json_atomic
 from pipeline.stage import InputSpec, StageContext, StageKind
+from pretrain.copy_schedule import copy_keep_rows_for, copy_rows_for, curriculum_rows_for
 from pretrain.engine_config import EngineConfig, RunShape
 from pretrain.launch import RankLayout, Relay, check_layout, launch_ranks, layout_problems
 from pretrain.params import TrainingParams
@@ -124,7 +125,18 @@ class PretrainParams(TrainingParams, RunShape):
             raise ValueError(f"copy_share={self.copy_share} needs copy_until_tokens of at least one copy row's "
                              f"worth of rows ({int(self.seq_len / self.copy_share):,} tokens), got "
                              f"{self.copy_until_tokens:,}")
+        rows, (kept, _) = self.copy_schedule()
+        if self.copy_keep_share and not kept:
+            raise ValueError(f"copy_keep_share={self.copy_keep_share} keeps no copy row: of the "
+                             f"{self.train_tokens // self.seq_len:,} rows the run reads, the copy window takes the "
+                             f"first {curriculum_rows_for(rows, self.copy_share):,}; raise the share or train_tokens")
         return self
+
+    def copy_schedule(self) -> tuple[int, tuple[int, int]]:
+        """The copy rows: the window's count, and (kept rows, the slots after the window they spread over)."""
+        rows = max(1, copy_rows_for(self.train_tokens, self.seq_len, self.copy_share, self.copy_until_tokens))
+        return rows, copy_keep_rows_for(self.train_tokens, self.seq_len, self.copy_keep_share,
+                                        curriculum_rows_for(rows, self.copy_share))
 
     @model_validator(mode="after")
     def _batches(self) -> PretrainParams:
@@ -159,9 +171,7 @@ def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
         RETRIEVAL_FILE,
         add_copy_rows,
         add_retrieval_rows,
-        copy_keep_rows_for,
         copy_metrics,
-        copy_rows_for,
         read_copy,
         read_retrieval,
         retrieval_metrics,
@@ -185,11 +195,8 @@ def _packed_rows(params: PretrainParams, ctx: StageContext) -> Path:
                                min_tokens=params.retrieval_min_tokens, loss_on=params.retrieval_loss,
                                answer_eos=params.retrieval_answer_eos, progress=ctx.progress)
         if params.copy_share:
-            keep_rows, keep_slots = copy_keep_rows_for(params.train_tokens, params.seq_len, params.copy_keep_share,
-                                                       params.copy_until_tokens)
-            add_copy_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")),
-                          rows=max(1, copy_rows_for(params.train_tokens, params.seq_len, params.copy_share,
-                                                    params.copy_until_tokens)),
+            rows, (keep_rows, keep_slots) = params.copy_schedule()
+            add_copy_rows(tmp, Tokenizer.from_file(str(tokenizer.path / "tokenizer.json")), rows=rows,
                           share=params.copy_share, seed=params.seed, span_tokens=params.copy_span_tokens,
                           draw=params.copy_draw, gap_tokens=params.copy_gap_tokens, keep_rows=keep_rows,
                           keep_slots=keep_slots, progress=ctx.progress)

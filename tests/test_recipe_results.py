@@ -172,6 +172,10 @@ def test_a_post_training_eval_is_paired_with_its_starting_checkpoints_eval_promp
     stages["eval_grpo"] = _graded_eval(root, "eval_grpo", "G1", after)
     assert recipe_results.mcnemar_p(4, 1) == pytest.approx(0.375) and recipe_results.mcnemar_p(0, 0) == 1.0
     assert recipe_results.mcnemar_p(10, 0) == pytest.approx(2 / 1024)
+    # another eval of dpo_long, first in the run's order, without verdicts: not the one paired
+    ungraded = _graded_eval(root, "eval_a_dpo_long", "D1", [])
+    (Path(ungraded["artifact"]) / "pass_rate.jsonl").unlink()
+    stages = {"eval_a_dpo_long": ungraded, **stages}
     lines = recipe_results.paired_gains(stages)
     assert "| eval_grpo | eval_dpo_long | 10 | 4 | 1 | +30.0 | 0.375 |" in lines
     assert not any(line.startswith("| eval_dpo_long |") for line in lines)  # dpo_long's start has no eval here

@@ -677,11 +677,11 @@ def test_copy_rows_kept_after_the_window_are_read_once_each_spread_over_their_sl
     from pretrain.packed_data import CurriculumLoader, RowLoader
     from pretrain.retrieval_rows import copy_keep_rows_for
 
-    assert copy_keep_rows_for(100 * 256, 256, 0.1, 60 * 256) == (4, 40)
-    assert copy_keep_rows_for(100 * 256, 256, 0.0, 60 * 256) == (0, 0)
-    assert copy_keep_rows_for(100 * 256, 256, 0.01, 60 * 256) == (0, 0)  # under one row: none
+    assert copy_keep_rows_for(100 * 256, 256, 0.1, 60) == (4, 40)  # 10% of the 40 rows after a 60-row window
+    assert copy_keep_rows_for(100 * 256, 256, 0.0, 60) == (0, 0)
+    assert copy_keep_rows_for(100 * 256, 256, 0.01, 60) == (0, 0)  # under one row: none
     with pytest.raises(ValueError, match="copy_keep_share"):
-        copy_keep_rows_for(100 * 256, 256, 1.0, 60 * 256)
+        copy_keep_rows_for(100 * 256, 256, 1.0, 60)
     kept = CurriculumLoader(20 + 10, copy_start=20, copy_rows=10, curriculum_rows=6, seed=4, keep_rows=4,
                             keep_slots=40)
     order = kept.next_indices(6) + kept.next_indices(50)
@@ -736,6 +736,25 @@ def test_kept_copy_rows_follow_the_window_s_rows_unchanged(mixed, tokenizer, tmp
         add_copy_rows(tmp_path / "bad", tokenizer, rows=6, share=0.5, seed=0, keep_rows=5, keep_slots=2)
 
 
+def test_every_kept_copy_row_is_read_within_the_run_when_the_window_rounds_up():
+    """A window of 21 rows at share 0.7 spans ceil(21 / 0.7) = 31 slots (one more than the 30 of copy_until_tokens,
+    by float rounding): the kept rows spread over the slots after those 31, so a run that reads exactly its
+    train_tokens still reads every copy row once (a review found the last one read past the run's end)."""
+    from pretrain.packed_data import CurriculumLoader
+    from pretrain.stage import PretrainParams
+
+    p = PretrainParams(seq_len=256, copy_share=0.7, copy_until_tokens=30 * 256, train_tokens=100 * 256, batch_rows=4,
+                       micro_batch_rows=4, max_batch_rows=4, copy_keep_share=0.2)
+    rows, (kept, slots) = p.copy_schedule()
+    assert (rows, kept, slots) == (21, 13, 69)
+    for world in (1, 2):
+        loaders = [CurriculumLoader(50 + rows + kept, copy_start=50, copy_rows=rows + kept, curriculum_rows=31, seed=0,
+                                    keep_rows=kept, keep_slots=slots, rank=r, world_size=world) for r in range(world)]
+        per_rank = 4 if world == 1 else 5  # 100 slots in whole steps
+        read = [i for _ in range(100 // (per_rank * world)) for ld in loaders for i in ld.next_indices(per_rank)]
+        assert len(read) == 100 and sorted(i for i in read if i >= 50) == list(range(50, 50 + rows + kept)), world
+
+
 def test_pretrain_params_refuse_kept_copy_rows_without_a_window():
     from pretrain.stage import PretrainParams
 
@@ -745,3 +764,7 @@ def test_pretrain_params_refuse_kept_copy_rows_without_a_window():
         PretrainParams(seq_len=256, copy_keep_share=0.05)
     with pytest.raises(ValueError, match="copy_keep_share"):
         PretrainParams(seq_len=256, copy_share=1.0, copy_until_tokens=100_000, copy_keep_share=1.0)
+    with pytest.raises(ValueError, match="keeps no copy row: of the 100 rows the run reads, the copy window takes the "
+                                         "first 100"):  # the window takes the whole run
+        PretrainParams(seq_len=256, copy_share=1.0, copy_until_tokens=200 * 256, train_tokens=100 * 256,
+                       copy_keep_share=0.5)
