@@ -246,6 +246,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> di
     top_level = set(PipelineSpecModel.model_fields) - {"stages"}
     for text in overrides:
         path, value = parse_override(text)
+        size, depth = _expanded_size(value, MAX_SPEC_VALUES)
+        if size > MAX_SPEC_VALUES or depth > MAX_SPEC_DEPTH:
+            problems.append(f"{where}: --set {_short(text, 60)}: a value nested too deeply or too large for a spec "
+                            f"(at most {MAX_SPEC_DEPTH} levels and {MAX_SPEC_VALUES} values)")
+            continue
         if len(path) == 1 and path[0] in top_level:
             raw[path[0]] = value
             applied[(path[0],)] = text

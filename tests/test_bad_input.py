@@ -547,6 +547,13 @@ def test_an_override_into_a_value_that_is_not_a_mapping_is_a_spec_error(tmp_path
     assert re.search(expected, _spec_problems(tmp_path, spec, overrides=[override]))
 
 
+def test_an_override_whose_value_nests_too_deeply_is_a_spec_error(tmp_path):
+    """`--set` values are YAML too: the spec file's depth limit holds for them (a review found them unchecked)."""
+    deep = "a.text=" + "[" * 100 + "]" * 100
+    msg = _spec_problems(tmp_path, GOOD_SPEC, overrides=[deep])
+    assert "a value nested too deeply or too large for a spec (at most 64 levels" in msg and "--set 'a.text=[[[" in msg
+
+
 def test_an_override_of_an_empty_params_section_applies(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(GOOD_SPEC.replace("{root}", str(tmp_path / "runs")).replace(
