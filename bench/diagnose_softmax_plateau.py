@@ -49,6 +49,13 @@ the init does not (6.803). Without either, all-softmax 6.724 after the window.
 
     python bench/diagnose_softmax_plateau.py train --pattern all-softmax --data D --tokens 98304 --copy-steps 48 \
         --unigram-init 1.0 [--copy-draw unigram] [--head-init embedding]
+
+``--copy-keep S`` keeps share S of the rows after the window copy rows (the stage's ``copy_keep_share``), and every
+log line reports ``copy_acc``, top-1 accuracy on the repeats of 16 fixed held-out copy rows. Meant to ask whether
+kept rows hold copying once text arrives; at this size it cannot yet: the tiny hybrid (D: 256-token rows, 4,096
+ids; ``--copy-draw unigram --head-init embedding``, LR 3e-3) had not learnt to copy after 525 window steps
+(copy_acc 0.018, the copy rows' loss 7.06, about the unigram's), and in a 400-step window its loss began to fall
+only at steps 375-400 (copy_acc 0.023). One seed each; 2026-11-28.
 """
 
 from __future__ import annotations
@@ -207,6 +214,26 @@ def copy_batch(n_rows, L, vocab, rng, mark, weights=None):
                  rows=tuple(range(n_rows)))
 
 
+def join(a, b):
+    """Two packed batches as one (``b``'s documents after ``a``'s)."""
+    n = a.input_ids.shape[1]
+    return Batch(input_ids=torch.cat([a.input_ids, b.input_ids], 1), labels=torch.cat([a.labels, b.labels], 1),
+                 cu_seqlens=torch.cat([a.cu_seqlens, b.cu_seqlens[1:] + n]),
+                 position_ids=torch.cat([a.position_ids, b.position_ids], 1), tokens=a.tokens + b.tokens,
+                 rows=tuple(range(len(a.rows) + len(b.rows))))
+
+
+@torch.no_grad()
+def copy_accuracy(model, batch):
+    """Top-1 accuracy on a copy batch's repeats (its label positions)."""
+    model.eval()
+    logits = model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids).logits[0]
+    model.train()
+    labels = batch.labels[0, 1:]
+    keep = labels != IGNORE_INDEX
+    return (logits[:-1][keep].argmax(-1) == labels[keep]).float().mean().item()
+
+
 # --- commands ---------------------------------------------------------------------------------------------------
 
 def truncate_docs(batch, max_doc):
@@ -280,6 +307,8 @@ def cmd_train(args):
     print(f"# {args.pattern} residual={args.residual} rows {args.rows}x{L} steps {steps} lr {args.lr} "
           f"lm_bias {args.lm_bias} copy_steps {args.copy_steps} "
           f"max_doc {args.max_doc} overrides {args.overrides}; unigram eval loss {uni:.3f}", flush=True)
+    copy_eval = copy_batch(16, L, vocab, np.random.default_rng(999), mark, copy_weights)  # fixed held-out spans
+    text_at = 0  # the next text row of `order`
     t0, losses, norms = time.time(), [], []
     for step in range(steps + 1):
         if step in probe_steps:
@@ -291,9 +320,13 @@ def cmd_train(args):
             g["lr"] = lr
         if step < args.copy_steps:  # the copy window first, as the GPU recipe's curriculum
             b = copy_batch(args.rows, L, vocab, copy_rng, mark, copy_weights)
-        else:
+        else:  # text rows; with --copy-keep, that share of the rows after the window still copy rows, evenly
             j = step - args.copy_steps
-            b = fix(make_batch(rows, order[j * args.rows:(j + 1) * args.rows].tolist()))
+            k = int((j + 1) * args.rows * args.copy_keep) - int(j * args.rows * args.copy_keep)
+            b = fix(make_batch(rows, order[text_at:text_at + args.rows - k].tolist()))
+            text_at += args.rows - k
+            if k:
+                b = join(b, copy_batch(k, L, vocab, copy_rng, mark, copy_weights))
         out = model(input_ids=b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens, position_ids=b.position_ids,
                     output_router_logits=True)
         opt.zero_grad(set_to_none=True)
@@ -306,12 +339,13 @@ def cmd_train(args):
             window = "copy" if step < args.copy_steps else "text"
             print(f"step {step + 1} {window} loss {np.mean(losses[-args.log_every:]):.3f} grad_norm(pre-clip) "
                   f"mean {np.mean(norms[-args.log_every:]):.3f} max {np.max(norms[-args.log_every:]):.3f} "
-                  f"lr {lr:.2e} ({time.time() - t0:.0f}s)", flush=True)
+                  f"lr {lr:.2e} copy_acc {copy_accuracy(model, copy_eval):.3f} ({time.time() - t0:.0f}s)", flush=True)
     ev, by_pos = evaluate(model, eval_batches)
     print(f"RESULT {args.pattern} residual={args.residual} rows={args.rows}x{L} max_doc={args.max_doc} "
           f"lm_bias={args.lm_bias} unigram_init={args.unigram_init} copy_steps={args.copy_steps} "
-          f"copy_draw={args.copy_draw} head_init={args.head_init} overrides={args.overrides} seed={args.seed}: "
-          f"eval {ev:.3f} unigram {uni:.3f} (diff {ev - uni:+.3f}); eval by doc position {by_pos}; "
+          f"copy_draw={args.copy_draw} copy_keep={args.copy_keep:g} head_init={args.head_init} "
+          f"overrides={args.overrides} seed={args.seed}: eval {ev:.3f} unigram {uni:.3f} (diff {ev - uni:+.3f}); "
+          f"copy accuracy {copy_accuracy(model, copy_eval):.3f}; eval by doc position {by_pos}; "
           f"clipped steps {sum(n > args.clip for n in norms)}/{len(norms)}", flush=True)
 
 
@@ -380,6 +414,8 @@ def main(argv=None):
                    help="the output head's start (the pretrain stage's head_init; embedding: a copy of the embedding)")
     t.add_argument("--copy-draw", choices=("uniform", "unigram"), default="uniform",
                    help="how the copy window's spans draw their ids (the pretrain stage's copy_draw)")
+    t.add_argument("--copy-keep", type=float, default=0.0,
+                   help="after the copy window, this share of each step's rows still copy rows (copy_keep_share)")
     t.add_argument("--overrides", default="{}", help="JSON model config overrides")
     t.add_argument("--probe-steps", default="0,48")
     t.add_argument("--eval-tokens", type=int, default=16384)

@@ -40,3 +40,15 @@ def test_a_unigram_drawn_window_follows_the_weights():
     b = diag.copy_batch(8, L, vocab, np.random.default_rng(1), np.array([19]), weights=w)
     drawn = b.labels[b.labels != IGNORE_INDEX].numpy()
     assert set(drawn.tolist()) <= {3, 4} and 0.65 < (drawn == 3).mean() < 0.85
+
+
+def test_joined_batches_keep_each_documents_bounds_positions_and_labels():
+    """--copy-keep joins copy rows after a step's text rows: one packed sequence whose second part's documents start
+    where the first's end."""
+    L, vocab, mark = 32, 200, np.array([7])
+    a = diag.copy_batch(2, L, vocab, np.random.default_rng(0), mark)
+    b = diag.copy_batch(1, L, vocab, np.random.default_rng(1), mark)
+    j = diag.join(a, b)
+    assert j.cu_seqlens.tolist() == [0, L, 2 * L, 3 * L] and j.input_ids.shape == (1, 3 * L)
+    assert j.position_ids[0, 2 * L:].tolist() == list(range(L)) and j.tokens == a.tokens + b.tokens
+    assert (j.labels[0, 2 * L:] == b.labels[0]).all() and (j.input_ids[0, :2 * L] == a.input_ids[0]).all()
