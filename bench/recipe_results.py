@@ -18,6 +18,7 @@ the CPU rehearsal's report too (bench/gpu_recipe_cpu.py --json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -41,6 +42,7 @@ def wilson(k: float, n: float, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+@functools.cache  # read once a run: the pairing looks each stage's up many times
 def _manifest(artifact: str | None) -> dict[str, Any]:
     if not artifact or not (Path(artifact) / MANIFEST).is_file():
         return {}

@@ -29,7 +29,7 @@ import numpy as np
 from data.retrieval import COPY_DRAWS, COPY_MARK, KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker, copy_sample
 from data.tokenizer import SPECIAL_TOKENS
 from pipeline.artifacts import atomic_file
-from pretrain.copy_schedule import copy_keep_rows_for, copy_rows_for, curriculum_rows_for  # noqa: F401 (re-exported)
+from pretrain.copy_schedule import curriculum_rows_for
 from pretrain.packed_data import (
     COPY_FILE,
     INFO_FILE,

@@ -661,8 +661,8 @@ def test_pretrain_params_check_the_copy_curriculum():
 def test_a_pure_copy_window_reads_only_copy_rows_then_the_plain_epochs_from_their_start():
     """copy_share 1: the curriculum's window holds nothing but copy rows; the plain rows then start at their first
     epoch's first slot, as a run without the curriculum starts."""
+    from pretrain.copy_schedule import copy_rows_for
     from pretrain.packed_data import CurriculumLoader, RowLoader
-    from pretrain.retrieval_rows import copy_rows_for
 
     assert copy_rows_for(10 * 256, 256, 1.0, 6 * 256) == 6
     loader = CurriculumLoader(20 + 6, copy_start=20, copy_rows=6, curriculum_rows=6, seed=4)
@@ -674,8 +674,8 @@ def test_a_pure_copy_window_reads_only_copy_rows_then_the_plain_epochs_from_thei
 def test_copy_rows_kept_after_the_window_are_read_once_each_spread_over_their_slots():
     """copy_keep_share: the window reads its copy rows as before; the kept ones follow, one every keep_slots /
     keep_rows slots after it, in order; then plain rows alone. The plain rows walk a plain loader's epochs."""
+    from pretrain.copy_schedule import copy_keep_rows_for
     from pretrain.packed_data import CurriculumLoader, RowLoader
-    from pretrain.retrieval_rows import copy_keep_rows_for
 
     assert copy_keep_rows_for(100 * 256, 256, 0.1, 60) == (4, 40)  # 10% of the 40 rows after a 60-row window
     assert copy_keep_rows_for(100 * 256, 256, 0.0, 60) == (0, 0)
