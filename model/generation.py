@@ -28,6 +28,7 @@ dropping) whatever the model's train/eval mode: a row's tokens must not depend o
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import time
 import weakref
@@ -238,16 +239,32 @@ class DecodeEngine:
 
     def _capture(self) -> None:
         """Warm up (Triton compiles, cuBLAS handles) on a side stream, then capture one step. The warm-up writes
-        the cache, which is fine: every prefill rewrites what a step reads."""
+        the cache, which is fine: every prefill rewrites what a step reads.
+
+        Python's cyclic garbage collector is run before the capture and kept off during it: a collection that
+        frees a dead CUDA graph mid-capture (an engine no longer referenced, or one of a deleted model, waiting in
+        a reference cycle) destroys a graph while a stream captures, which CUDA forbids in the capture's global
+        mode and answers by invalidating the capture. A two-GPU lease's GRPO failed so ("operation failed due to
+        a previous error during capture", after three "operation not permitted when stream is capturing
+        (function reset)" warnings); torch 2.11's ``torch.cuda.graph`` no longer collects on entry."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        gc.collect()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with collector_paused(), torch.cuda.graph(self.graph):
             self._step()
+
+    def release(self) -> None:
+        """Free the graph now (outside any capture) and break the engine's self-reference (its step function),
+        so that dropping the engine frees its cache by reference count, not at some later collection."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+        self._forward = None  # the bound method (or its compiled wrapper) holds the engine: a cycle
 
     # --- one call ---------------------------------------------------------------------------------------------
     def prefill(self, prompts: list[torch.Tensor]) -> None:
@@ -324,7 +341,21 @@ def engines_of(model: Any) -> OrderedDict:
 
 def release_engines(model: Any) -> None:
     """Drop ``model``'s engines and their caches (memory back to the allocator)."""
-    _ENGINES.pop(model, None)
+    for engine in _ENGINES.pop(model, {}).values():
+        engine.release()
+
+
+class collector_paused:
+    """Python's cyclic garbage collector off inside the block (as it was after): no finalizer of a collected
+    cycle runs in the middle of a CUDA graph capture."""
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
+            gc.enable()
 
 
 # Batch buckets whose decode step has been compiled for a model (its weights' storage): a compile costs
@@ -357,7 +388,7 @@ def _engine(model: Any, rows: int, capacity: int, spec: GenerationSpec, cuda_gra
         engines.move_to_end(key, last=False)
         return engines[key]
     while len(engines) >= ENGINES_KEPT:
-        engines.popitem()
+        engines.popitem()[1].release()
     engine = DecodeEngine(model, bucket, capacity, spec, cuda_graph, compile)
     if compiled is not None:
         compiled.setdefault(kind, set()).add(bucket)

@@ -7,6 +7,8 @@ the graph and compiled steps on a GPU)."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -20,12 +22,15 @@ from transformers.generation.logits_process import (
 from model.cache import StaticHybridCache
 from model.generation import (
     COMPILED_REUSE_FACTOR,
+    ENGINES_KEPT,
     DecodeEngine,
     GenerationSpec,
     batch_bucket,
     choose_bucket,
+    collector_paused,
     engines_of,
     next_tokens,
+    release_engines,
 )
 from model.modeling import HybridForCausalLM
 from model.sizes import config_for
@@ -246,6 +251,44 @@ def test_the_cache_is_reused_across_calls_and_leaks_nothing_between_them():
     model.generate(input_ids=a_ids, attention_mask=a_mask, **kw)
     assert next(iter(engines_of(model).values())) is not engine
     copy.deepcopy(model)  # the engines live beside the model: copying it copies no cache or graph
+
+
+def test_an_evicted_engine_is_freed_when_dropped_not_at_a_later_collection():
+    """The twelfth lease's GRPO failure (bench/check_capture_gc.py reproduced it on an H200): an evicted engine held
+    itself through its step function, so its CUDA graph was destroyed whenever Python's cyclic collector next ran,
+    which could be inside the next engine's capture. Evicted or released engines now free by reference count."""
+    model = _model("hybrid")
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    was = gc.isenabled()
+    gc.disable()  # only reference counts free anything in here
+    try:
+        refs = []
+        for i in range(ENGINES_KEPT + 2):  # each call a new capacity (CAPACITY_ROUND apart): a new engine
+            ids = torch.randint(3, 512, (2, 8 + 256 * i))
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+            refs.append(weakref.ref(next(iter(engines_of(model).values()))))
+        alive = [r() is not None for r in refs]
+        assert alive == [False] * 2 + [True] * ENGINES_KEPT, alive
+        release_engines(model)  # and the kept ones go with release_engines, at once
+        assert all(r() is None for r in refs) and not engines_of(model)
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_the_collector_is_paused_inside_the_block_and_restored_after():
+    was = gc.isenabled()
+    try:
+        for before in (True, False):
+            (gc.enable if before else gc.disable)()
+            with collector_paused():
+                assert not gc.isenabled()
+            assert gc.isenabled() is before
+            with pytest.raises(RuntimeError), collector_paused():  # restored on an error too
+                raise RuntimeError("inside")
+            assert gc.isenabled() is before
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_packed_prefill_fills_the_static_cache_like_a_plain_forward():
