@@ -87,6 +87,8 @@ class StageResult:
     summary: dict[str, float] = field(default_factory=dict)
     reason: str = ""
     error: str | None = None
+    attempts: int = 0  # times started in this run; more than 1 after a retry (the spec's `retries`)
+    attempt_errors: list[str] = field(default_factory=list)  # each failed attempt's error, in order
 
 
 @dataclass
@@ -193,6 +195,7 @@ def summary_table(report: RunReport) -> str:
     for r in report.stages.values():
         t = f"{r.seconds:.1f}s" if r.seconds is not None else "-"
         state = r.state + (f" ({r.reason})" if r.reason and r.state in ("skipped", "planned") else "")
+        state += f" (attempt {r.attempts})" if r.attempts > 1 else ""
         rows.append((r.name, state, t, _fmt_summary(r.summary) if r.state != "failed" else (r.error or "")[:80]))
     return format_table(rows)
 
@@ -572,8 +575,8 @@ class Orchestrator:
                 if c:
                     res.run_id = self._cached_stage_run(c, exp, parent, st, key, lineage, hit)
                 continue
-            why = ("forced" if name in forced else "cached artifact failed verification" if rejected
-                   else "no cached artifact for its key")
+            why = (f"retry {res.attempts} of {st.retries}" if res.attempts else "forced" if name in forced
+                   else "cached artifact failed verification" if rejected else "no cached artifact for its key")
             if self.opts.dry_run:
                 res.state, res.reason = "planned", why
                 continue
@@ -584,6 +587,7 @@ class Orchestrator:
                 continue
             rid = self._stage_run(c, exp, parent, st, key, lineage,
                                   {tracking.TAG_CACHE_HIT: "false", tracking.TAG_STATE: "running",
+                                   "hylight.attempt": str(res.attempts + 1),
                                    **({TAG_CACHE_REJECTED: rejected[0][:500]} if rejected else {})})
             res.run_id = rid
             reserved = task_reserves_resources(st, on_cluster=bool(self.ray_address))
@@ -595,7 +599,7 @@ class Orchestrator:
                 inputs={role: [str(artifacts[n].path) for n in names] for role, names in st.inputs.items()},
                 env=forwarded_env(),
             )
-            res.state = "running"
+            res.state, res.attempts = "running", res.attempts + 1
             r = st.resources
             asked = f"cpus={r.cpus:g} gpus={r.gpus:g}" + (f" x {r.nodes} nodes" if r.nodes > 1 else "")
             asked += f", {r.tasks} shard tasks" if r.tasks > 1 else ""
@@ -653,6 +657,11 @@ class Orchestrator:
                 self._replay_journal(c, run_id, None)
                 tracking.end_run(c, run_id, "FAILED")
             err_path.unlink(missing_ok=True)
+            res.attempt_errors.append(res.error)
+            retries = self.spec.stages[name].retries
+            if res.attempts <= retries:  # started again by the next _schedule pass, in a new MLflow run
+                res.state = "pending"
+                self.console.say(f"↻ {name} starts again: retry {res.attempts} of {retries} (the spec's retries)")
             return
         art = Artifact.load(outcome.path)
         artifacts[name] = art

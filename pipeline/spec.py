@@ -37,6 +37,9 @@ STAGE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
 URL_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")  # s3://, gs://, file://: not an artifact root
 
 
+MAX_RETRIES = 10  # a stage's `retries` (and the spec's) at most
+
+
 class SpecError(Exception):
     """One or more problems in a spec; ``str()`` is the message for people."""
 
@@ -65,6 +68,9 @@ class StageSpec(BaseModel):
     needs: list[str] | dict[str, str | list[str]] = Field(default_factory=list)
     params: dict[str, Any] = Field(default_factory=dict)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    # times a failed stage is started again in the same run (a training stage resumes from its checkpoints);
+    # None: the spec's top-level `retries`. Not in the cache key: a retry makes the same artifact
+    retries: int | None = Field(None, ge=0, le=MAX_RETRIES)
 
 
 class PipelineSpecModel(BaseModel):
@@ -76,6 +82,7 @@ class PipelineSpecModel(BaseModel):
     artifact_root: str | None = None
     tracking_uri: str | None = None
     ray_address: str | None = None
+    retries: int = Field(0, ge=0, le=MAX_RETRIES)  # every stage's, unless the stage sets its own
     stages: dict[str, Any]
 
 
@@ -90,6 +97,7 @@ class ResolvedStage:
     resources: ResourcesSpec
     inputs: dict[str, list[str]]  # role -> upstream stage names
     needs: list[str]
+    retries: int = 0
 
 
 @dataclass
@@ -109,7 +117,8 @@ class PipelineSpec:
         return {"name": self.name, "description": self.description, "artifact_root": str(self.artifact_root),
                 "tracking_uri": self.tracking_uri, "ray_address": self.ray_address,
                 "stages": {n: {"uses": s.uses, "needs": s.inputs, "params": s.params.model_dump(mode="json"),
-                               "resources": s.resources.model_dump()} for n, s in self.stages.items()}}
+                               "resources": s.resources.model_dump(), "retries": s.retries}
+                           for n, s in self.stages.items()}}
 
     def downstream_of(self, name: str) -> list[str]:
         """``name`` and every stage that (transitively) needs it, in topological order."""
@@ -268,7 +277,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str) -> di
             problems.append(f"{where}: --set {text!r}: name a field, e.g. {stage}.PARAM=VALUE")
             continue
         target = stages[stage]
-        if path[1] in ("resources", "params", "uses", "needs"):
+        if path[1] in ("resources", "params", "uses", "needs", "retries"):
             section, rest = path[1], path[2:]
         else:
             section, rest = "params", path[1:]  # stage.param is short for stage.params.param
@@ -432,7 +441,8 @@ def build_spec(raw: dict[str, Any], *, where: str = "<spec>", path: Path | None 
     assert model is not None  # no problems: the top level validated
     root = Path(model.artifact_root or f"runs/{model.name}").expanduser()
     resolved = {n: ResolvedStage(name=n, uses=stages.specs[n].uses, kind=stages.kinds[n], params=stages.params[n],
-                                 resources=stages.specs[n].resources, inputs=inputs[n], needs=needs[n])
+                                 resources=stages.specs[n].resources, inputs=inputs[n], needs=needs[n],
+                                 retries=model.retries if stages.specs[n].retries is None else stages.specs[n].retries)
                 for n in order}
     return PipelineSpec(name=model.name, path=path, artifact_root=Path(os.path.abspath(root)),
                         tracking_uri=model.tracking_uri, ray_address=model.ray_address, stages=resolved,

@@ -46,6 +46,8 @@ class ConcatParams(StageParams):
     sep: str = "|"
     fail_marker: str | None = None  # raise while this file exists
     kill_marker: str | None = None  # SIGKILL this worker mid-write while this file exists
+    fail_first: int = 0  # raise in the first this many attempts, counted as lines of attempts_file
+    attempts_file: str | None = None
 
 
 def run_concat(params: ConcatParams, ctx: StageContext) -> None:
@@ -62,6 +64,12 @@ def run_concat(params: ConcatParams, ctx: StageContext) -> None:
             f.write(params.sep + p)
     if params.fail_marker and Path(params.fail_marker).exists():
         raise RuntimeError("concat was told to fail")
+    if params.attempts_file:
+        with open(params.attempts_file, "a") as f:
+            f.write("attempt\n")
+        attempt = len(Path(params.attempts_file).read_text().splitlines())
+        if attempt <= params.fail_first:
+            raise RuntimeError(f"concat fails its first {params.fail_first} attempt(s); this is attempt {attempt}")
     ctx.log_summary({"parts": len(parts)})
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from pipeline import cli, tracking
 from pipeline.artifacts import ArtifactStore
-from pipeline.orchestrator import RunOptions, run_pipeline
+from pipeline.orchestrator import RunOptions, run_pipeline, summary_table
 from pipeline.spec import load_spec
 
 pytestmark = pytest.mark.slow
@@ -168,6 +168,33 @@ def test_failure_keeps_upstream_and_rerun_resumes_at_failed_stage(env):
     (env.root.parent / "FAIL").unlink()
     report, ran = env.run()
     assert report.ok and sorted(ran) == ["ab", "n"]
+
+
+def test_a_failed_stage_starts_again_up_to_its_retries_each_attempt_its_own_mlflow_run(env, tmp_path):
+    attempts = tmp_path / "attempts.txt"
+    report, ran = env.run([f"ab.attempts_file={attempts}", "ab.fail_first=1", "ab.retries=1"])
+    assert states(report) == {"a": "done", "b": "done", "ab": "done", "n": "done", "other": "done"}
+    ab = report.stages["ab"]
+    assert ab.attempts == 2 and ran.count("ab") == 2 and len(attempts.read_text().splitlines()) == 2
+    assert len(ab.attempt_errors) == 1 and "this is attempt 1" in ab.attempt_errors[0]
+    assert "↻ ab starts again: retry 1 of 1" in env.console and "▶ ab started (retry 1 of 1;" in env.console
+    assert (env.root / "artifacts").exists() and "(attempt 2)" in summary_table(report)
+    c = tracking.client(report.tracking_uri)
+    runs = c.search_runs([c.get_run(report.run_id).info.experiment_id],
+                         filter_string="tags.`hylight.stage` = 'ab'", order_by=["attributes.start_time ASC"])
+    assert [(r.data.tags["hylight.attempt"], r.info.status) for r in runs] == [("1", "FAILED"), ("2", "FINISHED")]
+    assert runs[1].info.run_id == ab.run_id == ab.produced_by
+
+    # retries spent: the stage fails with its last error and what needs it is skipped; the spec-wide default
+    # (top-level `retries`) applies where the stage sets none, and a stage's own 0 wins over it
+    attempts.unlink()
+    report, ran = env.run([f"ab.attempts_file={attempts}", "ab.fail_first=3", "retries=1", "ab.sep=+"])
+    assert report.stages["ab"].state == "failed" and report.stages["n"].state == "skipped"
+    assert report.stages["ab"].attempts == 2 and "this is attempt 2" in report.stages["ab"].error
+    attempts.unlink()
+    report, ran = env.run([f"ab.attempts_file={attempts}", "ab.fail_first=1", "retries=3", "ab.retries=0",
+                           "ab.sep=/"])
+    assert report.stages["ab"].state == "failed" and report.stages["ab"].attempts == 1 and ran.count("ab") == 1
 
 
 def test_stage_killed_mid_write_leaves_no_accepted_artifact(env):

@@ -124,6 +124,25 @@ def test_overrides_apply_and_are_validated(tmp_path):
         load_spec(path, overrides=["b.repeat=lots"])
 
 
+def test_retries_default_to_the_specs_own_and_a_stages_wins_out_of_the_cache_key(tmp_path):
+    from pipeline.orchestrator import stage_cache_key
+
+    path = write(tmp_path, GOOD.replace("name: t\n", "name: t\nretries: 2\n").replace(
+        "    needs: [a, b]\n", "    needs: [a, b]\n    retries: 0\n"))
+    spec = load_spec(path)
+    assert {n: s.retries for n, s in spec.stages.items()} == {"a": 2, "b": 2, "ab": 0, "n": 2}
+    assert load_spec(write(tmp_path, GOOD)).stages["a"].retries == 0  # none said: no retry
+    spec = load_spec(path, overrides=["ab.retries=1", "retries=0"])
+    assert spec.stages["ab"].retries == 1 and spec.stages["a"].retries == 0
+    assert yaml.safe_load(yaml.safe_dump(spec.resolved()))["stages"]["ab"]["retries"] == 1
+    for bad in ("ab.retries=-1", "ab.retries=11", "retries=lots"):
+        with pytest.raises(SpecError, match="retries"):
+            load_spec(path, overrides=[bad])
+    # a retry makes the same artifact: the count is not in the cache key
+    again = load_spec(path, overrides=["a.retries=5"])
+    assert stage_cache_key(again.stages["a"], {})[0] == stage_cache_key(load_spec(path).stages["a"], {})[0]
+
+
 def test_cli_invalid_spec_exits_2_and_starts_nothing(tmp_path, capsys):
     path = write(tmp_path, GOOD.replace("needs: [ab]", "needs: [abc]"))
     assert main(["validate", str(path)]) == EXIT_INVALID
