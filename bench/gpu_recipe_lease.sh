@@ -77,7 +77,7 @@ while :; do
     if [ -f "$RUN_OUT/run.log" ]; then
         n=$(wc -l <"$RUN_OUT/run.log")
         if [ "$n" -gt "$seen" ]; then
-            sed -n "$((seen + 1)),${n}p" "$RUN_OUT/run.log" | grep -E '^\[ *[0-9.]+s\] (▶|✓|✗|·)|run_gpu_dag|preflight .*FAILED|in all$|^\[check_flex\] (exit|.*FAIL)' \
+            sed -n "$((seen + 1)),${n}p" "$RUN_OUT/run.log" | grep -E '^\[ *[0-9.]+s\] (▶|✓|✗|·|↻)|run_gpu_dag|preflight .*FAILED|in all$|^\[check_flex\] (exit|.*FAIL)' \
                 | cut -c1-400 | tee -a "$PROGRESS"
             seen=$n
         fi

@@ -74,8 +74,11 @@ def stage_table(stages: dict[str, dict[str, Any]]) -> tuple[list[str], list[tupl
         secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-"
         gpu = placed[name][2] if name in placed else ""
         why = r.get("error") or r.get("reason") or ""
-        lines.append(f"| {name} | {r.get('state', '?')} | {start} | {secs} | {gpu or '-'} | "
-                     f"{head or why[:120]} |")
+        state = r.get("state", "?") + (f" (attempt {r['attempts']})" if (r.get("attempts") or 0) > 1 else "")
+        failed = r.get("attempt_errors") or []
+        retried = f"retried after: {failed[-1][:100]}" if failed and r.get("state") != "failed" else ""
+        cell = " · ".join(x for x in (head, retried) if x) or why[:120]
+        lines.append(f"| {name} | {state} | {start} | {secs} | {gpu or '-'} | {cell} |")
     spans = [(a - t0, b - t0, g) for a, b, g in placed.values()]
     return lines, spans
 

@@ -40,12 +40,16 @@ def test_the_stage_table_and_busy_gpus_follow_the_manifests(tmp_path):
                                  "artifact": _artifact(root, "pretrain", "pretrain_all_softmax", t + 12, 80.0, "1", {})},
         "long_context": {"state": "done", "seconds": 30.0, "summary": {},
                          "artifact": _artifact(root, "long_context", "long_context", t + 110, 30.0, "0", {})},
-        "grpo": {"state": "failed", "seconds": None, "summary": {}, "error": "CUDA out of memory", "artifact": None},
+        "grpo": {"state": "failed", "seconds": None, "summary": {}, "error": "CUDA out of memory", "artifact": None,
+                 "attempts": 2, "attempt_errors": ["CUDA out of memory", "CUDA out of memory"]},
+        "sft": {"state": "done", "seconds": 20.0, "summary": {"eval_pass_rate": 0.25}, "attempts": 2,
+                "attempt_errors": ["AcceleratorError: capture"], "artifact": None},
     }
     lines, spans = recipe_results.stage_table(stages)
     assert lines[2].startswith("| mix | done | 0 | 5.0 |") and "tokens=6,000,000" in lines[2]
     assert "| pretrain | done | 10 | 100.0 | 0 | eval_loss=4.2 |" in lines
-    assert lines[-1].startswith("| grpo | failed | - | - | - | CUDA out of memory")
+    assert "| grpo | failed (attempt 2) | - | - | - | CUDA out of memory |" in lines
+    assert "| sft | done (attempt 2) | - | 20.0 | - | eval_pass_rate=0.25 · retried after: AcceleratorError: capture |" in lines
     busy = recipe_results.gpu_busy(spans)
     assert busy[0] == "At most 2 GPU(s) busy at once (finished stages only)."
     assert "- 12–92 s: 2 GPU(s) busy" in busy and "- 92–110 s: 1 GPU(s) busy" in busy
