@@ -15,7 +15,11 @@ Sections:
   engine   ``model.generate`` on a tiny hybrid over many prompt lengths (new engines, evictions), a collection
            forced inside every capture: with the fix (``DecodeEngine.release``, a collection before the capture;
            expected to pass) and with it undone (expected to fail). Run with HYLIGHT_DECODE_COMPILE=0 to skip the
-           step's compile (the cycle and the graph are the same without it).
+           step's compile (the graph is the same without it).
+
+The twelfth lease ran this with the first form of the fix (release on eviction, a collection before each capture,
+the collector paused); the engines have since lost their self-reference too (``compiled_step_logits``), which
+the "undone" case puts back.
 """
 
 from __future__ import annotations
@@ -83,15 +87,23 @@ def plain() -> bool:
 
 
 def _undo_fix(gen: types.ModuleType) -> contextlib.ExitStack:
-    """The decode engines as before the fix: no release on eviction, no collection before, collector left on."""
+    """The decode engines as before the fix: each holds itself (its step function was a bound method kept on it),
+    no release on eviction, no collection before the capture, the collector left on."""
     stack = contextlib.ExitStack()
-    saved = (gen.DecodeEngine.release, gen.collector_paused, gen.gc)
+    saved = (gen.DecodeEngine.release, gen.DecodeEngine.__init__, gen.collector_paused, gen.gc)
+    init = gen.DecodeEngine.__init__
+
+    def init_with_cycle(self: object, *args: object, **kwargs: object) -> None:
+        self._forward = self._logits  # the cycle, set before the capture that __init__ runs
+        init(self, *args, **kwargs)
+
     gen.DecodeEngine.release = lambda self: None
+    gen.DecodeEngine.__init__ = init_with_cycle
     gen.collector_paused = contextlib.nullcontext
     gen.gc = types.SimpleNamespace(collect=lambda: 0)
 
     def restore() -> None:
-        gen.DecodeEngine.release, gen.collector_paused, gen.gc = saved
+        gen.DecodeEngine.release, gen.DecodeEngine.__init__, gen.collector_paused, gen.gc = saved
 
     stack.callback(restore)
     return stack

@@ -166,6 +166,23 @@ class GenerationStats:
         return 0.0 if slots == 0 else 1.0 - self.new_tokens / slots
 
 
+def _step_logits(engine: DecodeEngine) -> torch.Tensor:
+    return engine._logits()
+
+
+_COMPILED_STEP: list = []
+
+
+def compiled_step_logits() -> Any:
+    """``torch.compile`` of one decode step's logits, shared by every engine (the engine is its argument, so the
+    compiled function keeps none alive; a bound method kept on each engine was a reference cycle that left dead
+    engines, CUDA graphs included, to the cyclic collector: see ``DecodeEngine._capture``). Dynamo's cache is per
+    code object either way: engines of one model and bucket share entries as before."""
+    if not _COMPILED_STEP:
+        _COMPILED_STEP.append(torch.compile(_step_logits, dynamic=False))
+    return _COMPILED_STEP[0]
+
+
 def batch_bucket(rows: int) -> int:
     """Rows are padded to a power of two, so calls of nearby sizes share one cache and graph."""
     return 1 << max(0, (rows - 1).bit_length())
@@ -195,7 +212,8 @@ class DecodeEngine:
         self.all_done = torch.zeros((), dtype=torch.bool, device=self.device)
         self.eos = torch.tensor(spec.eos, dtype=torch.long, device=self.device) if spec.eos else None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._forward = self._logits
+        self.compiled = compile  # the step's logits through compiled_step_logits (which holds no engine)
+        self.released = False
         if compile:  # fuse the step's small elementwise kernels (norms, gates, residuals, routing) into few
             self._logits()  # once eagerly first: lazy imports and one-time probes stay out of the trace
             for store in (self.cache.keys, self.cache.values):
@@ -205,7 +223,6 @@ class DecodeEngine:
             # layer and bucket (32 was hit on an H100 by gpu-300m's second bucket, then dynamo ran eager)
             layers = model.config.num_hidden_layers
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * layers)
-            self._forward = torch.compile(self._logits, dynamic=False)
         if cuda_graph:
             self._capture()
 
@@ -234,7 +251,9 @@ class DecodeEngine:
         return out.logits[:, -1].float()
 
     def _step(self) -> None:
-        self._choose(self._forward())
+        if self.released:
+            raise RuntimeError("DecodeEngine: this engine was released (evicted or release_engines); build a new one")
+        self._choose(compiled_step_logits()(self) if self.compiled else self._logits())
         self.cache.lengths.add_(1)
 
     def _capture(self) -> None:
@@ -259,12 +278,13 @@ class DecodeEngine:
             self._step()
 
     def release(self) -> None:
-        """Free the graph now (outside any capture) and break the engine's self-reference (its step function),
-        so that dropping the engine frees its cache by reference count, not at some later collection."""
+        """Free the graph now (outside any capture); the engine cannot step after. An engine holds no reference
+        to itself (its compiled step is one module-level function, ``compiled_step_logits``), so dropping it frees
+        its cache and graph by reference count, also when its model is deleted."""
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
-        self._forward = None  # the bound method (or its compiled wrapper) holds the engine: a cycle
+        self.released = True
 
     # --- one call ---------------------------------------------------------------------------------------------
     def prefill(self, prompts: list[torch.Tensor]) -> None:

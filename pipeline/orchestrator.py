@@ -77,7 +77,7 @@ class RunOptions:
 @dataclass
 class StageResult:
     name: str
-    state: str  # cached | done | failed | skipped | planned
+    state: str  # pending | running | cached | done | failed | skipped | planned
     cache_key: str | None = None
     artifact: str | None = None
     digest: str | None = None
@@ -600,6 +600,7 @@ class Orchestrator:
                 env=forwarded_env(),
             )
             res.state, res.attempts = "running", res.attempts + 1
+            self._gpu_waiting.discard(name)  # a retry that waits again says so again
             r = st.resources
             asked = f"cpus={r.cpus:g} gpus={r.gpus:g}" + (f" x {r.nodes} nodes" if r.nodes > 1 else "")
             asked += f", {r.tasks} shard tasks" if r.tasks > 1 else ""
@@ -665,7 +666,7 @@ class Orchestrator:
             return
         art = Artifact.load(outcome.path)
         artifacts[name] = art
-        res.state, res.artifact, res.digest = "done", outcome.path, outcome.digest
+        res.state, res.artifact, res.digest, res.error = "done", outcome.path, outcome.digest, None
         res.seconds, res.summary, res.produced_by = outcome.seconds, outcome.summary, run_id
         self.console.say(f"✓ {name} done in {outcome.seconds:.1f}s  {_fmt_summary(outcome.summary)}")
         if c:

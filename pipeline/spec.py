@@ -70,7 +70,7 @@ class StageSpec(BaseModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     # times a failed stage is started again in the same run (a training stage resumes from its checkpoints);
     # None: the spec's top-level `retries`. Not in the cache key: a retry makes the same artifact
-    retries: int | None = Field(None, ge=0, le=MAX_RETRIES)
+    retries: int | None = Field(None, ge=0, le=MAX_RETRIES, strict=True)
 
 
 class PipelineSpecModel(BaseModel):
@@ -82,7 +82,7 @@ class PipelineSpecModel(BaseModel):
     artifact_root: str | None = None
     tracking_uri: str | None = None
     ray_address: str | None = None
-    retries: int = Field(0, ge=0, le=MAX_RETRIES)  # every stage's, unless the stage sets its own
+    retries: int = Field(0, ge=0, le=MAX_RETRIES, strict=True)  # every stage's, unless the stage sets its own
     stages: dict[str, Any]
 
 

@@ -276,6 +276,41 @@ def test_an_evicted_engine_is_freed_when_dropped_not_at_a_later_collection():
             gc.enable()
 
 
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_engines_hold_no_reference_to_themselves_so_a_deleted_models_engines_go_with_it(compile_step):
+    """No cycle through an engine (its compiled step is one module-level function): what drops the last reference
+    to an engine frees it, its cache and its graph at once, without the cyclic collector."""
+    model = _model("hybrid")
+    spec = GenerationSpec(max_new_tokens=4, pad=PAD)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            engine = DecodeEngine(model, 2, 32, spec, cuda_graph=False, compile=compile_step)
+        ref = weakref.ref(engine)
+        del engine
+        assert ref() is None
+        ids = torch.randint(3, 512, (2, 8))
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                       pad_token_id=PAD, eos_token_id=None)
+        kept = weakref.ref(next(iter(engines_of(model).values())))
+        del model  # the model goes, and its engines with it
+        assert kept() is None
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_a_released_engine_refuses_to_step():
+    model = _model("hybrid")
+    with torch.inference_mode():
+        engine = DecodeEngine(model, 2, 32, GenerationSpec(max_new_tokens=4, pad=PAD), cuda_graph=False)
+        engine.prefill([torch.randint(3, 512, (5,)), torch.randint(3, 512, (3,))])
+        engine.release()
+        with pytest.raises(RuntimeError, match="was released"):
+            engine.decode(2)
+
+
 def test_the_collector_is_paused_inside_the_block_and_restored_after():
     was = gc.isenabled()
     try:

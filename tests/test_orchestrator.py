@@ -176,7 +176,7 @@ def test_a_failed_stage_starts_again_up_to_its_retries_each_attempt_its_own_mlfl
     assert states(report) == {"a": "done", "b": "done", "ab": "done", "n": "done", "other": "done"}
     ab = report.stages["ab"]
     assert ab.attempts == 2 and ran.count("ab") == 2 and len(attempts.read_text().splitlines()) == 2
-    assert len(ab.attempt_errors) == 1 and "this is attempt 1" in ab.attempt_errors[0]
+    assert len(ab.attempt_errors) == 1 and "this is attempt 1" in ab.attempt_errors[0] and ab.error is None
     assert "↻ ab starts again: retry 1 of 1" in env.console and "▶ ab started (retry 1 of 1;" in env.console
     assert (env.root / "artifacts").exists() and "(attempt 2)" in summary_table(report)
     c = tracking.client(report.tracking_uri)

@@ -135,7 +135,7 @@ def test_retries_default_to_the_specs_own_and_a_stages_wins_out_of_the_cache_key
     spec = load_spec(path, overrides=["ab.retries=1", "retries=0"])
     assert spec.stages["ab"].retries == 1 and spec.stages["a"].retries == 0
     assert yaml.safe_load(yaml.safe_dump(spec.resolved()))["stages"]["ab"]["retries"] == 1
-    for bad in ("ab.retries=-1", "ab.retries=11", "retries=lots"):
+    for bad in ("ab.retries=-1", "ab.retries=11", "retries=lots", "retries=true", "ab.retries=1.5"):
         with pytest.raises(SpecError, match="retries"):
             load_spec(path, overrides=[bad])
     # a retry makes the same artifact: the count is not in the cache key
