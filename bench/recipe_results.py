@@ -290,6 +290,26 @@ def niah_by_depth(stages: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def niah_answer_kinds(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """Each eval's NIAH answers by kind and length (``evaluation.metrics.niah_answer_kind``): correct, a wrong copy of
+    the needle, another number, or text (the haystack went on), from its report.json (evals before the kinds were
+    recorded are left out)."""
+    kinds = ("correct", "near_copy", "other_number", "text")
+    out = ["| eval | length | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
+    for name, r in stages.items():
+        art = r.get("artifact")
+        path = Path(art) / "report.json" if art else None
+        if not name.startswith("eval") or path is None or not path.is_file():
+            continue
+        try:
+            by_length = json.loads(path.read_text())["niah"]["answer_kinds_by_length"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        for length, counts in by_length.items():
+            out.append(f"| {name} | {int(length):,} | " + " | ".join(str(counts.get(k, 0)) for k in kinds) + " |")
+    return out
+
+
 def report_from_root(root: Path) -> dict[str, Any]:
     """A report of the finished stages under an artifact root (the newest artifact a stage name committed), for a
     run that was stopped before it wrote its own."""
@@ -312,7 +332,7 @@ def results(report: dict[str, Any]) -> str:
     for name in sorted(n for n in stages if n.startswith("pretrain")):  # the hybrid's, then each ablation branch's
         parts += [f"### {name}", "", *probe_curve(stages, name), ""]
     parts += ["## NIAH and copying", "", *niah(stages), "", "### NIAH by needle depth", "", *niah_by_depth(stages),
-              "", "## Post-training", "", *pass_rates(stages), "", "### Against the starting checkpoint, prompt by prompt",
+              "", "### NIAH answers by kind", "", *niah_answer_kinds(stages), "", "## Post-training", "", *pass_rates(stages), "", "### Against the starting checkpoint, prompt by prompt",
               "", *paired_gains(stages), "", "### NIAH after each stage", "",
               *post_training_niah(stages), ""]
     comp = (stages.get("compare") or {}).get("artifact")

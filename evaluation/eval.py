@@ -73,9 +73,11 @@ from data.eval_tasks import (
 from data.mix import MIXTURE_TYPE
 from evaluation.heldout import HeldOut, heldout_documents
 from evaluation.metrics import (
+    NIAH_ANSWER_KINDS,
     choice_scores,
     min_detectable_accuracy_difference,
     min_samples_for_accuracy_difference,
+    niah_answer_kind,
     niah_correct,
     niah_prefix_digits,
     recall,
@@ -190,7 +192,8 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
                 ll = scorer.continuation_logliks(t.ids, [scorer.encode(f" {x}") for x in [t.number, *wrong]])
                 rows.append({"length": t.length, "depth": t.depth, "city": t.city, "number": t.number, "answer": a,
                              "correct": niah_correct(a, t.number),
-                             "prefix_digits": niah_prefix_digits(a, t.number), "needle_start": t.needle_start,
+                             "prefix_digits": niah_prefix_digits(a, t.number), "kind": niah_answer_kind(a, t.number),
+                             "needle_start": t.needle_start,
                              "distractors": wrong, "answer_loglik": ll[0], "distractor_logliks": ll[1:],
                              "choice_correct": bool(ll[0] > max(ll[1:])),
                              "margin": float(ll[0] - np.mean(ll[1:]))})
@@ -207,6 +210,8 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
     out = {"lengths": lengths, "depths": params.needle_depths, "accuracy": grid,
            "accuracy_by_length": {L: mean("correct", length=L) for L in lengths},
            "prefix_digits_by_length": {L: mean("prefix_digits", length=L) for L in lengths},
+           "answer_kinds_by_length": {L: {k: sum(r["kind"] == k for r in rows if r["length"] == L)
+                                          for k in NIAH_ANSWER_KINDS} for L in lengths},
            "choice_chance": 1.0 / (1 + params.niah_distractors),
            "choice_accuracy_by_length": {L: mean("choice_correct", length=L) for L in lengths},
            "margin_by_length": {L: mean("margin", length=L) for L in lengths},
@@ -215,6 +220,8 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
         out["chat_accuracy_by_length"] = {L: mean("chat_correct", length=L) for L in lengths}
         ctx.progress("NIAH in the chat template: " + ", ".join(
             f"{L}: {out['chat_accuracy_by_length'][L]:.2f}" for L in lengths))
+    ctx.progress("NIAH answers by kind: " + "; ".join(
+        f"{L}: " + ", ".join(f"{k} {n}" for k, n in out["answer_kinds_by_length"][L].items()) for L in lengths))
     ctx.progress("NIAH forced choice (chance {:.2f}): ".format(out["choice_chance"]) + ", ".join(
         f"{L}: {out['choice_accuracy_by_length'][L]:.2f} (margin {out['margin_by_length'][L]:+.2f} nats)"
         for L in lengths))

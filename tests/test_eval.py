@@ -38,11 +38,13 @@ from data.eval_tasks import (
 from evaluation.eval import EvalParams
 from evaluation.heldout import heldout_documents
 from evaluation.metrics import (
+    NIAH_ANSWER_KINDS,
     choice_scores,
     log_acc_norm2,
     min_detectable_accuracy_difference,
     min_samples_for_accuracy_difference,
     min_samples_for_mean_difference,
+    niah_answer_kind,
     niah_correct,
     niah_prefix_digits,
     recall,
@@ -244,6 +246,19 @@ def test_niah_prefix_digits_is_the_share_of_the_needles_digits_copied_from_its_s
     """A copy with a wrong end (one digit short, or running on) keeps the digits it got right; exact match does not."""
     assert niah_prefix_digits(answer, "1234567") == pytest.approx(share)
     assert (niah_prefix_digits(answer, "1234567") == 1.0) >= niah_correct(answer, "1234567")
+
+
+@pytest.mark.parametrize(("answer", "kind"), [
+    (" 1234567.", "correct"), (" 123456.  The", "near_copy"), (" 12345677777", "near_copy"),
+    (" 1239999", "near_copy"), (" 1299999", "other_number"), (" 4, 4, 4,", "other_number"),
+    ("  If bash is not specified", "text"), (" 9. To", "other_number"), ("", "text"), (" the 1234567", "correct"),
+    (" it is 123", "near_copy"),
+])
+def test_niah_answers_are_sorted_into_kinds(answer: str, kind: str) -> None:
+    """Correct; a wrong copy of the needle (its first 3+ digits); another number first; or text first (the haystack
+    went on). The first number decides correct and near_copy wherever it stands, the first character the rest."""
+    assert niah_answer_kind(answer, "1234567") == kind
+    assert kind in NIAH_ANSWER_KINDS
 
 
 def test_multi_round_recall_counts_whole_numbers_found() -> None:
@@ -641,6 +656,7 @@ def test_stage_niah_grid_is_scored_by_exact_match_over_every_cell(evaluated: Eva
     for row in niah["trials"]:
         assert row["correct"] == niah_correct(row["answer"], row["number"])
         assert row["prefix_digits"] == niah_prefix_digits(row["answer"], row["number"])
+        assert row["kind"] == niah_answer_kind(row["answer"], row["number"])
         assert row["choice_correct"] == (row["answer_loglik"] > max(row["distractor_logliks"]))
         assert row["margin"] == pytest.approx(row["answer_loglik"] - np.mean(row["distractor_logliks"]))
         assert len(row["distractors"]) == 3 and row["number"] not in row["distractors"]
@@ -648,6 +664,9 @@ def test_stage_niah_grid_is_scored_by_exact_match_over_every_cell(evaluated: Eva
         rows = [r for r in niah["trials"] if r["length"] == length]
         assert niah["choice_accuracy_by_length"][str(length)] == pytest.approx(np.mean([r["choice_correct"] for r in rows]))
         assert niah["margin_by_length"][str(length)] == pytest.approx(np.mean([r["margin"] for r in rows]))
+        kinds = niah["answer_kinds_by_length"][str(length)]
+        assert list(kinds) == list(NIAH_ANSWER_KINDS) and sum(kinds.values()) == len(rows)
+        assert kinds["correct"] == sum(r["correct"] for r in rows)
     assert evaluated.ctx.summary["niah_choice_accuracy_2x"] == niah["choice_accuracy_by_length"][str(2 * SEQ)]
     for length, key in ((SEQ, "niah_prefix_digits"), (2 * SEQ, "niah_prefix_digits_2x")):
         rows = [r for r in niah["trials"] if r["length"] == length]

@@ -123,6 +123,11 @@ def test_niah_by_depth_reads_each_eval_reports_grid(tmp_path):
     rows = recipe_results.niah_by_depth(stages)[2:]
     assert rows == ["| eval_long_context | 8,192 | 0: 0.75 · 0.5: 1.00 · 1: 0.50 |",
                     "| eval_long_context | 16,384 | 0: 0.25 · 0.5: 0.50 · 1: 1.00 |"]
+    # answer kinds where the report has them (a report from before them gives no row)
+    assert recipe_results.niah_answer_kinds(stages)[2:] == []
+    kinds = {"8192": {"correct": 30, "near_copy": 1, "other_number": 0, "text": 9}}
+    (Path(ev) / "report.json").write_text(json.dumps({"niah": grid | {"answer_kinds_by_length": kinds}}))
+    assert recipe_results.niah_answer_kinds(stages)[2:] == ["| eval_long_context | 8,192 | 30 | 1 | 0 | 9 |"]
     assert "### NIAH by needle depth" in recipe_results.results({"stages": stages})
 
 
