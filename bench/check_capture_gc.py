@@ -34,7 +34,7 @@ import torch
 
 
 class _Holder:
-    """A captured graph held in a reference cycle (as a decode engine's bound step function makes one)."""
+    """A captured graph held in a reference cycle (as a decode engine's bound step function made one before the fix)."""
 
     def __init__(self) -> None:
         self.x = torch.zeros(8, device="cuda")
@@ -131,13 +131,13 @@ def _generate_many(fixed: bool, calls: int) -> str:
     try:
         with stack:
             for i in range(calls):
-                n = 8 + 300 * i  # a new capacity each call (CAPACITY_ROUND 256): a new engine, the oldest evicted (ENGINES_KEPT)
+                n = 8 + 300 * i  # a new capacity each call (CAPACITY_ROUND 256): a new engine, an old one evicted
                 ids = torch.randint(3, 500, (4, n), device="cuda")
                 model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                pad_token_id=1, eos_token_id=None)
                 done += 1
         torch.cuda.synchronize()
-        return f"ok ({done} calls, {done} engines built)"
+        return f"ok ({done} calls, each a new capacity: a new engine and capture)"
     except Exception as e:  # noqa: BLE001 (the point is which error)
         return f"error after {done} calls: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     finally:

@@ -271,21 +271,34 @@ def post_training_niah(stages: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
-def niah_by_depth(stages: dict[str, dict[str, Any]]) -> list[str]:
-    """NIAH accuracy by needle depth (0: the needle in the first sentence; 1: next to the question), one row per
-    eval and context length, from each eval artifact's report.json (the heat maps' numbers)."""
-    out = ["| eval | length | accuracy by needle depth (depth: accuracy) |", "|---|---:|---|"]
+def _eval_niah(stages: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(eval stage, the "niah" section of its artifact's report.json) for every eval stage that has one."""
+    found = []
     for name, r in stages.items():
         art = r.get("artifact")
         path = Path(art) / "report.json" if art else None
         if not name.startswith("eval") or path is None or not path.is_file():
             continue
         try:
-            grid = json.loads(path.read_text())["niah"]
-            rows = [(d, row) for d, row in zip(grid["depths"], grid["accuracy"], strict=True)]
+            niah = json.loads(path.read_text())["niah"]
         except (ValueError, KeyError, TypeError):
-            continue  # not an eval report with a NIAH grid
-        for j, length in enumerate(grid["lengths"]):
+            continue  # not an eval report with a NIAH section
+        if isinstance(niah, dict):
+            found.append((name, niah))
+    return found
+
+
+def niah_by_depth(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """NIAH accuracy by needle depth (0: the needle in the first sentence; 1: next to the question), one row per
+    eval and context length, from each eval artifact's report.json (the heat maps' numbers)."""
+    out = ["| eval | length | accuracy by needle depth (depth: accuracy) |", "|---|---:|---|"]
+    for name, grid in _eval_niah(stages):
+        try:
+            rows = [(d, row) for d, row in zip(grid["depths"], grid["accuracy"], strict=True)]
+            lengths = grid["lengths"]
+        except (KeyError, TypeError, ValueError):
+            continue  # no NIAH grid
+        for j, length in enumerate(lengths):
             out.append(f"| {name} | {length:,} | " + " · ".join(f"{d:g}: {row[j]:.2f}" for d, row in rows) + " |")
     return out
 
@@ -294,18 +307,11 @@ def niah_answer_kinds(stages: dict[str, dict[str, Any]]) -> list[str]:
     """Each eval's NIAH answers by kind and length (``evaluation.metrics.niah_answer_kind``): correct, a wrong copy of
     the needle, another number, or text (the haystack went on), from its report.json (evals before the kinds were
     recorded are left out)."""
-    kinds = ("correct", "near_copy", "other_number", "text")
+    kinds = ("correct", "near_copy", "other_number", "text")  # evaluation.metrics.NIAH_ANSWER_KINDS (this script
+    # runs on the lent machine without the project on its path)
     out = ["| eval | length | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
-    for name, r in stages.items():
-        art = r.get("artifact")
-        path = Path(art) / "report.json" if art else None
-        if not name.startswith("eval") or path is None or not path.is_file():
-            continue
-        try:
-            by_length = json.loads(path.read_text())["niah"]["answer_kinds_by_length"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        for length, counts in by_length.items():
+    for name, niah in _eval_niah(stages):
+        for length, counts in (niah.get("answer_kinds_by_length") or {}).items():
             out.append(f"| {name} | {int(length):,} | " + " | ".join(str(counts.get(k, 0)) for k in kinds) + " |")
     return out
 
@@ -332,9 +338,10 @@ def results(report: dict[str, Any]) -> str:
     for name in sorted(n for n in stages if n.startswith("pretrain")):  # the hybrid's, then each ablation branch's
         parts += [f"### {name}", "", *probe_curve(stages, name), ""]
     parts += ["## NIAH and copying", "", *niah(stages), "", "### NIAH by needle depth", "", *niah_by_depth(stages),
-              "", "### NIAH answers by kind", "", *niah_answer_kinds(stages), "", "## Post-training", "", *pass_rates(stages), "", "### Against the starting checkpoint, prompt by prompt",
-              "", *paired_gains(stages), "", "### NIAH after each stage", "",
-              *post_training_niah(stages), ""]
+              "", "### NIAH answers by kind", "", *niah_answer_kinds(stages), "",
+              "## Post-training", "", *pass_rates(stages), "",
+              "### Against the starting checkpoint, prompt by prompt", "", *paired_gains(stages), "",
+              "### NIAH after each stage", "", *post_training_niah(stages), ""]
     comp = (stages.get("compare") or {}).get("artifact")
     if comp and (Path(comp) / "comparison.md").is_file():
         parts += ["## Ablation (`compare`)", "", (Path(comp) / "comparison.md").read_text()]

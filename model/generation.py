@@ -366,8 +366,9 @@ def release_engines(model: Any) -> None:
 
 
 class collector_paused:
-    """Python's cyclic garbage collector off inside the block (as it was after): no finalizer of a collected
-    cycle runs in the middle of a CUDA graph capture."""
+    """Python's automatic cyclic garbage collection off inside the block, restored to its state after: no
+    finalizer of a collected cycle runs in the middle of a CUDA graph capture (an explicit ``gc.collect()`` still
+    would; the capture's caller collects just before)."""
 
     def __enter__(self) -> None:
         self.was = gc.isenabled()

@@ -128,6 +128,9 @@ def test_niah_by_depth_reads_each_eval_reports_grid(tmp_path):
     kinds = {"8192": {"correct": 30, "near_copy": 1, "other_number": 0, "text": 9}}
     (Path(ev) / "report.json").write_text(json.dumps({"niah": grid | {"answer_kinds_by_length": kinds}}))
     assert recipe_results.niah_answer_kinds(stages)[2:] == ["| eval_long_context | 8,192 | 30 | 1 | 0 | 9 |"]
+    from evaluation.metrics import NIAH_ANSWER_KINDS  # the script's own copy of the kinds stays the eval's
+
+    assert recipe_results.niah_answer_kinds({})[0] == "| eval | length | " + " | ".join(NIAH_ANSWER_KINDS) + " |"
     assert "### NIAH by needle depth" in recipe_results.results({"stages": stages})
 
 
