@@ -18,6 +18,14 @@ Kinds (:data:`KINDS`), all built in token space so a sample is exactly the asked
 * ``lookup``: many ``(ref KEY = VALUE)`` records planted at word boundaries through the context; one is queried
   at the end (``ref KEY =``), its VALUE is the answer (key-to-value lookup over many pairs).
 * ``multi_lookup``: the same with two to eight records queried in turn (several needles at once).
+* ``fact``: one to four sentences stating a value (``Tamiro's badge is 40712.``, three phrasings) planted at word
+  boundaries through the context; at the end a question in words about one of them (three phrasings, e.g.
+  ``Question: What is Tamiro's badge?`` ``Answer:``), its value the answer. Not in the default kinds.
+  Why (issue 33, the thirteenth lease): after long_context the hybrid ranks the NIAH needle's number far above
+  other numbers in every trial it misses, and still answers with text: ``lookup``'s records and queries are
+  syntax (``ref KEY =``), and nothing taught it to answer a question in words at a cue in running text. The
+  phrasings share no three-word phrase with the eval's (a test checks), the names are syllables, never a city,
+  and no template says "number".
 
 Besides the kinds, :func:`copy_sample` makes the pretrain stage's **copy curriculum** rows (``copy_share``,
 ``pretrain/retrieval_rows.py``): a span of token ids drawn uniformly from the ordinary vocabulary, a marker, the
@@ -32,7 +40,8 @@ Only copying reproduces a random order of words.
 Keys are made of syllables (``tovu-remi``), values are digit strings or lower-case codes of varying length.
 **Nothing here uses the eval stage's templates** (``data/eval_tasks.py``: the "special magic {city} number"
 needle and question, the multi-round NIAH dialogue): the eval measures transfer of the copying mechanism, not a
-memorised format. ``tests/test_retrieval_data.py`` checks the formats are disjoint.
+memorised format. ``tests/test_retrieval_data.py`` checks the formats are disjoint. The eval's city list is read
+only to keep it out of the fact kind's names.
 """
 
 from __future__ import annotations
@@ -43,7 +52,10 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("repeat", "continue", "lookup", "multi_lookup")
+from data import eval_tasks
+
+DEFAULT_KINDS = ("repeat", "continue", "lookup", "multi_lookup")  # the params' default: what earlier runs used
+KINDS = (*DEFAULT_KINDS, "fact")
 TOKEN_DTYPE = np.dtype("<i4")
 
 # The text of every template (tests check none shares a format with the eval stage's)
@@ -58,9 +70,17 @@ RECORD_QUERY = "\nref {key} ="
 RECORD_ANSWER = " {value})"
 QUERIES_OPEN = "\n\nLook-ups:"
 COPY_MARK = "\n\nSame again:\n"
+# fact: a statement planted in the text, a question in words at the end; each split at its value ("{value}")
+FACT_STATEMENTS = (" {name}'s {thing} is {value}.", " The {thing} of {name} is {value}.",
+                   " {name} was given {thing} {value}.")
+FACT_QUESTIONS = ("\n\nQuestion: What is {name}'s {thing}?\nAnswer:", "\n\nWhich {thing} does {name} have? It is",
+                  "\n\nLooking back, {name}'s {thing} was")
+FACT_CLOSE = "."
+FACT_THINGS = ("badge", "locker", "ticket", "serial", "pin", "room", "account", "order", "seat", "permit")
 TEMPLATES = (REPEAT_OPEN, REPEAT_CLOSE, REPEAT_QUERY, CONTINUE_QUERY, CONTINUE_ANSWER, CONTINUE_CLOSE, RECORD,
-             RECORD_QUERY, RECORD_ANSWER, QUERIES_OPEN, COPY_MARK)
+             RECORD_QUERY, RECORD_ANSWER, QUERIES_OPEN, COPY_MARK, *FACT_STATEMENTS, *FACT_QUESTIONS, FACT_CLOSE)
 
+_EVAL_CITIES = frozenset(eval_tasks.CITIES)  # a fact's name is never one (make_name)
 _SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 _CODE_CHARS = "abcdefghjkmnpqrstuvwxyz23456789"
 MIN_SAMPLE_TOKENS = 96  # below this a sample has no room for its context and query
@@ -124,6 +144,16 @@ def make_key(rng: np.random.Generator) -> str:
     return "".join(syl[:n1]) + "-" + "".join(syl[n1:])
 
 
+def make_name(rng: np.random.Generator) -> str:
+    """A capitalised name of two or three syllables (``Tamiro``), never one of the eval's NIAH cities (``Lima``,
+    ``Manila`` and ``Bogota`` are spelt with these syllables)."""
+    while True:
+        syl = [_SYLLABLES[int(i)] for i in rng.integers(len(_SYLLABLES), size=int(rng.integers(2, 4)))]
+        name = "".join(syl).capitalize()
+        if name not in _EVAL_CITIES:
+            return name
+
+
 def make_value(rng: np.random.Generator) -> str:
     """Half digit strings of 3 to 9 digits (no leading zero), half lower-case codes of 4 to 8 characters."""
     digits, n = rng.random() < 0.5, int(rng.integers(3, 10))
@@ -161,7 +191,7 @@ class RetrievalMaker:
         self._cache: dict[str, np.ndarray] = {}
         self.makers: dict[str, Callable[[np.ndarray, int, np.random.Generator], RetrievalSample]] = {
             "repeat": self._repeat, "continue": self._continue, "lookup": self._lookup,
-            "multi_lookup": self._multi_lookup}
+            "multi_lookup": self._multi_lookup, "fact": self._fact}
 
     def encode(self, text: str) -> np.ndarray:
         ids = self._cache.get(text)
@@ -309,3 +339,45 @@ class RetrievalMaker:
     def _multi_lookup(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
         queries = min(int(rng.integers(2, 9)), max(2, length // 160))  # short samples: fewer queries
         return self._records(context, length, rng, queries, "multi_lookup")
+
+    def _fact(self, context: np.ndarray, length: int, rng: np.random.Generator) -> RetrievalSample:
+        facts = int(rng.integers(1, 5))
+        names: list[str] = []
+        while len(names) < facts:
+            name = make_name(rng)
+            if name not in names:
+                names.append(name)
+        things = [FACT_THINGS[int(i)] for i in rng.integers(len(FACT_THINGS), size=facts)]
+        values = [make_value(rng) for _ in range(facts)]
+        asked = int(rng.integers(facts))
+
+        def split(template: str, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            # before, " value", after: encoded apart, so the answer's tokens are the planted value's tokens
+            before, _, after = template.partition(" {value}")
+            return (self.encode(before.format(name=names[i], thing=things[i])), self.encode(" " + values[i]),
+                    self.encode(after))
+
+        planted = [np.concatenate(split(FACT_STATEMENTS[int(rng.integers(len(FACT_STATEMENTS)))], i))
+                   for i in range(facts)]
+        question = self.encode(FACT_QUESTIONS[int(rng.integers(len(FACT_QUESTIONS)))].format(
+            name=names[asked], thing=things[asked]))
+        value, close = self.encode(" " + values[asked]), self.encode(FACT_CLOSE)
+        fixed = 2 + question.size + value.size + close.size
+        while len(planted) > 1 and sum(p.size for p in planted) > (length - fixed) // 2:  # a short sample: fewer
+            drop = next(j for j in range(len(planted) - 1, -1, -1) if j != asked)
+            del planted[drop]
+            asked -= asked > drop
+        room = length - fixed - sum(p.size for p in planted)
+        if room < 1:
+            raise ValueError(f"fact: {length} tokens leave no room for the context")
+        ctx = context[:room]
+        at = sorted(self._boundary(ctx, int(x)) for x in rng.integers(0, room + 1, size=len(planted)))
+        order = rng.permutation(len(planted))
+        parts: list[tuple[np.ndarray, str]] = []
+        prev = 0
+        for pos, j in zip(at, order, strict=True):
+            parts += [(ctx[prev:pos], "text"), (planted[j], "prompt")]
+            prev = pos
+        parts += [(ctx[prev:], "text"), (question, "prompt"), (value, "answer"), (close, "answer")]
+        depth = next(pos for pos, j in zip(at, order, strict=True) if j == asked)
+        return self._assemble(parts, "fact", {"facts": len(planted), "depth": round(depth / max(room, 1), 4)})

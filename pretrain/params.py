@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from data.retrieval import DEFAULT_KINDS as DEFAULT_RETRIEVAL_KINDS
 from data.retrieval import KINDS as RETRIEVAL_KINDS
 from pipeline.stage import StageParams
 from pretrain.engine_config import EngineKnobs
@@ -28,9 +29,10 @@ class TrainingParams(EngineKnobs, StageParams):
         "Share of the training rows made of retrieval-bearing samples (data/retrieval.py: a far-back span copied "
         "as the answer to a late query), from the run's own held-in text; 0: none. Our departure from the report "
         "(its data is not public): natural text alone teaches a small model no copying in a one-GPU budget."))
-    retrieval_kinds: list[str] = Field(default_factory=lambda: list(RETRIEVAL_KINDS), description=(
-        "Kinds of retrieval samples (repeat, continue, lookup, multi_lookup), drawn uniformly from this list: a kind "
-        "listed twice is drawn twice as often."))
+    retrieval_kinds: list[str] = Field(default_factory=lambda: list(DEFAULT_RETRIEVAL_KINDS), description=(
+        "Kinds of retrieval samples (repeat, continue, lookup, multi_lookup; also fact: a value stated in a "
+        "sentence, asked for by a question in words), drawn uniformly from this list: a kind listed twice is drawn "
+        "twice as often."))
     retrieval_min_tokens: int = Field(256, ge=96, description=(
         "Shortest retrieval sample; lengths are drawn uniformly up to seq_len."))
     retrieval_loss: Literal["all", "answers"] = Field("all", description=(

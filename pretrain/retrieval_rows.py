@@ -26,7 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from data.retrieval import COPY_DRAWS, COPY_MARK, KINDS, MIN_SAMPLE_TOKENS, RetrievalMaker, copy_sample
+from data.retrieval import (
+    COPY_DRAWS,
+    COPY_MARK,
+    DEFAULT_KINDS,
+    KINDS,
+    MIN_SAMPLE_TOKENS,
+    RetrievalMaker,
+    copy_sample,
+)
 from data.tokenizer import SPECIAL_TOKENS
 from pipeline.artifacts import atomic_file
 from pretrain.copy_schedule import curriculum_rows_for
@@ -126,7 +134,7 @@ def _commit(data_dir: Path, record_file: str, record: dict[str, Any], info: Any)
 
 
 def add_retrieval_rows(data_dir: str | Path, tokenizer: Any, *, added_rows: int, seed: int,
-                       kinds: Sequence[str] = KINDS, min_tokens: int = 256, loss_on: str = "all",
+                       kinds: Sequence[str] = DEFAULT_KINDS, min_tokens: int = 256, loss_on: str = "all",
                        answer_eos: bool = True, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Add ``added_rows`` retrieval rows to the training split in ``data_dir`` (module docstring); return what
     ``retrieval.json`` records. ``tokenizer`` is the run's ``tokenizers.Tokenizer``. ``loss_on``: ``"all"`` (a

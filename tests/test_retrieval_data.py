@@ -15,7 +15,16 @@ import torch
 from tokenizers import Tokenizer
 
 from data import eval_tasks
-from data.retrieval import KINDS, TEMPLATES, RetrievalMaker, make_key
+from data.retrieval import (
+    DEFAULT_KINDS,
+    FACT_QUESTIONS,
+    FACT_STATEMENTS,
+    KINDS,
+    TEMPLATES,
+    RetrievalMaker,
+    make_key,
+    make_name,
+)
 from pretrain.packed_data import PackedRows, build_packed_dataset, loss_mask, make_batch
 from pretrain.retrieval_rows import (
     RETRIEVAL_FILE,
@@ -93,7 +102,7 @@ def test_retrieval_templates_share_no_three_word_phrase_with_the_eval_templates(
     eval_grams = set().union(*(trigrams(t) for t in EVAL_FORMATS))
     ours = set().union(*(trigrams(t) for t in TEMPLATES))
     assert eval_grams and not (ours & eval_grams)
-    for word in ("magic", "special", "city"):
+    for word in ("magic", "special", "city", "number"):
         assert all(word not in _words(t) for t in TEMPLATES), word
 
 
@@ -175,6 +184,65 @@ def test_a_sample_shorter_than_its_parts_is_refused_with_the_reason(tokenizer, p
         maker.make("lookup", ctx[:100], 300, np.random.default_rng(0))
     with pytest.raises(ValueError, match="unknown retrieval kind"):
         maker.make("trivia", ctx[:300], 300, np.random.default_rng(0))
+
+
+def _fact_pattern(template: str) -> re.Pattern:
+    """A fact statement or question template as a regex with named groups (name, thing, value)."""
+    out = ""
+    pieces = re.split(r"(\{name\}|\{thing\}|\{value\})", template)
+    groups = {"{name}": r"(?P<name>[A-Z][a-z]+)", "{thing}": r"(?P<thing>[a-z]+)", "{value}": r"(?P<value>[a-z0-9]+)"}
+    for piece in pieces:
+        out += groups.get(piece, re.escape(piece))
+    return re.compile(out)
+
+
+def test_a_fact_sample_asks_in_words_for_the_value_one_planted_sentence_states(tokenizer, packed):
+    """The fact kind: sentences stating values planted in the text (out of the loss), a question in words about
+    one of them at the end (out of the loss), and that sentence's value as the answer (the target)."""
+    maker, ctx = _maker(tokenizer), _context(packed)
+    statements = [_fact_pattern(t) for t in FACT_STATEMENTS]
+    questions = [_fact_pattern(t.strip("\n")) for t in FACT_QUESTIONS]
+    cities = set(eval_tasks.CITIES)
+    seen_facts, seen_questions = set(), set()
+    for seed in range(40):
+        length = (120, 300, 700)[seed % 3]
+        start = seed * 37 % (ctx.size - length)
+        s = maker.make("fact", ctx[start:start + length], length, np.random.default_rng(seed))
+        answer = tokenizer.decode(s.tokens[s.answer & (s.tokens != tokenizer.token_to_id("<|eos|>"))].tolist())
+        planted = tokenizer.decode(s.tokens[:int(np.flatnonzero(s.answer)[0])].tolist())
+        q = [m for p in questions for m in p.finditer(planted)]
+        assert len(q) == 1, planted[-200:]
+        name, thing = q[0]["name"], q[0]["thing"]
+        stated = [m for p in statements for m in p.finditer(planted) if m.start() < q[0].start()]
+        assert len(stated) == s.meta["facts"] and 1 <= s.meta["facts"] <= 4
+        assert not {m["name"] for m in stated} & cities
+        value = next(m["value"] for m in stated if m["name"] == name and m["thing"] == thing)
+        assert answer == f" {value}.", (answer, value)
+        # planted sentences and the question are no target; the text around them is
+        for m in stated:
+            ids = maker.encode(m.group(0))
+            hits = [i for i in range(s.tokens.size - ids.size + 1) if (s.tokens[i:i + ids.size] == ids).all()]
+            assert hits and all(s.no_loss[i:i + ids.size].all() for i in hits), m.group(0)
+        assert (~s.no_loss & ~s.answer).sum() > length // 4
+        seen_facts.add(s.meta["facts"])
+        seen_questions.add(q[0].re.pattern)
+    assert seen_facts == {1, 2, 3, 4} and len(seen_questions) == len(FACT_QUESTIONS)
+    assert "number" not in " ".join(FACT_STATEMENTS + FACT_QUESTIONS).lower()
+
+
+def test_fact_names_are_never_an_eval_city():
+    rng = np.random.default_rng(0)
+    names = {make_name(rng) for _ in range(20000)}
+    assert len(names) > 5000 and not names & set(eval_tasks.CITIES)
+
+
+def test_the_retrieval_params_default_to_the_kinds_earlier_runs_used_and_accept_fact():
+    from pretrain.stage import PretrainParams
+    assert PretrainParams().retrieval_kinds == list(DEFAULT_KINDS) and "fact" not in DEFAULT_KINDS
+    assert "fact" in KINDS
+    assert PretrainParams(retrieval_kinds=["fact", "lookup"]).retrieval_kinds == ["fact", "lookup"]
+    with pytest.raises(ValueError, match="retrieval_kinds=\\['trivia'\\]: a non-empty list of .*fact"):
+        PretrainParams(retrieval_kinds=["trivia"])
 
 
 # --- rows in a packed split ------------------------------------------------------------------------------------------
