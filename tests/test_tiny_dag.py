@@ -81,7 +81,7 @@ def test_tiny_dag_long_context_extends_the_pretrained_checkpoint_phase_by_phase(
 
 
 def test_tiny_dag_trains_on_retrieval_rows_and_probes_retrieval_while_training(tiny):
-    from data.retrieval import KINDS
+    from data.retrieval import DEFAULT_KINDS  # the tiny DAG sets no retrieval_kinds: the params' default
     from pretrain.probe import PROBE_METRICS
 
     first = tiny["first"]
@@ -89,7 +89,8 @@ def test_tiny_dag_trains_on_retrieval_rows_and_probes_retrieval_while_training(t
     pre, lc = first["stages"]["pretrain"], first["stages"]["long_context"]
     m = c.get_run(pre["run_id"]).data.metrics
     assert m["retrieval.rows"] > 0 and m["retrieval.share_of_rows"] == pytest.approx(0.1, abs=0.002)
-    assert sum(m[f"retrieval.{k}.samples"] for k in KINDS) == m["retrieval.samples"] >= m["retrieval.rows"]
+    assert sum(m[f"retrieval.{k}.samples"] for k in DEFAULT_KINDS) == m["retrieval.samples"] >= m["retrieval.rows"]
+    assert "retrieval.fact.samples" not in m
     assert 0 < m["retrieval.answer_tokens"] < m["retrieval.tokens"]
     # a probe every 40 steps and one at the last (147) step, each metric in range; the last one in the summary
     assert [x.step for x in c.get_metric_history(pre["run_id"], "copy_accuracy")] == [40, 80, 120, 147]
