@@ -316,6 +316,59 @@ def niah_answer_kinds(stages: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def niah_misses(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """Why the wrong NIAH answers are wrong, per eval and length, from each report's trials: how many of them the
+    forced choice still got right (the needle's number scored above every other number: the model found the needle
+    and answered with something else), and the needle's whole number's log-likelihood at the cue, median over the
+    right and over the wrong answers (the thirteenth lease: about -0.9 against -3.6 at 8K)."""
+    out = ["| eval | length | wrong | of them, forced choice right | needle's log-likelihood, median: right / wrong |",
+           "|---|---:|---:|---:|---|"]
+    for name, niah in _eval_niah(stages):
+        trials = [t for t in niah.get("trials") or [] if isinstance(t, dict) and "answer_loglik" in t]
+        for length in sorted({t["length"] for t in trials}):
+            rows = [t for t in trials if t["length"] == length]
+            right = [t["answer_loglik"] for t in rows if t.get("correct")]
+            wrong = [t for t in rows if not t.get("correct")]
+            ll = " / ".join(f"{_median(x):.2f}" if x else "-" for x in (right, [t["answer_loglik"] for t in wrong]))
+            out.append(f"| {name} | {int(length):,} | {len(wrong)} of {len(rows)} | "
+                       f"{sum(bool(t.get('choice_correct')) for t in wrong)} | {ll} |")
+    return out
+
+
+def niah_paired(stages: dict[str, dict[str, Any]], against: str = "eval_long_context") -> list[str]:
+    """Each eval's NIAH against ``against``'s trial by trial, where the two asked the same needles (the eval draws
+    them from one seeded stream, so evals with the same lengths, depths and trial counts do): per length, needles
+    gained (wrong there, right here) and lost, and the exact McNemar p."""
+    out = ["| eval | against | length | needles | gained | lost | McNemar p |", "|---|---|---:|---:|---:|---:|---:|"]
+    found = dict(_eval_niah(stages))
+    if against not in found:
+        return out
+
+    def key(t: dict[str, Any]) -> tuple[Any, ...]:
+        return t.get("length"), t.get("depth"), t.get("city"), t.get("number")
+
+    base = {key(t): bool(t.get("correct")) for t in found[against].get("trials") or [] if isinstance(t, dict)}
+    for name, niah in found.items():
+        trials = [t for t in niah.get("trials") or [] if isinstance(t, dict)]
+        if name == against or not trials or any(key(t) not in base for t in trials):
+            continue  # not the same needles
+        for length in sorted({t["length"] for t in trials}):
+            rows = [t for t in trials if t["length"] == length]
+            gained = sum(bool(t.get("correct")) and not base[key(t)] for t in rows)
+            lost = sum(base[key(t)] and not t.get("correct") for t in rows)
+            out.append(f"| {name} | {against} | {int(length):,} | {len(rows)} | {gained} | {lost} | "
+                       f"{mcnemar_p(gained, lost):.3g} |")
+    return out
+
+
 def report_from_root(root: Path) -> dict[str, Any]:
     """A report of the finished stages under an artifact root (the newest artifact a stage name committed), for a
     run that was stopped before it wrote its own."""
@@ -339,6 +392,8 @@ def results(report: dict[str, Any]) -> str:
         parts += [f"### {name}", "", *probe_curve(stages, name), ""]
     parts += ["## NIAH and copying", "", *niah(stages), "", "### NIAH by needle depth", "", *niah_by_depth(stages),
               "", "### NIAH answers by kind", "", *niah_answer_kinds(stages), "",
+              "### NIAH's wrong answers: found and not answered?", "", *niah_misses(stages), "",
+              "### NIAH against long_context's, needle by needle", "", *niah_paired(stages), "",
               "## Post-training", "", *pass_rates(stages), "",
               "### Against the starting checkpoint, prompt by prompt", "", *paired_gains(stages), "",
               "### NIAH after each stage", "", *post_training_niah(stages), ""]
