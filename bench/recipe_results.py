@@ -328,9 +328,11 @@ def niah_misses(stages: dict[str, dict[str, Any]]) -> list[str]:
     """Why the wrong NIAH answers are wrong, per eval and length, from each report's trials: how many of them the
     forced choice still got right (the needle's number scored above every other number: the model found the needle
     and answered with something else), and the needle's whole number's log-likelihood at the cue, median over the
-    right and over the wrong answers (the thirteenth lease: about -0.9 against -3.6 at 8K)."""
-    out = ["| eval | length | wrong | of them, forced choice right | needle's log-likelihood, median: right / wrong |",
-           "|---|---:|---:|---:|---|"]
+    right and over the wrong answers (the thirteenth lease: about -0.9 against -3.6 at 8K), and the same medians of
+    the probability that the answer begins with a number at all (the eval's ``number_start_prob``; "-" in reports
+    from before it)."""
+    out = ["| eval | length | wrong | of them, forced choice right | needle's log-likelihood, median: right / wrong "
+           "| p(the answer starts with a number), median: right / wrong |", "|---|---:|---:|---:|---|---|"]
     for name, niah in _eval_niah(stages):
         trials = [t for t in niah.get("trials") or [] if isinstance(t, dict) and "answer_loglik" in t]
         for length in sorted({t["length"] for t in trials}):
@@ -338,8 +340,12 @@ def niah_misses(stages: dict[str, dict[str, Any]]) -> list[str]:
             right = [t["answer_loglik"] for t in rows if t.get("correct")]
             wrong = [t for t in rows if not t.get("correct")]
             ll = " / ".join(f"{_median(x):.2f}" if x else "-" for x in (right, [t["answer_loglik"] for t in wrong]))
+            mass = " / ".join(
+                f"{_median(x):.2f}" if x else "-"
+                for x in ([t["number_start_prob"] for t in rows if t.get("correct") and "number_start_prob" in t],
+                          [t["number_start_prob"] for t in wrong if "number_start_prob" in t]))
             out.append(f"| {name} | {int(length):,} | {len(wrong)} of {len(rows)} | "
-                       f"{sum(bool(t.get('choice_correct')) for t in wrong)} | {ll} |")
+                       f"{sum(bool(t.get('choice_correct')) for t in wrong)} | {ll} | {mass} |")
     return out
 
 

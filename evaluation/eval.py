@@ -178,6 +178,7 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
     distractors = niah_distractors(trials, params.niah_distractors, params.seed)
     rows = []
     done = 0
+    number_ids = scorer.number_start_ids()
     for length in lengths:
         mine = [(t, d) for t, d in zip(trials, distractors, strict=True) if t.length == length]
         for batch in _batches(mine, params.generate_batch):
@@ -189,14 +190,16 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
                 chat_answers = scorer.generate(chats, params.niah_chat_max_new_tokens)
             for (t, wrong), a, ca, cp in zip(batch, answers, chat_answers, chats, strict=True):
                 # the forced choice: each number as the answer, spelt as the needle spells it (" 1234567")
-                ll = scorer.continuation_logliks(t.ids, [scorer.encode(f" {x}") for x in [t.number, *wrong]])
+                # and the probability that the answer begins with a number at all (any digit-led token)
+                ll, number_mass = scorer.continuation_logliks(
+                    t.ids, [scorer.encode(f" {x}") for x in [t.number, *wrong]], mass_ids=number_ids)
                 rows.append({"length": t.length, "depth": t.depth, "city": t.city, "number": t.number, "answer": a,
                              "correct": niah_correct(a, t.number),
                              "prefix_digits": niah_prefix_digits(a, t.number), "kind": niah_answer_kind(a, t.number),
                              "needle_start": t.needle_start,
                              "distractors": wrong, "answer_loglik": ll[0], "distractor_logliks": ll[1:],
                              "choice_correct": bool(ll[0] > max(ll[1:])),
-                             "margin": float(ll[0] - np.mean(ll[1:]))})
+                             "margin": float(ll[0] - np.mean(ll[1:])), "number_start_prob": number_mass})
                 if ca is not None:
                     rows[-1] |= {"chat_answer": ca, "chat_correct": niah_correct(ca, t.number),
                                  "chat_prompt_tokens": len(cp)}
@@ -215,6 +218,7 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
            "choice_chance": 1.0 / (1 + params.niah_distractors),
            "choice_accuracy_by_length": {L: mean("choice_correct", length=L) for L in lengths},
            "margin_by_length": {L: mean("margin", length=L) for L in lengths},
+           "number_start_prob_by_length": {L: mean("number_start_prob", length=L) for L in lengths},
            "trials": rows}
     if params.niah_chat:
         out["chat_accuracy_by_length"] = {L: mean("chat_correct", length=L) for L in lengths}
@@ -223,8 +227,8 @@ def _niah(scorer: Scorer, stream: TokenStream, lengths: list[int], params: EvalP
     ctx.progress("NIAH answers by kind: " + "; ".join(
         f"{L}: " + ", ".join(f"{k} {n}" for k, n in out["answer_kinds_by_length"][L].items()) for L in lengths))
     ctx.progress("NIAH forced choice (chance {:.2f}): ".format(out["choice_chance"]) + ", ".join(
-        f"{L}: {out['choice_accuracy_by_length'][L]:.2f} (margin {out['margin_by_length'][L]:+.2f} nats)"
-        for L in lengths))
+        f"{L}: {out['choice_accuracy_by_length'][L]:.2f} (margin {out['margin_by_length'][L]:+.2f} nats; "
+        f"p(the answer starts with a number) {out['number_start_prob_by_length'][L]:.2f})" for L in lengths))
     return out
 
 

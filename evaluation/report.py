@@ -30,6 +30,9 @@ def summary_metrics(trained: int, niah: dict[str, Any], copy: dict[str, Any] | N
         "niah_prefix_digits": niah["prefix_digits_by_length"][T],
         "niah_prefix_digits_2x": niah["prefix_digits_by_length"][2 * T],
     }
+    if "number_start_prob_by_length" in niah:
+        summary |= {"niah_number_start_prob": niah["number_start_prob_by_length"][T],
+                    "niah_number_start_prob_2x": niah["number_start_prob_by_length"][2 * T]}
     if "chat_accuracy_by_length" in niah:  # niah_chat
         summary |= {"niah_chat_accuracy": niah["chat_accuracy_by_length"][T],
                     "niah_chat_accuracy_2x": niah["chat_accuracy_by_length"][2 * T]}

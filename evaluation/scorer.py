@@ -37,6 +37,7 @@ class Scorer:
         self.bos, self.pad = int(cfg.bos_token_id), int(cfg.pad_token_id)
         eos = cfg.eos_token_id
         self.eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        self._number_start: list[int] | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -63,11 +64,16 @@ class Scorer:
                                       do_sample=False, use_cache=True, pad_token_id=self.pad, eos_token_id=self.eos)
         return [self.decode(row[width:].tolist()) for row in out]
 
-    def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024, hits: bool = False) -> Any:
+    def token_logprobs(self, ids: Any, mask: Any = None, chunk: int = 1024, hits: bool = False,
+                       dist_at: int | None = None) -> Any:
         """log p(ids[:, t + 1] | ids[:, :t + 1]) as float32 [B, T - 1]; the vocabulary projection in position chunks
         (memory O(B x chunk x V), not O(B x T x V)). With ``hits``, also bool [B, T - 1]: whether that token is the
-        model's top-1 prediction."""
+        model's top-1 prediction. With ``dist_at`` (a position t), also the whole next-token distribution there,
+        float32 log-probabilities [B, V] (what follows ``ids[:, :t + 1]``), appended to what is returned."""
         torch = self.torch
+        if dist_at is not None and not 0 <= dist_at < ids.shape[1] - 1:
+            raise ValueError(f"dist_at={dist_at} is not a position with a next token (0..{ids.shape[1] - 2})")
+        dist = None
         with torch.no_grad():
             h = self.model.model(input_ids=ids, attention_mask=mask, use_cache=False,
                                  output_router_logits=False).last_hidden_state
@@ -78,11 +84,24 @@ class Scorer:
                 out.append(logp.gather(-1, ids[:, s + 1:e + 1, None]).squeeze(-1))
                 if hits:
                     top.append(logp.argmax(-1) == ids[:, s + 1:e + 1])
-        return (torch.cat(out, dim=1), torch.cat(top, dim=1)) if hits else torch.cat(out, dim=1)
+                if dist_at is not None and s <= dist_at < e:
+                    dist = logp[:, dist_at - s].clone()
+        got = [torch.cat(out, dim=1), *([torch.cat(top, dim=1)] if hits else []), *([dist] if dist_at is not None else [])]
+        return tuple(got) if len(got) > 1 else got[0]
 
-    def continuation_logliks(self, prefix: Sequence[int], conts: Sequence[Sequence[int]]) -> list[float]:
+    def number_start_ids(self) -> list[int]:
+        """Ordinary vocabulary ids whose text, leading whitespace aside, begins with a digit: every way an answer
+        that is a number can begin."""
+        if self._number_start is None:
+            self._number_start = [i for i in self.ordinary_token_ids()
+                                  if self.tokenizer.decode([i], skip_special_tokens=True).lstrip()[:1].isdigit()]
+        return self._number_start
+
+    def continuation_logliks(self, prefix: Sequence[int], conts: Sequence[Sequence[int]],
+                             mass_ids: Sequence[int] | None = None) -> Any:
         """Sum of log p over each continuation's tokens after ``prefix``; the continuations run as one right-padded
-        batch."""
+        batch. With ``mass_ids``, also the probability that the token after ``prefix`` is one of them (from the same
+        forward pass): ``(logliks, mass)``."""
         torch = self.torch
         seqs = [[*prefix, *c] for c in conts]
         width = max(len(s) for s in seqs)
@@ -91,9 +110,16 @@ class Scorer:
         for b, s in enumerate(seqs):
             ids[b, :len(s)] = torch.tensor(s)
             mask[b, :len(s)] = 1
-        logp = self.token_logprobs(ids.to(self.device), mask.to(self.device)).cpu()
         start = len(prefix)  # first continuation token; its log-prob sits at index start - 1
-        return [float(logp[b, start - 1:start - 1 + len(c)].sum()) for b, c in enumerate(conts)]
+        if mass_ids is None:
+            logp = self.token_logprobs(ids.to(self.device), mask.to(self.device)).cpu()
+        else:
+            logp, dist = self.token_logprobs(ids.to(self.device), mask.to(self.device), dist_at=start - 1)
+            logp = logp.cpu()
+            ids_t = torch.as_tensor(list(mass_ids), dtype=torch.long, device=dist.device)
+            mass = float(dist[0].index_select(0, ids_t).logsumexp(0).exp()) if len(mass_ids) else 0.0
+        lls = [float(logp[b, start - 1:start - 1 + len(c)].sum()) for b, c in enumerate(conts)]
+        return lls if mass_ids is None else (lls, mass)
 
     def ordinary_token_ids(self) -> list[int]:
         """Every vocabulary id that is not a special (added) token."""

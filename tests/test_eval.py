@@ -729,6 +729,22 @@ def test_stage_niah_answers_are_greedy_decoding_with_and_without_the_recurrent_c
         with torch.no_grad():
             logp = m(torch.tensor([[*t.ids, *cont]])).logits[0].double().log_softmax(-1)
         assert got == pytest.approx(sum(float(logp[len(t.ids) - 1 + j, c]) for j, c in enumerate(cont)), abs=1e-4)
+    # the probability that the answer begins with a number: the next-token mass on every digit-led token, the
+    # tokenizer's ids counted here by their own text
+    with torch.no_grad():
+        p_next = m(torch.tensor([t.ids])).logits[0, -1].double().softmax(-1)
+    from tokenizers import Tokenizer
+
+    t_ = Tokenizer.from_file(str(evaluated.checkpoint / "model" / "tokenizer.json"))
+    special = set(t_.get_added_tokens_decoder())
+    digit_led = [i for i in range(t_.get_vocab_size(with_added_tokens=True))
+                 if i not in special and t_.decode([i]).lstrip()[:1].isdigit()]
+    assert len(digit_led) >= 10
+    assert row["number_start_prob"] == pytest.approx(float(p_next[digit_led].sum()), abs=1e-5)
+    rows = [r for r in evaluated.report["niah"]["trials"] if r["length"] == SEQ]
+    assert evaluated.ctx.summary["niah_number_start_prob"] == pytest.approx(np.mean([r["number_start_prob"]
+                                                                                     for r in rows]))
+    assert all(0.0 <= r["number_start_prob"] <= 1.0 for r in evaluated.report["niah"]["trials"])
 
 
 @pytest.mark.slow

@@ -200,14 +200,14 @@ def test_niah_misses_and_the_paired_table_read_each_evals_trials(tmp_path):
     and an eval against eval_long_context needle by needle: only where both asked the same needles."""
     root = tmp_path / "root"
 
-    def trial(length, depth, number, correct, ll, choice=True):
+    def trial(length, depth, number, correct, ll, choice=True, mass=None):
         return {"length": length, "depth": depth, "city": "Oslo", "number": number, "correct": correct,
-                "answer_loglik": ll, "choice_correct": choice}
+                "answer_loglik": ll, "choice_correct": choice} | ({} if mass is None else {"number_start_prob": mass})
 
     base = [trial(8192, 0.0, "1", True, -1.0), trial(8192, 0.5, "2", True, -0.5), trial(8192, 1.0, "3", False, -4.0),
             trial(8192, 1.0, "4", False, -6.0, choice=False)]
-    mine = [trial(8192, 0.0, "1", False, -3.0), trial(8192, 0.5, "2", True, -0.2), trial(8192, 1.0, "3", True, -0.1),
-            trial(8192, 1.0, "4", True, -0.3)]
+    mine = [trial(8192, 0.0, "1", False, -3.0, mass=0.25), trial(8192, 0.5, "2", True, -0.2, mass=0.5),
+            trial(8192, 1.0, "3", True, -0.1, mass=0.75), trial(8192, 1.0, "4", True, -0.3, mass=1.0)]
     other = [trial(8192, 0.0, "9", True, -1.0)]  # different needles: no paired row
     stages = {}
     for name, trials in (("eval_long_context", base), ("eval_facts", mine), ("eval_other", other)):
@@ -215,9 +215,9 @@ def test_niah_misses_and_the_paired_table_read_each_evals_trials(tmp_path):
         (Path(art) / "report.json").write_text(json.dumps({"niah": {"trials": trials}}))
         stages[name] = {"state": "done", "artifact": art, "summary": {}}
     assert recipe_results.niah_misses(stages)[2:] == [
-        "| eval_long_context | 8,192 | 2 of 4 | 1 | -0.75 / -5.00 |",
-        "| eval_facts | 8,192 | 1 of 4 | 1 | -0.20 / -3.00 |",
-        "| eval_other | 8,192 | 0 of 1 | 0 | -1.00 / - |"]
+        "| eval_long_context | 8,192 | 2 of 4 | 1 | -0.75 / -5.00 | - / - |",
+        "| eval_facts | 8,192 | 1 of 4 | 1 | -0.20 / -3.00 | 0.75 / 0.25 |",
+        "| eval_other | 8,192 | 0 of 1 | 0 | -1.00 / - | - / - |"]
     # facts against long_context: needles 3 and 4 gained, needle 1 lost; p = 2 * (1 + 3) / 8 = 1
     assert recipe_results.niah_paired(stages)[2:] == ["| eval_facts | eval_long_context | 8,192 | 4 | 2 | 1 | 1 |"]
     assert recipe_results.niah_paired({k: v for k, v in stages.items() if k != "eval_long_context"})[2:] == []
