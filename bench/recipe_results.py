@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -316,14 +317,6 @@ def niah_answer_kinds(stages: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def niah_misses(stages: dict[str, dict[str, Any]]) -> list[str]:
     """Why the wrong NIAH answers are wrong, per eval and length, from each report's trials: how many of them the
     forced choice still got right (the needle's number scored above every other number: the model found the needle
@@ -339,9 +332,9 @@ def niah_misses(stages: dict[str, dict[str, Any]]) -> list[str]:
             rows = [t for t in trials if t["length"] == length]
             right = [t["answer_loglik"] for t in rows if t.get("correct")]
             wrong = [t for t in rows if not t.get("correct")]
-            ll = " / ".join(f"{_median(x):.2f}" if x else "-" for x in (right, [t["answer_loglik"] for t in wrong]))
+            ll = " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in (right, [t["answer_loglik"] for t in wrong]))
             mass = " / ".join(
-                f"{_median(x):.2f}" if x else "-"
+                f"{statistics.median(x):.2f}" if x else "-"
                 for x in ([t["number_start_prob"] for t in rows if t.get("correct") and "number_start_prob" in t],
                           [t["number_start_prob"] for t in wrong if "number_start_prob" in t]))
             out.append(f"| {name} | {int(length):,} | {len(wrong)} of {len(rows)} | "

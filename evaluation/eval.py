@@ -15,7 +15,9 @@ What it measures (T = the checkpoint's trained length, ``packing.json``'s ``seq_
   match is all-or-nothing, a forced choice on the same prompts between the needle's number and ``niah_distractors``
   numbers the prompt never held (teacher-forced log-likelihood of each as the answer): ``niah_choice_accuracy`` /
   ``_2x`` (chance is 1 / (1 + niah_distractors)) and ``niah_answer_margin`` / ``_2x`` (nats: the needle's number's
-  log-likelihood minus the distractors' mean; 0 means the model ignores the needle); with ``niah_chat`` the same
+  log-likelihood minus the distractors' mean; 0 means the model ignores the needle) and ``niah_number_start_prob`` /
+  ``_2x`` (the probability at the cue that the answer begins with a number at all); each answer's kind (correct, a
+  near copy, another number, text: ``report.json``'s ``answer_kinds_by_length``); with ``niah_chat`` the same
   trials again as one user turn in the chat template (``niah_chat_accuracy`` / ``_2x``: post-trained checkpoints);
 * the copy probe: ``[BOS] R R`` with ``R`` ``copy_tokens`` random token ids (``copy_pool``: drawn from the distinct
   ordinary tokens of the held-out text, as the in-training probe draws them, or from the whole ordinary vocabulary,

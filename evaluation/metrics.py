@@ -51,8 +51,9 @@ def niah_answer_kind(generated: str, number: str) -> str:
     "near_copy" (the first number begins with at least NEAR_COPY_DIGITS of the needle's digits and is still wrong:
     a copy that ended or looped wrong), "other_number" (the answer begins with a number, not a near copy) or
     "text" (it begins with anything but a digit: the model went on with the haystack, or wrote something else,
-    instead of answering). The first number decides "correct" and "near_copy" wherever it stands in the answer. In the twelfth GPU lease long_context's 10 wrong answers at 8K were 6 text, 3 other
-    numbers and 1 near copy; the copy-keep branch's 15 were 8 near copies."""
+    instead of answering). The first number decides "correct" and "near_copy" wherever it stands in the answer.
+    In the twelfth GPU lease long_context's 10 wrong answers at 8K were 6 text, 3 other numbers and 1 near copy;
+    the copy-keep branch's 15 were 8 near copies."""
     if niah_correct(generated, number):
         return "correct"
     if round(niah_prefix_digits(generated, number) * len(number)) >= min(NEAR_COPY_DIGITS, len(number)):

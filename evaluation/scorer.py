@@ -86,7 +86,7 @@ class Scorer:
                     top.append(logp.argmax(-1) == ids[:, s + 1:e + 1])
                 if dist_at is not None and s <= dist_at < e:
                     dist = logp[:, dist_at - s].clone()
-        got = [torch.cat(out, dim=1), *([torch.cat(top, dim=1)] if hits else []), *([dist] if dist_at is not None else [])]
+        got = [torch.cat(out, dim=1)] + ([torch.cat(top, dim=1)] if hits else []) + ([dist] if dist is not None else [])
         return tuple(got) if len(got) > 1 else got[0]
 
     def number_start_ids(self) -> list[int]:

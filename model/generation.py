@@ -28,6 +28,7 @@ dropping) whatever the model's train/eval mode: a row's tokens must not depend o
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import os
 import time
@@ -170,17 +171,13 @@ def _step_logits(engine: DecodeEngine) -> torch.Tensor:
     return engine._logits()
 
 
-_COMPILED_STEP: list = []
-
-
+@functools.cache
 def compiled_step_logits() -> Any:
     """``torch.compile`` of one decode step's logits, shared by every engine (the engine is its argument, so the
     compiled function keeps none alive; a bound method kept on each engine was a reference cycle that left dead
     engines, CUDA graphs included, to the cyclic collector: see ``DecodeEngine._capture``). Dynamo's cache is per
     code object either way: engines of one model and bucket share entries as before."""
-    if not _COMPILED_STEP:
-        _COMPILED_STEP.append(torch.compile(_step_logits, dynamic=False))
-    return _COMPILED_STEP[0]
+    return torch.compile(_step_logits, dynamic=False)
 
 
 def batch_bucket(rows: int) -> int:

@@ -231,6 +231,18 @@ def test_a_fact_sample_asks_in_words_for_the_value_one_planted_sentence_states(t
 
 
 def test_fact_names_are_never_an_eval_city():
+    """The syllables spell Lima (li-ma): a draw that spells it is drawn again."""
+    from data.retrieval import _SYLLABLES
+
+    class Draws:  # a generator that first spells Lima, then Tami
+        def __init__(self) -> None:
+            self.out = [2, [_SYLLABLES.index("li"), _SYLLABLES.index("ma")], 2,
+                        [_SYLLABLES.index("ta"), _SYLLABLES.index("mi")]]
+
+        def integers(self, low, high=None, size=None):  # noqa: ANN001, ANN201
+            return np.asarray(self.out.pop(0))
+
+    assert "Lima" in eval_tasks.CITIES and make_name(Draws()) == "Tami"
     rng = np.random.default_rng(0)
     names = {make_name(rng) for _ in range(20000)}
     assert len(names) > 5000 and not names & set(eval_tasks.CITIES)
